@@ -1,0 +1,55 @@
+"""Per-request sampling and stopping parameters.
+
+One struct crosses every boundary (Engine API -> scheduler -> worker), so it is a frozen
+``msgspec.Struct``; ``__post_init__`` validates and raises ``ValueError`` with the field name.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0                # nucleus mass kept, (0, 1]
+    top_k: int = -1                   # -1 (or 0) disables
+    min_p: float = 0.0                # drop tokens with p < min_p * p_max, [0, 1]
+    seed: int | None = None           # per-request generator: reproducible regardless of batch mates
+    repetition_penalty: float = 1.0   # HF-style, over prompt + output tokens, > 0
+    frequency_penalty: float = 0.0    # OpenAI-style, over output tokens, [-2, 2]
+    presence_penalty: float = 0.0     # OpenAI-style, over output tokens, [-2, 2]
+    stop: tuple[str, ...] = ()        # stop strings: generation ends before them, never emitted
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: no logprobs; k >= 0: sampled token's + top-k alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be None or in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,63 @@
+"""Scheduler -> worker messages: one ``StepPlan`` per step, one ``StepOutput`` back.
+
+The plan is a diff (DESIGN.md): the worker keeps a request table (token ids, page list, sampling
+state) and the scheduler only says what changed. Every message is a msgspec struct, so the same
+objects travel in-process (Engine) and over ZMQ (server) without pickling.
+
+Invariants the scheduler guarantees:
+- a request is ``admitted`` once per residency (again after retraction, with a fresh page list);
+  ``released`` rids leave the table before this step's admissions are applied;
+- the worker's copy of a request's tokens is prompt + every token it has sampled for it;
+- before a step computes positions [start, start + n) of a request, its page list covers them:
+  token position t lives in KV slot ``pages[t // page_size] * page_size + t % page_size``;
+- positions [0, start) of an extend are already in the KV cache (cached prefix or earlier chunks).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixrelay.sampling_params import SamplingParams
+
+
+class AdmittedRequest(msgspec.Struct, frozen=True):
+    rid: int
+    token_ids: list[int]       # prompt + outputs so far (outputs are non-empty after a retraction)
+    num_prompt_tokens: int     # [0, num_prompt_tokens) prompt, [num_prompt_tokens, len) outputs
+    pages: list[int]           # initial page list (cached prefix pages + pages for new tokens)
+    sampling: SamplingParams
+
+
+class PageAppend(msgspec.Struct, frozen=True):
+    rid: int
+    pages: list[int]           # appended to the request's page list, in order
+
+
+class ExtendItem(msgspec.Struct, frozen=True):
+    rid: int
+    start: int                 # first position computed this step; [0, start) is cached
+    num_tokens: int            # computes token_ids[start : start + num_tokens]
+    sample: bool               # True on the chunk that ends the known tokens: sample the next one
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    step_id: int
+    released: list[int] = []               # rids that leave the table (finished, aborted, retracted)
+    admitted: list[AdmittedRequest] = []
+    page_appends: list[PageAppend] = []
+    extends: list[ExtendItem] = []          # prefill / chunked prefill / resume work
+    decodes: list[int] = []                 # rids computing one token: their last known token
+    cascade: object | None = None           # cascade plan for the decode rows (later: typed struct)
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    logprob: float                          # natural log of the sampled token's probability
+    top: list[tuple[int, float]]            # (token id, logprob), best first
+
+
+class StepOutput(msgspec.Struct, frozen=True):
+    step_id: int
+    rids: list[int]                         # the requests that sampled a token this step
+    token_ids: list[int]                    # the sampled token of each, same order
+    logprobs: list[TokenLogprobs | None] | None = None  # same order; None for requests without
+    error: str | None = None                # set when the step failed; the scheduler fails the batch
