@@ -1,0 +1,312 @@
+"""Radix tree of token-id prefixes mapping cached prefixes to KV page ids.
+
+Structure: one root per cache salt (``None`` is the default namespace); requests with different
+salts never share a node. Each non-root node holds a run of tokens (``key``) and the pages holding
+their KV (``pages``); a path root -> node spells a cached prefix and the concatenated pages are that
+prefix's page list.
+
+Invariants (checked by ``check_integrity``):
+- page alignment: every key length is a positive multiple of ``page_size`` and
+  ``len(pages) == len(key) // page_size``, so every node begins at a page boundary; only whole pages
+  are ever cached or matched;
+- children are keyed by the first page of their key (``tuple(key[:page_size])``), so siblings never
+  share a first page;
+- ``lock_ref`` counts the holders whose path passes through the node; a lock on a node implies one
+  on every ancestor, so ``parent.lock_ref >= child.lock_ref``. Locked nodes are never evicted, and
+  a holder's page ids stay valid only while its node is locked;
+- ``_evictable_leaves`` is exactly the set of non-root leaves with ``lock_ref == 0``;
+  ``_cached_tokens`` / ``_evictable_tokens`` sum key lengths over all / unlocked nodes.
+
+The tree deals in page ids only; evicted pages are returned to the caller, who frees them.
+All operations cost O(matched or inserted tokens + path depth); eviction costs
+O(evictable leaves + evicted nodes * log(evictable leaves)).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+class RadixNode:
+    __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt")
+
+    def __init__(self, node_id: int, key: list[int], pages: list[int],
+                 parent: RadixNode | None, salt: str | None = None) -> None:
+        self.node_id = node_id
+        self.key = key                                  # token ids, len a multiple of page_size
+        self.pages = pages                              # len(key) // page_size page ids
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent                            # None only for a namespace root
+        self.lock_ref = 0
+        self.last_access = 0                            # logical clock, larger = more recent
+        self.salt = salt                                # meaningful on roots only
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"RadixNode(id={self.node_id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    node: RadixNode | None  # deepest matched node, None when nothing matched; lock it to keep pages
+    pages: list[int]        # page ids of the matched prefix, root to node
+    num_tokens: int         # == len(pages) * page_size
+
+
+class RadixTree:
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"RadixTree: page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._roots: dict[str | None, RadixNode] = {}
+        self._evictable_leaves: set[RadixNode] = set()
+        self._cached_tokens = 0
+        self._evictable_tokens = 0
+
+    # -- statistics --------------------------------------------------------------------------
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._evictable_tokens
+
+    @property
+    def locked_tokens(self) -> int:
+        return self._cached_tokens - self._evictable_tokens
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable_tokens // self.page_size
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> MatchResult:
+        """Longest cached whole-page prefix of ``token_ids``; splits a node the match ends inside
+        (on a page boundary) so that the result is exactly a root-to-node path. Marks the path
+        used."""
+        node, num_tokens, pages = self._walk(token_ids, salt, split=True)
+        if node is None or node.parent is None:
+            return MatchResult(None, [], 0)
+        self._touch(node)
+        return MatchResult(node, pages, num_tokens)
+
+    def peek_prefix(self, token_ids: list[int],
+                    salt: str | None = None) -> tuple[RadixNode | None, int]:
+        """Read-only match for scheduling policies: the deepest fully matched node (None for an
+        unknown salt, the root when nothing matched) and the matched length, which may end inside
+        one of its children. Changes neither structure nor LRU."""
+        node, num_tokens, _ = self._walk(token_ids, salt, split=False)
+        return node, num_tokens
+
+    def path(self, node: RadixNode) -> list[RadixNode]:
+        """Non-root nodes from the namespace root down to ``node``."""
+        out: list[RadixNode] = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def roots(self) -> list[RadixNode]:
+        return list(self._roots.values())
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def insert(self, token_ids: list[int], pages: list[int], salt: str | None = None) -> int:
+        """Cache ``token_ids`` (a whole number of pages) with KV in ``pages``.
+
+        Returns the length of the prefix that was already cached. The tree adopts
+        ``pages[existing // page_size:]``; the caller still owns ``pages[:existing // page_size]``
+        and must free those that are not the tree's own (its duplicates).
+        """
+        ps = self.page_size
+        if len(token_ids) % ps or len(pages) * ps != len(token_ids):
+            raise ValueError(f"RadixTree.insert: {len(token_ids)} tokens / {len(pages)} pages "
+                             f"are not whole pages of size {ps}")
+        if not token_ids:
+            return 0
+        node, existing, _ = self._walk(token_ids, salt, split=True)
+        if node is None:
+            node = self._roots[salt] = RadixNode(next(self._ids), [], [], None, salt)
+        if existing < len(token_ids):
+            leaf = RadixNode(next(self._ids), token_ids[existing:], pages[existing // ps:], node)
+            if not node.children and node.lock_ref == 0:
+                self._evictable_leaves.discard(node)
+            node.children[tuple(leaf.key[:ps])] = leaf
+            self._evictable_leaves.add(leaf)
+            self._cached_tokens += len(leaf.key)
+            self._evictable_tokens += len(leaf.key)
+            node = leaf
+        self._touch(node)
+        return existing
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin the path root -> ``node``: none of it is evicted until ``unlock(node)``."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref <= 0:
+                raise ValueError(f"RadixTree.unlock: {node} is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_tokens += len(node.key)
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Evict least-recently-used unlocked leaves until ``num_pages`` pages are freed (fewer
+        only when nothing evictable is left). A leaf longer than what is still needed loses only
+        its tail pages: the prefix other requests would match stays cached. Returns the freed page
+        ids; the caller frees them."""
+        heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            keep = len(leaf.pages) - (num_pages - len(freed))
+            if keep > 0:
+                self._evictable_leaves.add(self._split(leaf, keep * self.page_size))
+            parent = leaf.parent
+            assert parent is not None  # roots are never in _evictable_leaves
+            del parent.children[tuple(leaf.key[: self.page_size])]
+            self._evictable_leaves.discard(leaf)
+            self._cached_tokens -= len(leaf.key)
+            self._evictable_tokens -= len(leaf.key)
+            freed.extend(leaf.pages)
+            if parent.children:
+                continue
+            if parent.parent is not None:
+                if parent.lock_ref == 0:
+                    self._evictable_leaves.add(parent)
+                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+            elif parent.salt is not None:
+                del self._roots[parent.salt]   # drop empty salted namespaces (unbounded salts)
+        return freed
+
+    # -- integrity ---------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, depth first."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self) -> None:
+        ps = self.page_size
+        cached = evictable = 0
+        leaves: set[RadixNode] = set()
+        for salt, root in self._roots.items():
+            if root.salt != salt or root.parent is not None or root.key or root.pages:
+                raise AssertionError(f"RadixTree: bad root for salt {salt!r}")
+        for node in self.nodes():
+            parent = node.parent
+            if parent is None or parent.children.get(tuple(node.key[:ps])) is not node:
+                raise AssertionError(f"RadixTree: {node} is not reachable under its first page")
+            if not node.key or len(node.key) % ps or len(node.pages) * ps != len(node.key):
+                raise AssertionError(f"RadixTree: {node} is not page aligned")
+            if node.lock_ref < 0 or (not parent.is_root and parent.lock_ref < node.lock_ref):
+                raise AssertionError(f"RadixTree: {node} lock_ref exceeds its parent's")
+            cached += len(node.key)
+            if node.lock_ref == 0:
+                evictable += len(node.key)
+                if not node.children:
+                    leaves.add(node)
+        if cached != self._cached_tokens or evictable != self._evictable_tokens:
+            raise AssertionError(f"RadixTree: counters ({self._cached_tokens}, "
+                                 f"{self._evictable_tokens}) != recount ({cached}, {evictable})")
+        if leaves != self._evictable_leaves:
+            raise AssertionError("RadixTree: evictable-leaf set is stale")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _walk(self, token_ids: list[int], salt: str | None,
+              split: bool) -> tuple[RadixNode | None, int, list[int]]:
+        """Follow whole pages of ``token_ids`` down from the salt's root.
+
+        Returns (deepest node on the match, matched tokens, matched pages); the node is None when
+        the salt has no namespace yet (roots are created by ``insert`` only). With ``split`` a match
+        ending inside a node splits it, so the node returned ends exactly at the match; without,
+        the node is the deepest *fully* matched one and the count may go further.
+        """
+        ps = self.page_size
+        end = len(token_ids) - len(token_ids) % ps
+        node = self._roots.get(salt)
+        pages: list[int] = []
+        if node is None:
+            return None, 0, pages
+        pos = 0
+        while pos < end:
+            child = node.children.get(tuple(token_ids[pos:pos + ps]))
+            if child is None:
+                break
+            key = child.key
+            limit = min(len(key), end - pos)    # both page multiples
+            n = self._common_pages(key, token_ids, pos, limit)
+            if n < len(key):
+                if not split:
+                    return node, pos + n, pages
+                child = self._split(child, n)
+            pages.extend(child.pages)
+            pos += n
+            node = child
+            if n < len(key):
+                break
+        return node, pos, pages
+
+    def _common_pages(self, key: list[int], token_ids: list[int], pos: int, limit: int) -> int:
+        """Tokens in the longest whole-page common prefix of ``key`` and ``token_ids[pos:]``, up
+        to ``limit``; the first page is known to match. Binary search over slice compares: O(log)
+        C-speed compares instead of a Python loop per token."""
+        ps = self.page_size
+        if key[:limit] == token_ids[pos:pos + limit]:
+            return limit
+        lo, hi = 1, limit // ps - 1      # pages: lo surely match, more than hi surely do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key[:mid * ps] == token_ids[pos:pos + mid * ps]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut ``node`` after ``at`` tokens (a page multiple); returns the new upper part, which
+        inherits the lock count (every lock through ``node`` passes through it) and recency."""
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key) and at % ps == 0
+        upper = RadixNode(next(self._ids), node.key[:at], node.pages[: at // ps], parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        parent.children[tuple(upper.key[:ps])] = upper
+        node.key = node.key[at:]
+        node.pages = node.pages[at // ps:]
+        node.parent = upper
+        upper.children[tuple(node.key[:ps])] = node
+        return upper
+
+    def _touch(self, node: RadixNode) -> None:
+        now = next(self._clock)
+        while node.parent is not None:
+            node.last_access = now
+            node = node.parent

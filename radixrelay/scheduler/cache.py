@@ -1,0 +1,105 @@
+"""Cache manager: the page allocator plus the radix tree, seen from requests.
+
+Page ownership (checked by ``check_integrity``): every page is in exactly one of
+  the free list | a tree node | the private tail ``pages[num_shared_pages:]`` of one running
+  request;
+a running request's ``pages[:num_shared_pages]`` are the pages of its locked tree path. So
+``free + cached + in use == capacity``.
+
+A request leaves (finish, retraction) by inserting its computed whole pages into the tree (the next
+turn of a chat, or its own resumption, hits them), freeing pages the tree already had (duplicates
+computed concurrently) and its last partial page, and unlocking its path. Aborts just free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from radixrelay.radix.allocator import PageAllocator
+from radixrelay.radix.tree import RadixTree
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.request import Request
+
+
+class CacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.num_pages)
+        self.tree = RadixTree(config.page_size)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get right now: free ones plus evictable cached ones."""
+        return self.allocator.num_free + self.tree.evictable_pages
+
+    def match_and_lock(self, req: Request) -> None:
+        """Attach the longest cached prefix to ``req`` (which holds no pages) and lock it.
+
+        At least the last known token is left to compute: its logits sample the next token.
+        """
+        if self.config.disable_radix_cache:
+            matched = None
+        else:
+            matched = self.tree.match_prefix(req.token_ids[:-1], req.salt)
+        if matched is None or matched.node is None:
+            req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
+        else:
+            self.tree.lock(matched.node)
+            req.pages = list(matched.pages)
+            req.num_shared_pages = len(matched.pages)
+            req.lock_node = matched.node
+            req.kv_len = matched.num_tokens
+
+    def unlock(self, req: Request) -> None:
+        """Undo ``match_and_lock`` for a request that was not admitted after all."""
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            if short > self.tree.evictable_pages:
+                return None
+            self.allocator.free(self.tree.evict(short))
+        return self.allocator.alloc(n)
+
+    def release(self, req: Request, keep_cache: bool) -> None:
+        """Give back everything ``req`` holds; with ``keep_cache`` its computed whole pages stay
+        in the tree. Afterwards ``req`` holds no pages and no lock (kv_len resets to 0)."""
+        ps = self.page_size
+        own_from = req.num_shared_pages
+        if keep_cache and not self.config.disable_radix_cache:
+            num_full = req.kv_len // ps
+            existing = self.tree.insert(req.token_ids[: num_full * ps], req.pages[:num_full],
+                                        req.salt)
+            # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
+            # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
+            # pages[existing // ps:num_full] now belong to the tree.
+            self.allocator.free(req.pages[own_from: existing // ps])
+            self.allocator.free(req.pages[num_full:])
+        else:
+            self.allocator.free(req.pages[own_from:])
+        self.unlock(req)
+
+    def check_integrity(self, running: Iterable[Request]) -> None:
+        self.allocator.check_integrity()
+        self.tree.check_integrity()
+        free = self.allocator.free_pages()
+        cached = [p for node in self.tree.nodes() for p in node.pages]
+        in_use: list[int] = []
+        tree_pages = set(cached)
+        for req in running:
+            in_use.extend(req.own_pages)
+            shared = req.pages[: req.num_shared_pages]
+            path = self.tree.path(req.lock_node) if req.lock_node is not None else []
+            path_pages = [p for node in path for p in node.pages]
+            if shared != path_pages or not tree_pages.issuperset(shared):
+                raise AssertionError(f"request {req.rid}: shared pages != its locked tree path")
+        owned = free + cached + in_use
+        if len(owned) != self.allocator.num_pages or set(owned) != set(range(len(owned))):
+            raise AssertionError(f"page accounting: free {len(free)} + cached {len(cached)} + "
+                                 f"in use {len(in_use)} != capacity {self.allocator.num_pages} "
+                                 f"(or a page is held twice)")

@@ -1,0 +1,53 @@
+"""Decode manager: every running request past prefill decodes one token per step.
+
+Before a request feeds position ``L - 1`` (``L = len(token_ids)``) its pages must cover it, so it
+may need one new page. When free plus evictable pages cannot cover every such request, the most
+recently admitted running requests are retracted (LIFO: the least progress is lost) until they can:
+a retracted request returns to the front of the queue with its outputs and resumes later from its
+cached prefix. Retraction always terminates: a lone request fits the whole cache
+(``Scheduler.add_request`` checks it), and everything it does not hold is free or evictable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from radixrelay.scheduler.cache import CacheManager
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.request import Request
+
+
+@dataclass
+class DecodeSchedule:
+    decodes: list[Request] = field(default_factory=list)
+    page_appends: list[tuple[Request, list[int]]] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+
+class DecodeManager:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager,
+                 retract: Callable[[Request], None]) -> None:
+        self.config = config
+        self.cache = cache
+        self._retract = retract    # releases the request's KV and requeues it
+
+    def schedule(self, running: list[Request]) -> DecodeSchedule:
+        """``running`` in admission order; retracted requests are removed from it."""
+        out = DecodeSchedule()
+        grow = [r for r in running if self._needs_page(r)]
+        while len(grow) > self.cache.available_pages:
+            victim = running.pop()
+            self._retract(victim)
+            out.retracted.append(victim)
+            grow = [r for r in grow if r is not victim]
+        pages = self.cache.alloc(len(grow))    # one eviction pass for the whole batch
+        assert pages is not None  # len(grow) <= available_pages
+        for req, page in zip(grow, pages, strict=True):
+            req.pages.append(page)
+            out.page_appends.append((req, [page]))
+        out.decodes = [r for r in running if not r.in_prefill]
+        return out
+
+    def _needs_page(self, req: Request) -> bool:
+        return not req.in_prefill and len(req.pages) < self.config.pages_for(len(req.token_ids))

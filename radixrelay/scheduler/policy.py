@@ -1,0 +1,55 @@
+"""Waiting-queue order: which queued request the prefill manager tries to admit first.
+
+- ``fcfs``: queue order (retracted requests sit at the front, then arrival order).
+- ``lpm``: longest cached prefix first (most reuse, least new compute); ties keep queue order.
+- ``dfs-weight``: group requests by the deepest tree node they match and walk the tree depth
+  first, heavier subtrees (more waiting requests) first, so requests under one node run together
+  and the node's KV is shared by the whole group (and by one cascade segment at decode).
+
+Cache-aware orders cost one tree walk per queued request, so queues longer than
+``policy_queue_limit`` fall back to FCFS.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from radixrelay.radix.tree import RadixNode, RadixTree
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.request import Request
+
+
+def order_waiting(queue: Sequence[Request], tree: RadixTree,
+                  config: SchedulerConfig) -> Iterable[Request]:
+    """The queue in admission-priority order. FCFS returns the queue itself (no copy): the
+    caller stops at the first request it cannot admit, so FCFS costs O(admitted)."""
+    policy = config.schedule_policy
+    if policy == "fcfs" or config.disable_radix_cache or len(queue) > config.policy_queue_limit:
+        return queue
+    if policy == "lpm":
+        matched = {id(r): tree.peek_prefix(r.token_ids[:-1], r.salt)[1] for r in queue}
+        return sorted(queue, key=lambda r: -matched[id(r)])
+    return _dfs_weight(queue, tree)
+
+
+def _dfs_weight(queue: Sequence[Request], tree: RadixTree) -> list[Request]:
+    at_node: dict[RadixNode, list[Request]] = defaultdict(list)
+    unmatched: list[Request] = []
+    for req in queue:
+        node, _ = tree.peek_prefix(req.token_ids[:-1], req.salt)
+        (unmatched if node is None or node.is_root else at_node[node]).append(req)
+    weight: dict[RadixNode, int] = defaultdict(int)   # waiting requests in each subtree
+    for node, reqs in at_node.items():
+        walk: RadixNode | None = node
+        while walk is not None:
+            weight[walk] += len(reqs)
+            walk = walk.parent
+    order: list[Request] = []
+    stack = sorted((r for r in tree.roots() if weight[r]), key=lambda n: weight[n])
+    while stack:                       # heaviest on top; children pushed lightest first
+        node = stack.pop()
+        order.extend(at_node.get(node, ()))
+        stack.extend(sorted((c for c in node.children.values() if weight[c]),
+                            key=lambda n: weight[n]))
+    return order + unmatched

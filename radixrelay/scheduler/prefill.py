@@ -1,0 +1,105 @@
+"""Prefill manager: spends the step's extend-token budget and admits queued requests.
+
+Order: running requests still in prefill continue first (oldest admission first), then queued
+requests are admitted in policy order while the budget, ``max_running_requests`` and the KV budget
+allow. Admission stops at the first request that does not fit (no skipping ahead: a large request
+is never starved by a stream of small ones).
+
+KV budget: an admitted request gets pages for all of its known tokens at once (its chunks need no
+further pages). It must fit in ``available_pages`` after reserving, for every running request and
+itself, ``decode_reservation_ratio`` of the pages its remaining ``max_tokens`` could still need.
+With nothing running the reservation is waived, so the queue head always makes progress (any
+request fits the whole cache alone: ``Scheduler.add_request`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from radixrelay.scheduler.cache import CacheManager
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.policy import order_waiting
+from radixrelay.scheduler.request import Phase, Request
+
+
+@dataclass
+class PrefillSchedule:
+    admitted: list[Request] = field(default_factory=list)
+    extends: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens)
+
+
+class PrefillManager:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.hit_tokens = 0          # cumulative prompt tokens served from cache (first admission)
+        self.prompt_tokens = 0       # cumulative prompt tokens of first admissions
+
+    def reserve_pages(self, req: Request) -> int:
+        """Pages ``req`` may still need for decode growth, scaled by the reservation ratio."""
+        remaining = req.sampling.max_tokens - req.num_outputs
+        growth = math.ceil(remaining * self.config.decode_reservation_ratio)
+        known = max(len(req.pages), self.config.pages_for(len(req.token_ids)))
+        return max(0, self.config.pages_for(len(req.token_ids) + growth) - known)
+
+    def schedule(self, running: list[Request], waiting: deque[Request],
+                 budget: int) -> PrefillSchedule:
+        out = PrefillSchedule()
+        for req in running:
+            if budget <= 0:
+                return out
+            if req.in_prefill:
+                budget -= self._extend(out, req, budget)
+        if budget <= 0 or not waiting or len(running) >= self.config.max_running_requests:
+            return out
+        reserved = sum(self.reserve_pages(r) for r in running)
+        for req in order_waiting(waiting, self.cache.tree, self.config):
+            if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
+                break
+            if not self._admit(req, reserved if running or out.admitted else None):
+                break
+            out.admitted.append(req)
+            reserved += self.reserve_pages(req)
+            budget -= self._extend(out, req, budget)
+        self._remove(waiting, out.admitted)
+        return out
+
+    @staticmethod
+    def _remove(waiting: deque[Request], admitted: list[Request]) -> None:
+        """Drop ``admitted`` from the queue: O(admitted) when they are its head (FCFS)."""
+        if all(i < len(waiting) and waiting[i] is r for i, r in enumerate(admitted)):
+            for _ in admitted:
+                waiting.popleft()
+            return
+        chosen = set(map(id, admitted))
+        kept = [r for r in waiting if id(r) not in chosen]
+        waiting.clear()
+        waiting.extend(kept)
+
+    def _admit(self, req: Request, reserved: int | None) -> bool:
+        """Match, lock and allocate for ``req``; False (holding nothing) when it does not fit."""
+        cache = self.cache
+        cache.match_and_lock(req)
+        need = self.config.pages_for(len(req.token_ids)) - len(req.pages)
+        margin = 0 if reserved is None else reserved + self.reserve_pages(req)
+        if need + margin > cache.available_pages:
+            cache.unlock(req)
+            return False
+        pages = cache.alloc(need)
+        assert pages is not None  # need <= available_pages
+        req.pages.extend(pages)
+        req.phase = Phase.RUNNING
+        req.prefill_len = len(req.token_ids)
+        if req.cached_tokens is None:
+            req.cached_tokens = req.kv_len
+            self.hit_tokens += req.kv_len
+            self.prompt_tokens += req.num_prompt
+        return True
+
+    @staticmethod
+    def _extend(out: PrefillSchedule, req: Request, budget: int) -> int:
+        n = min(req.prefill_len - req.kv_len, budget)
+        out.extends.append((req, n))
+        return n

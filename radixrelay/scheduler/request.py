@@ -1,0 +1,97 @@
+"""Scheduler-side request state and the typed values the scheduler hands out.
+
+Index ranges of one request (``L = len(token_ids)``):
+- ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs;
+- KV: ``[0, kv_len)`` computed; ``[0, num_shared_pages * page_size)`` of it is the tree's (the
+  locked matched prefix), the rest of ``pages`` belongs to the request alone;
+- prefill phase: ``kv_len < prefill_len`` (= L at admission: prompt, plus outputs after a
+  retraction); decode phase afterwards, with ``kv_len == L - 1`` (the newest token is fed next);
+- output: ``[num_prompt, num_prompt + num_emitted)`` already sent to the caller; later tokens are
+  held back while they might begin a stop string.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from radixrelay.radix.tree import RadixNode
+from radixrelay.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"        # queued (new, or retracted: then token_ids already has outputs)
+    RUNNING = "running"        # admitted: holds pages and a lock on its matched tree path
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    token_ids: list[int]
+    num_prompt: int
+    sampling: SamplingParams
+    salt: str | None
+    arrival: int                                # FCFS order key
+    phase: Phase = Phase.WAITING
+    on_worker: bool = False                     # the worker's table holds it (release needed)
+    # -- KV residency: meaningful while RUNNING ---------------------------------------------
+    pages: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0                   # leading pages owned by the tree (locked path)
+    lock_node: RadixNode | None = None          # end of the locked path, None when none matched
+    kv_len: int = 0
+    prefill_len: int = 0                        # tokens known at admission (prefill target)
+    # -- reporting ----------------------------------------------------------------------------
+    cached_tokens: int | None = None            # prompt tokens served from cache at first admission
+    num_emitted: int = 0                        # output tokens already handed to the caller
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.prefill_len
+
+    @property
+    def own_pages(self) -> list[int]:
+        return self.pages[self.num_shared_pages:]
+
+
+class RequestUpdate(msgspec.Struct, frozen=True):
+    """What one request produced in one step (or its end). The caller detokenizes ``token_ids``
+    in order; on a stop-string finish it drops the last ``trim_chars`` characters of the text of
+    all emitted tokens (the stop string and whatever followed it inside the last token)."""
+
+    rid: int
+    token_ids: list[int]                        # newly releasable outputs (never a stop token)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None       # stop token id or stop string that ended it
+    trim_chars: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0                  # sampled so far, a matched stop token included
+    cached_tokens: int = 0                      # prompt tokens from cache (first admission)
+    error: str | None = None                    # worker failure that aborted the request
+
+
+class SchedulerStats(msgspec.Struct, frozen=True):
+    num_running: int
+    num_waiting: int
+    kv_total_pages: int
+    kv_free_pages: int
+    kv_used_pages: int                          # held by running requests or the tree
+    cached_tokens: int                          # in the radix tree
+    evictable_tokens: int
+    locked_tokens: int
+    cache_hit_tokens: int                       # cumulative prompt tokens served from the cache
+    prompt_tokens: int                          # cumulative prompt tokens of first admissions
+    num_retractions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_pages / self.kv_total_pages

@@ -1,0 +1,227 @@
+"""Scheduler: continuous batching over a radix prefix cache (CPU only, no GPU imports).
+
+What belongs here: the public API and the step loop glue. Policy lives in the managers
+(``prefill``, ``decode``, ``policy``), KV ownership in ``cache``, stop rules in ``stop``.
+
+Usage contract: at most one step in flight. The engine loops
+``plan = schedule(); out = worker(plan); updates = process_output(out)``; ``add_request`` and
+``abort`` may be called anywhere in between (an abort frees the request's KV at once; its tokens
+in an in-flight step are dropped, and its pages are reused only by the next plan, after the worker
+finished the in-flight one).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler.cache import CacheManager
+from radixrelay.scheduler.cascade_hook import CascadePlanner, decode_rows
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.decode import DecodeManager
+from radixrelay.scheduler.prefill import PrefillManager
+from radixrelay.scheduler.request import FinishReason, Phase, Request, RequestUpdate, SchedulerStats
+from radixrelay.scheduler.stop import Detokenize, StopChecker
+from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    step_id: int
+    extends: list[tuple[Request, int]]
+    decodes: list[Request]
+    samplers: dict[int, Request]          # rid -> request expected to sample this step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, detokenize: Detokenize | None = None) -> None:
+        self.config = config
+        self.cache = CacheManager(config)
+        self._stop = StopChecker(config.eos_token_ids, detokenize)
+        self._prefill = PrefillManager(config, self.cache)
+        self._decode = DecodeManager(config, self.cache, self._retract)
+        self._requests: dict[int, Request] = {}       # every live request
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}        # admission order
+        self._released: list[int] = []               # rids the worker must drop next plan
+        self._inflight: _InFlight | None = None
+        self._next_step = 0
+        self._arrivals = 0
+        self._retractions = 0
+        self._cascade_planner: CascadePlanner | None = None
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def add_request(self, rid: int, token_ids: list[int], sampling: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        if rid in self._requests:
+            raise ValueError(f"request {rid} is already live")
+        if not token_ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        # KV is needed for every position but the last sampled token's.
+        need = self.config.pages_for(len(token_ids) + sampling.max_tokens - 1)
+        if need > self.config.num_pages:
+            raise ValueError(f"request {rid}: prompt ({len(token_ids)} tokens) + max_tokens "
+                             f"({sampling.max_tokens}) needs {need} KV pages, the cache has "
+                             f"{self.config.num_pages}")
+        if sampling.stop and self._stop.detokenize is None:
+            raise ValueError(f"request {rid}: stop strings need a scheduler built with detokenize")
+        req = Request(rid, list(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
+        self._arrivals += 1
+        self._requests[rid] = req
+        self._waiting.append(req)
+
+    def abort(self, rid: int) -> RequestUpdate | None:
+        """Drop ``rid`` at any stage, freeing its KV now; None if it is not live."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return None
+        if req.phase is Phase.RUNNING:
+            del self._running[rid]
+            self.cache.release(req, keep_cache=False)
+        else:
+            self._waiting.remove(req)
+        if req.on_worker:
+            self._released.append(rid)
+        return self._final_update(req, [], "abort")
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def set_cascade_planner(self, planner: CascadePlanner | None) -> None:
+        """``planner(rows)`` sees each step's decode rows with their radix paths; its result
+        becomes ``StepPlan.cascade``."""
+        self._cascade_planner = planner
+
+    def schedule(self) -> StepPlan | None:
+        """Plan one step; None when there is nothing to compute.
+
+        Scheduling model: every step is one mixed batch under a token budget of
+        ``chunked_prefill_tokens``. (1) Decode first: each running request past prefill computes
+        one token; its page for that token is allocated now, evicting LRU cache, and when even
+        that fails the newest running requests are retracted to the queue. (2) Prefill spends the
+        rest of the budget: running requests mid-prefill continue with their next chunk, then
+        queued requests are admitted in policy order (lpm | dfs-weight | fcfs) while the KV budget
+        (with its decode reservation) and ``max_running_requests`` allow; each admission reuses
+        the longest cached prefix and locks it. (3) The plan is a diff for the worker: released
+        rids, admissions with their page lists, page appends, extend chunks and decode rids.
+        """
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called with a step in flight; call process_output first")
+        running = list(self._running.values())
+        dec = self._decode.schedule(running)      # may retract: removes from running
+        budget = self.config.chunked_prefill_tokens - len(dec.decodes)
+        pre = self._prefill.schedule(running, self._waiting, budget)
+        if not dec.decodes and not pre.extends:
+            return None
+        for req in pre.admitted:
+            self._running[req.rid] = req
+        admitted = [AdmittedRequest(r.rid, list(r.token_ids), r.num_prompt, list(r.pages),
+                                    r.sampling) for r in pre.admitted]
+        for req in pre.admitted:
+            req.on_worker = True
+        extends = [ExtendItem(r.rid, r.kv_len, n, r.kv_len + n == r.prefill_len)
+                   for r, n in pre.extends]
+        samplers = {r.rid: r for r in dec.decodes}
+        samplers.update((r.rid, r) for r, n in pre.extends if r.kv_len + n == r.prefill_len)
+        cascade = None
+        if self._cascade_planner is not None and dec.decodes:
+            cascade = self._cascade_planner(decode_rows(self.cache.tree, dec.decodes))
+        plan = StepPlan(
+            step_id=self._next_step,
+            released=self._released,
+            admitted=admitted,
+            page_appends=[PageAppend(r.rid, pages) for r, pages in dec.page_appends],
+            extends=extends,
+            decodes=[r.rid for r in dec.decodes],
+            cascade=cascade,
+        )
+        self._released = []
+        self._inflight = _InFlight(self._next_step, pre.extends, dec.decodes, samplers)
+        self._next_step += 1
+        return plan
+
+    def process_output(self, out: StepOutput) -> list[RequestUpdate]:
+        step = self._inflight
+        if step is None or out.step_id != step.step_id:
+            raise ValueError(f"StepOutput {out.step_id} does not answer the step in flight")
+        self._inflight = None
+        if out.error is not None:   # fail every request of the step
+            batch = {id(r): r for r in [*(r for r, _ in step.extends), *step.decodes]}
+            return [self._finish(r, "abort", error=out.error) for r in batch.values()
+                    if self._running.get(r.rid) is r]
+        for extended, n in step.extends:
+            extended.kv_len += n
+        for decoded in step.decodes:
+            decoded.kv_len += 1
+        updates = []
+        for rid, token in zip(out.rids, out.token_ids, strict=True):
+            req = step.samplers.get(rid)
+            if req is None or self._running.get(rid) is not req:
+                continue                       # aborted while in flight
+            req.token_ids.append(token)
+            decision = self._stop.on_token(req)
+            base = req.num_prompt
+            new = req.token_ids[base + req.num_emitted: base + decision.emit_upto]
+            req.num_emitted = decision.emit_upto
+            if decision.finish_reason is None:
+                updates.append(self._update(req, new))
+            else:
+                updates.append(self._finish(req, decision.finish_reason, new,
+                                            decision.matched_stop, decision.trim_chars))
+        return updates
+
+    def stats(self) -> SchedulerStats:
+        alloc, tree = self.cache.allocator, self.cache.tree
+        return SchedulerStats(
+            num_running=len(self._running), num_waiting=len(self._waiting),
+            kv_total_pages=alloc.num_pages, kv_free_pages=alloc.num_free,
+            kv_used_pages=alloc.num_pages - alloc.num_free,
+            cached_tokens=tree.cached_tokens, evictable_tokens=tree.evictable_tokens,
+            locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
+            prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless KV accounting and request state agree."""
+        self.cache.check_integrity(self._running.values())
+        for req in self._running.values():
+            if req.phase is not Phase.RUNNING or len(req.pages) < self.config.pages_for(req.kv_len):
+                raise AssertionError(f"running request {req.rid} is inconsistent")
+        for req in self._waiting:
+            if req.phase is not Phase.WAITING or req.pages or req.lock_node is not None:
+                raise AssertionError(f"queued request {req.rid} holds KV")
+        if len(self._running) + len(self._waiting) != len(self._requests):
+            raise AssertionError("request table disagrees with the queue and the running set")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _retract(self, req: Request) -> None:
+        del self._running[req.rid]
+        self.cache.release(req, keep_cache=True)
+        req.phase = Phase.WAITING
+        req.on_worker = False
+        self._released.append(req.rid)
+        self._waiting.appendleft(req)
+        self._retractions += 1
+
+    def _finish(self, req: Request, reason: FinishReason, new: list[int] | None = None,
+                matched_stop: int | str | None = None, trim_chars: int = 0,
+                error: str | None = None) -> RequestUpdate:
+        del self._requests[req.rid]
+        del self._running[req.rid]
+        self.cache.release(req, keep_cache=error is None)
+        self._released.append(req.rid)
+        return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
+
+    def _update(self, req: Request, new: list[int]) -> RequestUpdate:
+        return RequestUpdate(req.rid, new, prompt_tokens=req.num_prompt,
+                             completion_tokens=req.num_outputs,
+                             cached_tokens=req.cached_tokens or 0)
+
+    @staticmethod
+    def _final_update(req: Request, new: list[int], reason: FinishReason,
+                      matched_stop: int | str | None = None, trim_chars: int = 0,
+                      error: str | None = None) -> RequestUpdate:
+        return RequestUpdate(req.rid, new, True, reason, matched_stop, trim_chars, req.num_prompt,
+                             req.num_outputs, req.cached_tokens or 0, error)

@@ -1,0 +1,104 @@
+import pytest
+
+from radixrelay.radix.tree import RadixTree
+
+
+def test_match_insert_split_page_size_1():
+    t = RadixTree(1)
+    assert t.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0
+    m = t.match_prefix([1, 2, 9])
+    assert (m.pages, m.num_tokens) == ([10, 11], 2)
+    # the match ended inside the node: it was split there, so the node ends exactly at the match
+    assert m.node is not None and [n.key for n in t.path(m.node)] == [[1, 2]]
+    assert t.insert([1, 2, 5], [10, 11, 20]) == 2        # caller still owns pages[:2] (the tree's)
+    assert t.match_prefix([1, 2, 5, 6]).pages == [10, 11, 20]
+    assert t.match_prefix([1, 2, 3, 4, 5]).pages == [10, 11, 12, 13]
+    assert t.match_prefix([7]).node is None
+    assert t.cached_tokens == 5 and t.evictable_tokens == 5 and t.locked_tokens == 0
+    t.check_integrity()
+
+
+def test_page_size_4_matches_whole_pages_only():
+    t = RadixTree(4)
+    t.insert(list(range(8)), [3, 7])
+    m = t.match_prefix(list(range(7)))                  # 7 tokens: only the first page is whole
+    assert (m.pages, m.num_tokens) == ([3], 4)
+    assert t.match_prefix([0, 1, 2, 3, 4, 5, 6, 99]).pages == [3]   # mismatch inside page 2
+    assert t.match_prefix([0, 1, 2, 9, 4, 5, 6, 7]).pages == []     # mismatch inside page 1
+    # a diverging insert splits at the page boundary
+    assert t.insert([0, 1, 2, 3, 9, 9, 9, 9], [3, 8]) == 4
+    keys = sorted(tuple(n.key) for n in t.nodes())
+    assert keys == [(0, 1, 2, 3), (4, 5, 6, 7), (9, 9, 9, 9)]
+    with pytest.raises(ValueError, match="whole pages"):
+        t.insert([1, 2, 3], [0])
+    t.check_integrity()
+
+
+def test_lock_protects_path_and_lru_eviction_order():
+    t = RadixTree(2)
+    t.insert([1, 1, 2, 2], [0, 1])          # a: [1 1][2 2]
+    t.insert([1, 1, 3, 3], [0, 2])          # b shares the first page; [0] is the tree's own
+    t.insert([5, 5], [3])                   # c
+    t.insert([6, 6], [4])                   # d
+    t.match_prefix([5, 5])                  # c is now the most recent
+    locked = t.match_prefix([1, 1, 3, 3]).node
+    assert locked is not None
+    t.lock(locked)                          # pins [1 1] and [3 3]
+    assert t.locked_tokens == 4 and t.evictable_tokens == 6
+    assert t.evict(1) == [1]                # LRU unlocked leaf: [2 2] (a's tail)
+    assert t.evict(2) == [4, 3]             # then d, then c; locked path untouched
+    assert t.evict(10) == []
+    assert t.match_prefix([1, 1, 3, 3]).pages == [0, 2]
+    t.unlock(locked)
+    assert t.evict(1) == [2]                # leaf first, then its parent becomes a leaf
+    assert t.evict(1) == [0]
+    assert t.cached_tokens == 0
+    with pytest.raises(ValueError, match="not locked"):
+        t.unlock(locked)
+    t.check_integrity()
+
+
+def test_split_inherits_lock():
+    t = RadixTree(1)
+    t.insert([1, 2, 3], [0, 1, 2])
+    node = t.match_prefix([1, 2, 3]).node
+    assert node is not None
+    t.lock(node)
+    t.match_prefix([1, 4])                  # splits the locked node after one token
+    assert [n.lock_ref for n in t.path(node)] == [1, 1]
+    assert t.evict(3) == []
+    t.unlock(node)
+    t.check_integrity()
+    assert t.evict(3) == [1, 2, 0]
+
+
+def test_salts_never_share():
+    t = RadixTree(1)
+    t.insert([1, 2, 3], [0, 1, 2], salt="a")
+    assert t.match_prefix([1, 2, 3, 4]).node is None
+    assert t.match_prefix([1, 2, 3, 4], salt="b").node is None
+    assert t.match_prefix([1, 2, 3, 4], salt="a").pages == [0, 1, 2]
+    t.insert([1, 2], [5, 6], salt="b")
+    assert t.match_prefix([1, 2], salt="b").pages == [5, 6]
+    assert sorted(t.evict(5)) == [0, 1, 2, 5, 6]
+    assert [r.salt for r in t.roots()] == []             # empty salted namespaces are dropped
+    t.check_integrity()
+
+
+def test_peek_does_not_split_or_touch():
+    t = RadixTree(1)
+    t.insert([1, 2, 3], [0, 1, 2])
+    t.insert([4], [3])
+    node, n = t.peek_prefix([1, 2, 9])
+    assert node is not None and node.is_root and n == 2
+    assert len(list(t.nodes())) == 2
+    assert t.evict(1) == [2]                              # [1 2 3] is still the LRU leaf
+
+
+def test_evict_takes_only_the_tail_of_a_long_leaf():
+    t = RadixTree(2)
+    t.insert(list(range(8)), [0, 1, 2, 3])
+    assert t.evict(1) == [3]
+    assert t.match_prefix(list(range(8))).pages == [0, 1, 2]
+    assert t.evict(2) == [1, 2] and t.cached_tokens == 2
+    t.check_integrity()

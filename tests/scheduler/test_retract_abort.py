@@ -1,0 +1,139 @@
+"""Retraction under a tiny KV budget and abort at every stage."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.fake_worker import FakeWorker, Run, collect, drive
+
+
+def make(page_size=2, kv_tokens=64, **kw):
+    cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size, **kw)
+    return Scheduler(cfg), FakeWorker(page_size, cfg.num_pages)
+
+
+def workload(seed: int):
+    rng = random.Random(seed)
+    system = [rng.randrange(50) for _ in range(9)]
+    def prompt() -> list[int]:
+        return system[: rng.randrange(10)] + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
+
+    return [(rid, prompt(), rng.randrange(1, 20)) for rid in range(12)]
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_retraction_matches_unconstrained_run(page_size, seed):
+    reqs = workload(seed)
+    outs = []
+    for kv_tokens, ratio in ((4096, 0.3), (40, 0.0)):
+        sched, worker = make(page_size, kv_tokens, decode_reservation_ratio=ratio,
+                             chunked_prefill_tokens=6)
+        for rid, prompt, n in reqs:
+            sched.add_request(rid, prompt, SamplingParams(max_tokens=n))
+        run = drive(sched, worker)
+        assert all(run.finals[rid].completion_tokens == n for rid, _, n in reqs)
+        outs.append((run.tokens, sched.stats().num_retractions))
+        sched.cache.allocator.free(sched.cache.tree.evict(10**9))
+        assert sched.cache.allocator.num_free == sched.config.num_pages     # nothing leaked
+    (big, big_retractions), (small, small_retractions) = outs
+    assert big == small
+    assert big_retractions == 0 and small_retractions > 0
+
+
+def test_retracted_request_resumes_from_its_cached_prefix():
+    sched, worker = make(page_size=2, kv_tokens=16, decode_reservation_ratio=0.0)
+    # 8 pages: rid 1 grows to 7 pages, rid 2 to 5; at step 5 both need a page and rid 2 (the
+    # newest) is retracted with 4 whole pages computed; rid 1 then evicts 3 of them (tail first)
+    sched.add_request(1, [1, 2, 3], SamplingParams(max_tokens=12))
+    sched.add_request(2, [6, 7, 8, 9, 10], SamplingParams(max_tokens=6))
+    run = Run()
+    retracted_plan = None
+    resumes = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        assert plan is not None
+        if plan.released and retracted_plan is None:
+            retracted_plan = plan
+        if any(a.rid == 2 for a in plan.admitted) and retracted_plan is not None:
+            resumed = next(a for a in plan.admitted if a.rid == 2)
+            ext = next(e for e in plan.extends if e.rid == 2)
+            # its computed whole pages came back from the tree: only the tail is recomputed
+            assert ext.start == 2 and len(resumed.token_ids) == 9 and resumed.num_prompt_tokens == 5
+            resumes += 1
+        collect(run, sched.process_output(worker.step(plan)))
+        sched.check_integrity()
+    assert retracted_plan is not None and retracted_plan.released == [2]
+    assert sched.stats().num_retractions == 1 and retracted_plan.step_id == 4
+    assert resumes == 1 and len(run.tokens[1]) == 12 and len(run.tokens[2]) == 6
+
+
+def _pages_held(sched):
+    cache = sched.cache
+    in_tree = cache.tree.cached_tokens // cache.page_size
+    return cache.allocator.num_pages - cache.allocator.num_free - in_tree
+
+
+def test_abort_queued():
+    sched, worker = make(max_running_requests=1)
+    sched.add_request(1, [1, 2, 3], SamplingParams(max_tokens=4))
+    sched.add_request(2, [4, 5, 6], SamplingParams(max_tokens=4))
+    plan = sched.schedule()
+    sched.process_output(worker.step(plan))
+    update = sched.abort(2)
+    assert update is not None and update.finish_reason == "abort" and update.finished
+    assert sched.abort(2) is None
+    sched.check_integrity()
+    plan = sched.schedule()
+    assert plan is not None and plan.released == []        # the worker never saw rid 2
+    sched.process_output(worker.step(plan))
+    run = drive(sched, worker)
+    assert 2 not in run.finals
+
+
+def test_abort_while_prefilling_frees_kv_now():
+    sched, worker = make(page_size=2, chunked_prefill_tokens=4)
+    sched.add_request(1, list(range(20)), SamplingParams(max_tokens=4))
+    plan = sched.schedule()
+    sched.process_output(worker.step(plan))                # 4 of 20 tokens computed
+    assert _pages_held(sched) == 10
+    sched.abort(1)
+    assert _pages_held(sched) == 0 and sched.stats().cached_tokens == 0
+    sched.check_integrity()
+    assert not sched.has_work() and sched.schedule() is None
+    sched.add_request(2, [1], SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    assert plan is not None and plan.released == [1]
+
+
+def test_abort_while_decoding_and_in_flight():
+    sched, worker = make(page_size=2)
+    sched.add_request(1, [1, 2, 3], SamplingParams(max_tokens=50))
+    sched.add_request(2, [1, 2, 3, 4], SamplingParams(max_tokens=5))
+    for _ in range(3):
+        sched.process_output(worker.step(sched.schedule()))
+    plan = sched.schedule()                                 # in flight: 1 and 2 decode
+    assert plan is not None and plan.decodes == [1, 2]
+    held = _pages_held(sched)
+    sched.abort(1)                                          # nothing was cached: all its own
+    assert _pages_held(sched) == held - len(worker.table[1].pages)
+    sched.check_integrity()
+    updates = sched.process_output(worker.step(plan))
+    assert [u.rid for u in updates] == [2]                  # rid 1's token is dropped
+    run = drive(sched, worker)
+    assert 1 not in run.finals and run.finals[2].finish_reason == "length"
+    assert worker.plans[-1].released == [1] or 1 not in worker.table
+
+
+def test_schedule_refuses_a_second_step_in_flight():
+    sched, worker = make()
+    sched.add_request(1, [1, 2], SamplingParams(max_tokens=2))
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    with pytest.raises(ValueError):
+        sched.process_output(worker.step(plan).__class__(plan.step_id + 1, [], []))

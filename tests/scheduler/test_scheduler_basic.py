@@ -1,0 +1,201 @@
+"""Admission, chunked prefill, prefix reuse, salts, config and API validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.fake_worker import FakeWorker, default_token_fn, drive
+
+
+def make(page_size=4, kv_tokens=256, **kw):
+    cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size, **kw)
+    return Scheduler(cfg), FakeWorker(page_size, cfg.num_pages)
+
+
+def expected_outputs(rid, prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(default_token_fn(rid, toks))
+    return toks[len(prompt):]
+
+
+def test_single_request_exact_tokens_pages_and_cache():
+    sched, worker = make(page_size=4)
+    prompt = list(range(10))
+    sched.add_request(1, prompt, SamplingParams(max_tokens=5))
+    plan = sched.schedule()
+    assert plan is not None
+    assert [a.pages for a in plan.admitted] == [[0, 1, 2]]      # 10 tokens -> 3 pages
+    assert [(e.start, e.num_tokens, e.sample) for e in plan.extends] == [(0, 10, True)]
+    run = drive_from(sched, worker, plan)
+    assert run.tokens[1] == expected_outputs(1, prompt, 5)
+    final = run.finals[1]
+    assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == ("length", 10, 5)
+    # prompt + 4 fed outputs = 14 computed positions -> 3 whole pages cached, the 4th page freed
+    assert sched.stats().cached_tokens == 12
+    assert sched.cache.allocator.num_free == sched.config.num_pages - 3
+    assert worker.plans[-1].decodes == [1] and sched.schedule() is None
+    # the release of a finished request rides on the next plan
+    sched.add_request(2, [50], SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    assert plan is not None and plan.released == [1]
+
+
+def drive_from(sched, worker, plan):
+    from tests.scheduler.fake_worker import Run, collect
+    run = Run()
+    collect(run, sched.process_output(worker.step(plan)))
+    sched.check_integrity()
+    return drive(sched, worker, run)
+
+
+def test_prefix_reuse_and_multi_turn():
+    sched, worker = make(page_size=4)
+    prompt = list(range(20))
+    sched.add_request(1, prompt, SamplingParams(max_tokens=6))
+    first = drive(sched, worker)
+    # second request, same prompt: everything but the last (partial page / last token) is cached
+    sched.add_request(2, prompt + [7], SamplingParams(max_tokens=2))
+    plan = sched.schedule()
+    assert plan is not None
+    adm = plan.admitted[0]
+    assert adm.pages[:5] == worker.plans[0].admitted[0].pages[:5]
+    assert plan.extends[0].start == 20
+    drive_from(sched, worker, plan)
+    # next chat turn: previous prompt + answer + new user tokens
+    turn2 = prompt + first.tokens[1] + [1, 2, 3]
+    sched.add_request(3, turn2, SamplingParams(max_tokens=2))
+    run = drive(sched, worker)
+    assert run.finals[3].cached_tokens == 24    # 20 prompt + 5 fed outputs = 25 -> 6 pages
+    stats = sched.stats()
+    assert stats.cache_hit_tokens == 20 + 24 and stats.prompt_tokens == 20 + 21 + 29
+
+
+def test_chunked_prefill_mixes_with_decode():
+    sched, worker = make(page_size=4, chunked_prefill_tokens=8)
+    sched.add_request(1, [1, 2, 3], SamplingParams(max_tokens=10))
+    sched.add_request(2, list(range(100, 120)), SamplingParams(max_tokens=2))
+    shapes = []
+    while sched.has_work():
+        plan = sched.schedule()
+        assert plan is not None
+        assert sum(e.num_tokens for e in plan.extends) + len(plan.decodes) <= 8
+        shapes.append(([(e.rid, e.start, e.num_tokens, e.sample) for e in plan.extends],
+                       plan.decodes))
+        sched.process_output(worker.step(plan))
+        sched.check_integrity()
+    assert shapes[:5] == [
+        ([(1, 0, 3, True), (2, 0, 5, False)], []),
+        ([(2, 5, 7, False)], [1]),
+        ([(2, 12, 7, False)], [1]),
+        ([(2, 19, 1, True)], [1]),
+        ([], [1, 2]),
+    ]
+
+
+def test_max_running_requests_and_fcfs():
+    sched, worker = make(max_running_requests=2, schedule_policy="fcfs")
+    for rid in range(4):
+        sched.add_request(rid, [rid + 1] * 3, SamplingParams(max_tokens=3))
+    plan = sched.schedule()
+    assert plan is not None and [a.rid for a in plan.admitted] == [0, 1]
+    sched.process_output(worker.step(plan))
+    assert sched.stats().num_running == 2 and sched.stats().num_waiting == 2
+    run = drive(sched, worker)
+    assert sorted(run.finals) == [0, 1, 2, 3]
+
+
+def test_salts_never_share():
+    sched, worker = make(page_size=2)
+    prompt = list(range(9))
+    sched.add_request(1, prompt, SamplingParams(max_tokens=2), cache_salt="alice")
+    drive(sched, worker)
+    sched.add_request(2, prompt, SamplingParams(max_tokens=2), cache_salt="bob")
+    sched.add_request(3, prompt, SamplingParams(max_tokens=2))
+    sched.add_request(4, prompt, SamplingParams(max_tokens=2), cache_salt="alice")
+    run = drive(sched, worker)
+    assert {rid: u.cached_tokens for rid, u in run.finals.items()} == {2: 0, 3: 0, 4: 8}
+
+
+def test_disable_radix_cache():
+    sched, worker = make(disable_radix_cache=True)
+    for rid in (1, 2):
+        sched.add_request(rid, list(range(30)), SamplingParams(max_tokens=3))
+        run = drive(sched, worker)
+        assert run.finals[rid].cached_tokens == 0
+    assert sched.stats().cached_tokens == 0
+    assert sched.cache.allocator.num_free == sched.config.num_pages
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="page_size"):
+        SchedulerConfig(kv_cache_tokens=64, page_size=0)
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        SchedulerConfig(kv_cache_tokens=8, page_size=16)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        SchedulerConfig(kv_cache_tokens=64, schedule_policy="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_reservation_ratio"):
+        SchedulerConfig(kv_cache_tokens=64, decode_reservation_ratio=2.0)
+    sched, _ = make(page_size=4, kv_tokens=32)
+    with pytest.raises(ValueError, match="needs 9 KV pages"):
+        sched.add_request(1, [1] * 30, SamplingParams(max_tokens=4))
+    sched.add_request(1, [1] * 29, SamplingParams(max_tokens=4))    # 32 positions: fits exactly
+    with pytest.raises(ValueError, match="already live"):
+        sched.add_request(1, [1], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(2, [], SamplingParams())
+    with pytest.raises(ValueError, match="detokenize"):
+        sched.add_request(3, [1], SamplingParams(stop=("x",)))
+
+
+def test_worker_error_aborts_the_batch():
+    sched, worker = make()
+    worker.error_at_step = 1
+    sched.add_request(1, [1, 2, 3], SamplingParams(max_tokens=5))
+    sched.add_request(2, [4, 5, 6], SamplingParams(max_tokens=5))
+    run = drive(sched, worker)
+    assert {u.finish_reason for u in run.finals.values()} == {"abort"}
+    assert all(u.error == "boom" for u in run.finals.values())
+    assert sched.stats().cached_tokens == 0
+
+
+def test_no_gpu_imports():
+    """The radix tree, allocator and scheduler import nothing outside this allow-list."""
+    import ast
+    import pathlib
+    import sys
+
+    import radixrelay.radix
+    import radixrelay.scheduler
+
+    allowed = ("radixrelay.radix", "radixrelay.scheduler", "radixrelay.sampling_params",
+               "radixrelay.worker.protocol", "msgspec", "__future__")
+    for pkg in (radixrelay.radix, radixrelay.scheduler):
+        for path in pathlib.Path(pkg.__path__[0]).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    stdlib = name.split(".")[0] in sys.stdlib_module_names
+                    assert stdlib or name.startswith(allowed), f"{path.name} imports {name}"
+
+
+def test_concurrent_duplicates_are_freed_at_finish():
+    sched, worker = make(page_size=2, kv_tokens=40)
+    prompt = list(range(9))
+    sched.add_request(1, prompt, SamplingParams(max_tokens=1))
+    sched.add_request(2, prompt, SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    assert plan is not None
+    assert [a.pages for a in plan.admitted] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    sched.process_output(worker.step(plan))
+    sched.check_integrity()
+    # rid 1 cached its 4 whole pages and freed its partial one; rid 2's copies were duplicates
+    assert sorted(p for n in sched.cache.tree.nodes() for p in n.pages) == [0, 1, 2, 3]
+    assert sched.cache.allocator.free_pages()[-6:] == [4, 5, 6, 7, 8, 9]
