@@ -1,0 +1,135 @@
+"""Chat templates: validate OpenAI-style messages and render them with the model's Jinja template.
+
+Rendering follows Hugging Face's ``apply_chat_template`` conventions so that templates written for
+it work unchanged: a sandboxed immutable Jinja environment with ``trim_blocks`` and
+``lstrip_blocks``, a ``tojson`` filter that keeps non-ASCII characters, a ``raise_exception``
+helper, a ``strftime_now`` helper, ``{% break %}`` / ``{% continue %}``, and the variables
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` (plus any extra keyword
+variables the caller passes, e.g. ``tools``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from radixrelay.server.tokenizer import Tokenizer
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class ChatTemplateError(ValueError):
+    """The template raised (``raise_exception``) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    ensure_ascii: bool = False,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, indent=indent, separators=separators, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and content; returns plain dicts the template may index.
+
+    ``content`` is a string, ``None`` (an assistant turn that only calls tools) or a list of
+    ``{"type": "text", "text": ...}`` parts; text parts are joined into one string, because most
+    templates concatenate ``message['content']`` directly.
+    """
+    if not messages:
+        raise ValueError("messages: at least one message is required")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}]: expected an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role: must be one of {sorted(ROLES)}, got {role!r}")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _join_text_parts(content, i)
+        elif content is None and role != "assistant":
+            raise ValueError(f"messages[{i}].content: required for role {role!r}")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a string or a list of text parts")
+        out.append({**message, "content": content})
+    return out
+
+
+def _join_text_parts(parts: list[Any], index: int) -> str:
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"messages[{index}].content[{j}]: only {{'type': 'text', 'text': str}} parts are supported"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class ChatTemplate:
+    """One model's template, compiled once; ``render`` is safe to call from any request."""
+
+    def __init__(
+        self, template: str, *, model_name: str, bos_token: str | None = None, eos_token: str | None = None
+    ) -> None:
+        self.model_name = model_name
+        self._compiled = _compile(template)
+        self._bos_token = bos_token or ""
+        self._eos_token = eos_token or ""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, override: str | None = None) -> ChatTemplate:
+        """The tokenizer's template (or ``override``); ``ValueError`` naming the model if none."""
+        template = override if override is not None else tokenizer.chat_template
+        if template is None:
+            raise ValueError(
+                f"model {tokenizer.name!r} has no chat template; use the completions endpoint "
+                "or pass a chat template"
+            )
+        return cls(template, model_name=tokenizer.name, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text for ``messages`` (validated first); extra keywords become template
+        variables (``tools``, ``documents``, ...)."""
+        try:
+            return self._compiled.render(
+                messages=validate_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+                **extra,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template of {self.model_name!r} failed: {exc}") from exc

@@ -1,0 +1,247 @@
+"""Batched token sampling on the device.
+
+One step, for logits ``[B, V]`` (fp32) of B requests:
+
+1. penalties (only when a row asks for one):
+   - repetition (Hugging Face): a token seen in prompt + output has its logit divided by ``r`` if
+     positive, multiplied by ``r`` if not;
+   - frequency / presence (OpenAI): ``logit -= frequency * count + presence * (count > 0)``, counts
+     over output tokens only;
+2. greedy rows (temperature 0) take the argmax of the penalised logits;
+3. other rows: divide by temperature, keep the top-k, then the top-p nucleus (smallest prefix of the
+   sorted distribution whose mass reaches p), then drop tokens with ``p < min_p * p_max``, and draw
+   from what is left with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` (equivalent to
+   sampling from ``p``, and free of a cumulative sum).
+
+Seeded requests draw their ``E`` row from a generator seeded with ``mix(seed, output position)``:
+the token depends only on the seed, the position and the logits, never on batch mates, and a
+retracted request resumes with the same stream. Unseeded rows share one vectorised draw.
+
+Logprobs follow vLLM's default: the log-softmax of the *raw* model logits (before penalties,
+temperature and filters), natural log. The sampled token's logprob is reported even when the
+filters would make its raw probability look different from the one it was drawn with.
+
+Everything is vectorised over the batch; the only per-row Python loop is the seeded draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.worker.protocol import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for ``position`` (number of output tokens so far) of a seeded request:
+    SplitMix64 of the pair, so nearby seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass(frozen=True)
+class PenaltyTensors:
+    repetition: torch.Tensor   # [B, 1] fp32, 1.0 = off
+    frequency: torch.Tensor    # [B, 1] fp32
+    presence: torch.Tensor     # [B, 1] fp32
+    seen: torch.Tensor         # [B, V] bool: token occurs in prompt + output
+    output_counts: torch.Tensor  # [B, V] fp32: occurrences in the output
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters of one batch, built once per step by ``build``. Optional fields are None
+    when no row of the batch needs them, so the matching work is skipped."""
+
+    greedy: torch.Tensor               # [B] bool
+    all_greedy: bool                   # every row is greedy: skip the draw entirely
+    temperatures: torch.Tensor         # [B, 1] fp32, 1.0 on greedy rows (never divides by 0)
+    top_k: torch.Tensor | None         # [B, 1] int64, V where disabled
+    top_p: torch.Tensor | None         # [B, 1] fp32, 1.0 where disabled
+    min_p: torch.Tensor | None         # [B, 1] fp32, 0.0 where disabled
+    penalties: PenaltyTensors | None
+    step_seeds: tuple[int | None, ...]  # per row: generator seed for this step, None = unseeded
+    num_logprobs: tuple[int | None, ...]  # per row: SamplingParams.logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
+        *,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """``token_ids[i]`` is row i's prompt + output so far, ``[0, num_prompt_tokens[i])`` its prompt;
+        ``vocab_size`` is the logits' width (it may exceed the tokenizer's). Cost: O(batch) plus, for
+        rows with penalties only, O(their tokens)."""
+        if not len(params) == len(token_ids) == len(num_prompt_tokens):
+            raise ValueError("build: params, token_ids and num_prompt_tokens differ in length")
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls(
+            greedy=column(greedy, torch.bool).squeeze(1),
+            all_greedy=all(greedy),
+            temperatures=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
+            top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
+            min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
+            penalties=_build_penalties(params, token_ids, num_prompt_tokens, vocab_size, device),
+            step_seeds=tuple(
+                None if p.seed is None or p.greedy else step_seed(p.seed, len(ids) - n)
+                for p, ids, n in zip(params, token_ids, num_prompt_tokens)
+            ),
+            num_logprobs=tuple(p.logprobs for p in params),
+        )
+
+
+def _build_penalties(
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Sequence[int]],
+    num_prompt_tokens: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> PenaltyTensors | None:
+    used = [p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params]
+    if not any(used):
+        return None
+    rows = len(params)
+    token_ids = [ids if u else () for ids, u in zip(token_ids, used)]  # other rows: nothing to count
+    width = max(len(ids) for ids in token_ids)
+    # Padding id = vocab_size: an extra column that is sliced away after the scatter.
+    padded = torch.full((rows, max(width, 1)), vocab_size, dtype=torch.int64)
+    is_output = torch.zeros((rows, max(width, 1)), dtype=torch.float32)
+    for i, (ids, n) in enumerate(zip(token_ids, num_prompt_tokens)):
+        padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+        is_output[i, n : len(ids)] = 1.0
+    padded, is_output = padded.to(device), is_output.to(device)
+    counts = torch.zeros((rows, vocab_size + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, is_output)
+    seen = torch.zeros((rows, vocab_size + 1), dtype=torch.bool, device=device)
+    seen.scatter_(1, padded, True)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
+
+    return PenaltyTensors(
+        repetition=column([p.repetition_penalty for p in params]),
+        frequency=column([p.frequency_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        seen=seen[:, :vocab_size],
+        output_counts=counts[:, :vocab_size],
+    )
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
+    """logits: [B, V] fp32 -> a new penalised tensor."""
+    repeated = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
+    logits = torch.where(pen.seen, repeated, logits)
+    return logits - pen.frequency * pen.output_counts - pen.presence * (pen.output_counts > 0)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """logits: [B, V]; excluded tokens become -inf. One descending sort serves both filters."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # [1, V]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: mass of strictly better tokens
+        # p == 1 rows keep everything (rounding could otherwise push mass_before to 1.0).
+        drop = (mass_before >= top_p) & (top_p < 1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max (a ratio, so the order relative to top-k/top-p is moot)."""
+    probs = logits.softmax(dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    sampled: torch.Tensor       # [B] fp32: raw log-softmax of the sampled token
+    top_ids: torch.Tensor       # [B, K] int64, best first; K = the batch's largest request
+    top_logprobs: torch.Tensor  # [B, K] fp32
+
+    def to_protocol(self, num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None]:
+        """Per row: None where logprobs were not requested, else the row's k alternatives."""
+        sampled = self.sampled.tolist()
+        ids, values = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [
+            None if k is None else TokenLogprobs(sampled[i], list(zip(ids[i][:k], values[i][:k])))
+            for i, k in enumerate(num_logprobs)
+        ]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor            # [B] int64
+    logprobs: LogprobsTensors | None   # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless apart from the generator used by unseeded rows."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self._generator = generator
+
+    def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+        if logits.dim() != 2 or logits.dtype != torch.float32:
+            raise ValueError(f"Sampler: expected fp32 logits [B, V], got {logits.dtype} {tuple(logits.shape)}")
+        if logits.shape[0] != tensors.greedy.shape[0]:
+            raise ValueError(f"Sampler: {logits.shape[0]} logit rows for {tensors.greedy.shape[0]} requests")
+        penalised = apply_penalties(logits, tensors.penalties) if tensors.penalties is not None else logits
+        if tensors.all_greedy:
+            token_ids = penalised.argmax(dim=-1)
+        else:
+            token_ids = self._draw(penalised, tensors)
+        return SamplerOutput(token_ids, _logprobs(logits, token_ids, tensors.num_logprobs))
+
+    def _draw(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        scaled = apply_top_k_top_p(logits / t.temperatures, t.top_k, t.top_p)
+        if t.min_p is not None:
+            scaled = apply_min_p(scaled, t.min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for row, seed in enumerate(t.step_seeds):
+            if seed is not None:
+                gen = torch.Generator(device=probs.device).manual_seed(seed)
+                noise[row].exponential_(generator=gen)
+        noise.clamp_(min=1e-20)  # an exact 0 would make 0/0 = NaN on excluded tokens
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(t.greedy, logits.argmax(dim=-1), sampled)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int | None]
+) -> LogprobsTensors | None:
+    wanted = [k for k in num_logprobs if k is not None]
+    if not wanted:
+        return None
+    logprobs = logits.log_softmax(dim=-1)  # raw model distribution, natural log
+    top = logprobs.topk(max(wanted), dim=-1)
+    return LogprobsTensors(
+        sampled=logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1),
+        top_ids=top.indices,
+        top_logprobs=top.values,
+    )
