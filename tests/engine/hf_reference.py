@@ -1,0 +1,29 @@
+"""transformers' own implementation of the default model, as the reference for greedy outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from radixrelay.model.registry import resolve_model_path
+
+    path = resolve_model_path("default")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = _hf_model()
+    outs = []
+    for ids in prompts:
+        with torch.inference_mode():
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 min_new_tokens=max_new_tokens, pad_token_id=0)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs

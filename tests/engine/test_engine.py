@@ -1,0 +1,133 @@
+"""The offline Engine on the default model: batching, prefix reuse, oversubscribed KV, errors.
+
+Greedy outputs are compared three ways: batched vs one at a time vs transformers' own generate
+on the same GGUF (the reference implementation of the model).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrelay import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "List three colors:",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(model="default", kv_cache_tokens=8192, page_size=16) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def batched(engine):
+    return engine.generate(PROMPTS, GREEDY)
+
+
+def test_batch_equals_one_at_a_time(engine, batched):
+    for prompt, out in zip(PROMPTS, batched):
+        single = engine.generate([prompt], GREEDY)[0]
+        assert single.token_ids == out.token_ids, prompt
+        assert single.text == out.text
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in batched)
+
+
+def test_batch_equals_transformers(engine, batched):
+    from tests.engine.hf_reference import hf_greedy
+
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    expected = hf_greedy(ids, max_new_tokens=24)
+    for got, want in zip(batched[:3], expected):
+        assert got.token_ids == want
+
+
+def test_shared_prefix_is_computed_once(engine):
+    engine.generate(["warm-up so the tree has unrelated content"], SamplingParams(max_tokens=2))
+    shared = " ".join(f"item{i}" for i in range(240))           # ~500 tokens
+    prompts = [f"{shared} question {q}:" for q in range(8)]
+    first = engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))[0]
+    prefix_tokens = len(engine.tokenizer.encode(shared))
+    assert prefix_tokens >= 480
+    before = engine.computed_tokens
+    rest = engine.generate(prompts[1:], SamplingParams(max_tokens=4, temperature=0))
+    computed = engine.computed_tokens - before
+    for out in rest:
+        assert out.cached_tokens >= 480
+        assert out.cached_tokens <= out.prompt_tokens
+    # Only each prompt's uncached tail and its decode steps ran through the model.
+    uncached = sum(o.prompt_tokens - o.cached_tokens for o in rest)
+    assert computed == uncached + sum(len(o.token_ids) - 1 for o in rest) + _stops(rest)
+    assert computed < 7 * 64
+    assert first.cached_tokens < 16
+
+
+def _stops(outs) -> int:
+    """Decode steps that sampled a stop token (counted in completion_tokens, not token_ids)."""
+    return sum(o.completion_tokens - len(o.token_ids) for o in outs)
+
+
+def test_oversubscribed_kv_budget_keeps_outputs(batched):
+    # The 6 requests need 14 pages of 16 tokens at their longest; the cache has 4 (3.5x
+    # oversubscribed), so the scheduler must queue, retract and resume.
+    with Engine(model="default", kv_cache_tokens=64, page_size=16, max_running_requests=6) as small:
+        outs = small.generate(PROMPTS, GREEDY)
+        stats = small.stats()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in batched]
+    assert stats["num_retractions"] > 0
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_token_id_prompts_and_per_request_params(engine):
+    ids = engine.tokenizer.encode("The capital of France is")
+    outs = engine.generate([ids, "Hello"], [SamplingParams(max_tokens=3, temperature=0),
+                                           SamplingParams(max_tokens=5, temperature=0)])
+    assert len(outs[0].token_ids) <= 3 and len(outs[1].token_ids) <= 5
+    assert outs[0].prompt_tokens == len(ids)
+
+
+def test_stop_string_never_reaches_the_caller(engine, batched):
+    full = batched[3].text                      # "1, 2, 3, 4," continues with " 5, 6, ..."
+    stop = full[4:7]
+    out = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+    streamed = "".join(engine.generate_stream(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0,
+                                                                         stop=(stop,))))
+    assert streamed == out.text
+
+
+def test_stream_equals_generate(engine, batched):
+    text = "".join(engine.generate_stream(PROMPTS[2], GREEDY))
+    assert text == batched[2].text
+
+
+def test_salts_never_share(engine):
+    prompt = " ".join(f"salted{i}" for i in range(60))
+    engine.generate([prompt], SamplingParams(max_tokens=1), cache_salt="alice")
+    again = engine.generate([prompt], SamplingParams(max_tokens=1), cache_salt="alice")[0]
+    other = engine.generate([prompt], SamplingParams(max_tokens=1), cache_salt="bob")[0]
+    assert again.cached_tokens >= 96
+    assert other.cached_tokens == 0
+
+
+def test_bad_input_raises_clear_errors(engine):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([""], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([[10**9]], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        engine.generate(["hi"], SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="SamplingParams for"):
+        engine.generate(["a", "b"], [GREEDY])
+    # The engine still works afterwards.
+    assert engine.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
