@@ -1,0 +1,60 @@
+"""Paged KV cache memory (worker side): one K and one V tensor per layer.
+
+Layout (docs/kv_layout.md): ``k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_pages * page_size``; token position ``t`` of a request lives in slot
+``pages[t // page_size] * page_size + t % page_size``. Page ids are handed out by the scheduler's
+allocator; this class only owns the memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
+                            ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if value < 1:
+                raise ValueError(f"KVCache.{name}: must be >= 1, got {value}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        # k[l], v[l]: [num_slots, num_kv_heads, head_dim]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K/V. slots: int64 [T]; k, v: [T, num_kv_heads, head_dim]."""
+        self.k[layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer_id].index_copy_(0, slots, v.to(self.dtype))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,20 @@
+"""The worker's model: config, Llama-family implementation, checkpoint loading.
+
+One step, end to end::
+
+    model, cfg = load_model("default", device="cuda")            # bf16 on CUDA, fp32 on CPU
+    cache = KVCache(num_layers=cfg.num_layers, num_pages=N, page_size=P,
+                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                    dtype=torch.bfloat16, device="cuda")
+    batch = build_forward_batch([BatchRequest(pages, start, num_new), ...], P, "cuda")
+    logits = model(input_ids, batch, cache, TorchBackend())      # [R, vocab] float32
+
+``input_ids`` holds each request's tokens ``[start, start + num_new)``, packed in request order.
+"""
+
+from radixrelay.model.config import ModelConfig, RopeScaling
+from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.model.loader import load_model
+from radixrelay.model.registry import resolve_model_path
+
+__all__ = ["LlamaForCausalLM", "ModelConfig", "RopeScaling", "load_model", "resolve_model_path"]

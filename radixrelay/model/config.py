@@ -1,0 +1,223 @@
+"""Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
+
+One frozen ``ModelConfig`` describes every supported architecture (Llama 2/3, Mistral, Qwen2,
+SmolLM2: all are the Llama block with small switches). Values are validated on construction and
+errors are ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# HF ``architectures`` entry / ``model_type`` / GGUF ``general.architecture`` -> our name.
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``linear`` divides every frequency by ``factor``; ``llama3``
+    divides only the low frequencies (wavelength above ``original_max_position_embeddings /
+    low_freq_factor``) and interpolates smoothly up to the high-frequency band."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"RopeScaling.rope_type: unsupported {self.rope_type!r}, expected one of {ROPE_TYPES}"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling.factor: must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "RopeScaling: llama3 needs high_freq_factor > low_freq_factor > 0, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+
+    @classmethod
+    def from_hf(cls, params: Mapping[str, Any] | None) -> RopeScaling | None:
+        """Parse HF ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
+        if not params:
+            return None
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            return None
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
+        return cls(rope_type=rope_type, **{k: v for k, v in params.items() if k in fields})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str                   # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int                      # query heads
+    num_kv_heads: int                   # key/value heads (GQA: divides num_heads)
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False        # bias on the q/k/v projections (Qwen2); o_proj never
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"ModelConfig.{field}: {why}")
+
+        if self.architecture not in _MODEL_TYPES:
+            raise bad("architecture", f"unsupported {self.architecture!r}, expected {_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, f"must be an integer >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            raise bad("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise bad("rope_theta", f"must be > 0, got {self.rope_theta}")
+        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise bad("eos_token_ids", f"{self.eos_token_ids} outside [0, {self.vocab_size})")
+
+    # Derived sizes.
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
+        """Build from a ``config.json`` dict; ``generation`` is ``generation_config.json`` whose
+        ``eos_token_id`` (int or list) takes precedence over the model config's."""
+        archs = cfg.get("architectures") or []
+        architecture = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        architecture = architecture or cfg.get("model_type")
+        if architecture not in _MODEL_TYPES:
+            raise ValueError(
+                f"config.json: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {sorted(_HF_ARCHITECTURES)}"
+            )
+        if cfg.get("mlp_bias") or (architecture != "qwen2" and cfg.get("attention_bias")):
+            raise ValueError("config.json: attention_bias/mlp_bias on a Llama-style model is not supported")
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        num_heads = _require(cfg, "num_attention_heads")
+        hidden = _require(cfg, "hidden_size")
+        eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window")
+        if window and (architecture == "mistral" or cfg.get("use_sliding_window")):
+            # Sliding-window attention is not implemented: within the window it equals full
+            # attention, so cap the usable context at the window instead of silently diverging.
+            max_positions = min(max_positions, window)
+        return cls(
+            architecture=architecture,
+            vocab_size=_require(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_require(cfg, "intermediate_size"),
+            num_layers=_require(cfg, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_hf(rope or cfg.get("rope_scaling")),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "qwen2",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(eos),
+        )
+
+    @classmethod
+    def from_gguf(
+        cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]
+    ) -> ModelConfig:
+        """Build from GGUF scalar metadata (decoded to Python values) and the tensor shapes in
+        torch order (vocab = rows of ``token_embd.weight``; tied embeddings = no ``output.weight``;
+        Qwen2's qkv bias = ``blk.0.attn_q.bias``)."""
+        arch = metadata.get("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            raise ValueError(f"GGUF: unsupported general.architecture {arch!r}, expected llama or qwen2")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF: missing metadata key {arch}.{key}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // num_heads))
+        if int(get("rope.dimension_count", head_dim)) != head_dim:
+            raise ValueError(f"GGUF: partial rotary ({arch}.rope.dimension_count != head_dim) is not supported")
+        if "token_embd.weight" not in tensor_shapes:
+            raise ValueError("GGUF: no token_embd.weight tensor")
+        scaling = None
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+        elif scaling_type not in ("none", None):
+            raise ValueError(f"GGUF: unsupported {arch}.rope.scaling.type {scaling_type!r}")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_as_id_tuple(eos),
+        )
+
+
+def _require(cfg: Mapping[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ValueError(f"config.json: missing required key {key!r}")
+    return cfg[key]
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,164 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat ragged batch.
+
+HOT FILE: only the per-token math of the model belongs here. Batch layout lives in
+``radixrelay.attention.metadata``, attention math in the backends, checkpoint formats in
+``radixrelay.model.weights_*``.
+
+One step: ``logits = model(input_ids, batch, kv_cache, backend)`` where ``input_ids: [T]`` are the
+new tokens of every request packed back to back (no padding) and ``batch`` says where they sit
+(positions, KV slots, which rows need logits). Each layer writes its new K/V into ``kv_cache`` at
+``batch.out_slots`` before attending. Parameter names follow HF checkpoints, except that q/k/v
+and gate/up are fused (``qkv_proj``, ``gate_up_proj``); ``load_weights`` takes HF names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
+from radixrelay.model.config import ModelConfig
+from radixrelay.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+# HF projection name -> (our fused parameter, shard index within it).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, **factory) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias, **factory)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)     # [T, Hq, D]
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        kv_cache.store(self.layer_id, batch.out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, **factory) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+                                      **factory)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                       # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, **factory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = Attention(config, layer_id, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = MLP(config, **factory)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, **factory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        factory = {"dtype": dtype, "device": device}
+        self.model = LlamaModel(config, **factory)
+        self.rotary = RotaryEmbedding(config, device=device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,
+                backend: AttentionBackend) -> torch.Tensor:
+        """input_ids: int [T] -> logits [R, vocab] for rows ``batch.logits_indices``, float32
+        (float64 for a float64 model)."""
+        if input_ids.shape[0] != batch.num_tokens:
+            raise ValueError(f"forward: {input_ids.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
+        cos, sin = self.rotary(batch.positions)                                 # [T, D / 2] each
+        x = self.model.embed_tokens(input_ids)                                  # [T, hidden]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, kv_cache, backend)
+        x = self.model.norm(x[batch.logits_indices])                            # [R, hidden]
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, converting dtype/device. Raises
+        ``ValueError`` on an unknown name, a shape mismatch, or a parameter left unloaded. The
+        extra name ``rope_freqs`` (GGUF llama3 models) divides the RoPE frequencies."""
+        params = dict(self.named_parameters())
+        expected = {(name, shard) for name in params for shard in self._shards_of(name)}
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / tied to the embedding
+            if name == "rope_freqs":
+                self.rotary.set_freq_factors(tensor)
+                continue
+            target, shard = name, -1
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+                fused, shard = _FUSED_SHARDS[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise ValueError(f"load_weights: unexpected tensor {name!r}")
+            dst = params[target].data
+            if shard >= 0:
+                start, size = self._shard_range(target, shard)
+                dst = dst.narrow(0, start, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"load_weights: {len(missing)} parameters not in the checkpoint: {missing[:8]}")
+
+    def _shards_of(self, param_name: str) -> tuple[int, ...]:
+        leaf = param_name.split(".")[-2]
+        if leaf == "qkv_proj":
+            return (0, 1, 2)
+        if leaf == "gate_up_proj":
+            return (0, 1)
+        return (-1,)
+
+    def _shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
+        """(start row, rows) of a shard inside a fused parameter."""
+        c = self.config
+        if ".qkv_proj." in param_name:
+            return ((0, c.q_size), (c.q_size, c.kv_size), (c.q_size + c.kv_size, c.kv_size))[shard]
+        return (shard * c.intermediate_size, c.intermediate_size)

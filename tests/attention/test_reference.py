@@ -1,0 +1,176 @@
+"""The torch reference attention against a float64 direct computation, window merging, and the
+ragged batch builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from radixrelay.attention import (
+    BatchRequest,
+    KVCache,
+    TorchBackend,
+    build_forward_batch,
+    decode_reference,
+    extend_reference,
+    merge_states,
+)
+
+PAGE = 4
+HQ, HKV, D = 6, 2, 8
+
+
+def _random_case(prefixes: list[int], news: list[int], seed: int = 0):
+    """Random cache with non-contiguous pages; returns q, caches, page lists, batch tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-(p + n) // PAGE) for p, n in zip(prefixes, news)) + 3
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    pages, at = [], 0
+    for p, n in zip(prefixes, news):
+        need = -(-(p + n) // PAGE)
+        pages.append(perm[at:at + need])
+        at += need
+    k = torch.randn(num_pages * PAGE, HKV, D, generator=gen)
+    v = torch.randn(num_pages * PAGE, HKV, D, generator=gen)
+    q = torch.randn(sum(news), HQ, D, generator=gen)
+    batch = build_forward_batch(
+        [BatchRequest(pg, p, n) for pg, p, n in zip(pages, prefixes, news)], PAGE, "cpu")
+    return q, k, v, pages, batch
+
+
+def _direct(q, k, v, pages, prefixes, news, kv_start=None, kv_end=None):
+    """float64, one query row at a time, straight from the definitions in docs/kv_layout.md."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+    row = 0
+    for b, (pg, p, n) in enumerate(zip(pages, prefixes, news)):
+        lo = 0 if kv_start is None else kv_start[b]
+        hi = p + n if kv_end is None else kv_end[b]
+        for i in range(n):
+            pos = range(lo, min(hi, p + i + 1))
+            if len(pos):
+                slots = torch.tensor([pg[t // PAGE] * PAGE + t % PAGE for t in pos])
+                for h in range(HQ):
+                    kh = k[slots, h // (HQ // HKV)].double()
+                    vh = v[slots, h // (HQ // HKV)].double()
+                    s = kh @ q[row, h].double() * D ** -0.5
+                    lse[row, h] = torch.logsumexp(s, 0)
+                    o[row, h] = torch.softmax(s, 0) @ vh
+            row += 1
+    return o, lse
+
+
+PREFIXES, NEWS = [0, 5, 9, 3], [7, 1, 4, 1]  # a fresh extend, a decode, a chunk, a decode
+
+
+def test_extend_matches_float64_direct():
+    q, k, v, pages, batch = _random_case(PREFIXES, NEWS)
+    o, lse = extend_reference(q, k, v, batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens)
+    o_ref, lse_ref = _direct(q, k, v, pages, PREFIXES, NEWS)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (sum(NEWS), HQ)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_inputs_compute_in_float64():
+    q, k, v, pages, batch = _random_case(PREFIXES, NEWS, seed=1)
+    o, lse = extend_reference(q.double(), k.double(), v.double(), batch.page_table, PAGE,
+                              batch.q_indptr, batch.prefix_lens)
+    o_ref, lse_ref = _direct(q, k, v, pages, PREFIXES, NEWS)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(lse, lse_ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-12)
+
+
+def test_decode_reference_is_one_token_extend():
+    q, k, v, pages, batch = _random_case([5, 0, 12], [1, 1, 1], seed=2)
+    o, lse = decode_reference(q, k, v, batch.page_table, PAGE, batch.seq_lens)
+    o_ref, lse_ref = _direct(q, k, v, pages, [5, 0, 12], [1, 1, 1])
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_windows_merge_to_full_attention_and_empty_windows_are_neutral():
+    q, k, v, pages, batch = _random_case(PREFIXES, NEWS, seed=3)
+    args = (q, k, v, batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens)
+    split = torch.tensor([0, 4, 8, 2], dtype=torch.int32)  # request 0: shared part is empty
+    o1, l1 = extend_reference(*args, kv_end=split)
+    o2, l2 = extend_reference(*args, kv_start=split)
+    o1_ref, l1_ref = _direct(q, k, v, pages, PREFIXES, NEWS, kv_end=split.tolist())
+    torch.testing.assert_close(l1.double(), l1_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o1.double(), o1_ref, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(l1[: NEWS[0]]).all() and (o1[: NEWS[0]] == 0).all()
+
+    o, lse = merge_states(o1, l1, o2, l2)
+    o_full, lse_full = extend_reference(*args)
+    assert not o.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(lse, lse_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, o_full, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_two_empty_sides_gives_zero_and_minus_inf():
+    o = torch.randn(3, 2, 4)
+    lse = torch.full((3, 2), -math.inf)
+    merged, merged_lse = merge_states(o * 0, lse, o * 0, lse)
+    assert (merged == 0).all() and torch.isneginf(merged_lse).all()
+
+
+def test_torch_backend_uses_kv_cache_and_returns_lse():
+    q, k, v, pages, batch = _random_case(PREFIXES, NEWS, seed=4)
+    cache = KVCache(num_layers=2, num_pages=k.shape[0] // PAGE, page_size=PAGE, num_kv_heads=HKV,
+                    head_dim=D, dtype=torch.float32, device="cpu")
+    cache.k[1].copy_(k)
+    cache.v[1].copy_(v)
+    backend = TorchBackend()
+    o, lse = backend.forward_with_lse(q, 1, cache, batch)
+    o_ref, lse_ref = extend_reference(q, k, v, batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
+    torch.testing.assert_close(backend.forward(q, 1, cache, batch), o_ref, rtol=0, atol=0)
+
+
+def test_build_forward_batch_exact_layout():
+    batch = build_forward_batch(
+        [BatchRequest([7, 2], start=3, num_new=3), BatchRequest([5], start=2, num_new=1, need_logits=False),
+         BatchRequest([1, 0, 4], start=8, num_new=1)], page_size=4, device="cpu")
+    assert batch.q_indptr.tolist() == [0, 3, 4, 5]
+    assert batch.prefix_lens.tolist() == [3, 2, 8]
+    assert batch.seq_lens.tolist() == [6, 3, 9]
+    assert batch.page_table.tolist() == [[7, 2, 0], [5, 0, 0], [1, 0, 4]]
+    assert batch.positions.tolist() == [3, 4, 5, 2, 8]
+    assert batch.out_slots.tolist() == [31, 8, 9, 22, 16]
+    assert batch.logits_indices.tolist() == [2, 4]
+    assert (batch.max_q_len, batch.max_seq_len, batch.num_tokens, batch.num_requests) == (3, 9, 5, 3)
+    assert not batch.is_decode
+    assert batch.page_table.dtype == torch.int32 and batch.out_slots.dtype == torch.int64
+
+
+@pytest.mark.parametrize("request_, message", [
+    (BatchRequest([0], start=3, num_new=2), "cannot hold"),
+    (BatchRequest([0], start=0, num_new=0), "num_new >= 1"),
+])
+def test_build_forward_batch_rejects_bad_requests(request_, message):
+    with pytest.raises(ValueError, match=message):
+        build_forward_batch([request_], page_size=4, device="cpu")
+
+
+def test_kv_cache_store_writes_slots():
+    cache = KVCache(num_layers=1, num_pages=3, page_size=2, num_kv_heads=1, head_dim=2,
+                    dtype=torch.float32, device="cpu")
+    k = torch.arange(4.0).view(2, 1, 2)
+    cache.store(0, torch.tensor([5, 1]), k, -k)
+    assert cache.k[0][5].tolist() == [[0.0, 1.0]] and cache.k[0][1].tolist() == [[2.0, 3.0]]
+    assert cache.v[0][5].tolist() == [[-0.0, -1.0]]
+    assert cache.num_slots == 6 and cache.nbytes() == 2 * 6 * 2 * 4
+    with pytest.raises(ValueError, match="page_size"):
+        KVCache(num_layers=1, num_pages=3, page_size=0, num_kv_heads=1, head_dim=2,
+                dtype=torch.float32, device="cpu")
+
+
+def test_forward_batch_is_frozen():
+    batch = build_forward_batch([BatchRequest([0], start=0, num_new=3)], 4, "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.page_size = 8  # type: ignore[misc]

@@ -1,0 +1,111 @@
+"""ModelConfig parsing/validation, the model registry and load_model's format handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from radixrelay.model import ModelConfig, RopeScaling, load_model, resolve_model_path
+
+HF_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def test_from_hf_transformers4_style():
+    cfg = ModelConfig.from_hf({**HF_LLAMA, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.group_size, cfg.q_size, cfg.kv_size) == (8, 2, 2, 32, 16)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == RopeScaling("linear", factor=4.0)
+    assert cfg.eos_token_ids == (2,) and not cfg.tie_word_embeddings and not cfg.attention_bias
+
+
+def test_from_hf_defaults_and_generation_eos():
+    cfg = ModelConfig.from_hf({k: v for k, v in HF_LLAMA.items() if k != "num_key_value_heads"},
+                              generation={"eos_token_id": [2, 7]})
+    assert cfg.num_kv_heads == 4 and cfg.eos_token_ids == (2, 7) and cfg.rope_scaling is None
+    qwen = ModelConfig.from_hf({**HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    assert qwen.architecture == "qwen2" and qwen.attention_bias
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture"),
+    ({"num_key_value_heads": 3}, "does not divide"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported 'yarn'"),
+    ({"mlp_bias": True}, "not supported"),
+    ({"eos_token_id": 100}, "eos_token_ids"),
+    ({"hidden_size": 0}, "hidden_size"),
+])
+def test_from_hf_rejects(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**HF_LLAMA, **change})
+
+
+def test_sliding_window_caps_context():
+    mistral = {**HF_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "max_position_embeddings": 32768, "sliding_window": 4096}
+    assert ModelConfig.from_hf(mistral).max_position_embeddings == 4096
+    qwen = {**HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False}
+    assert ModelConfig.from_hf(qwen).max_position_embeddings == 32768
+
+
+def test_from_hf_missing_key():
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelConfig.from_hf({k: v for k, v in HF_LLAMA.items() if k != "vocab_size"})
+
+
+def test_from_gguf_metadata():
+    meta = {"general.architecture": "qwen2", "qwen2.block_count": 2, "qwen2.context_length": 128,
+            "qwen2.embedding_length": 32, "qwen2.feed_forward_length": 64, "qwen2.attention.head_count": 4,
+            "qwen2.attention.head_count_kv": 2, "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+            "qwen2.rope.freq_base": 1e6, "qwen2.rope.scaling.type": "linear",
+            "qwen2.rope.scaling.factor": 2.0, "tokenizer.ggml.eos_token_id": 5}
+    shapes = {"token_embd.weight": (100, 32), "blk.0.attn_q.bias": (32,)}
+    cfg = ModelConfig.from_gguf(meta, shapes)
+    assert (cfg.vocab_size, cfg.head_dim, cfg.attention_bias, cfg.tie_word_embeddings) == (100, 8, True, True)
+    assert cfg.rope_scaling == RopeScaling("linear", factor=2.0) and cfg.eos_token_ids == (5,)
+    with pytest.raises(ValueError, match="qwen2.block_count"):
+        ModelConfig.from_gguf({k: v for k, v in meta.items() if k != "qwen2.block_count"}, shapes)
+    with pytest.raises(ValueError, match="general.architecture"):
+        ModelConfig.from_gguf({**meta, "general.architecture": "gemma"}, shapes)
+
+
+def test_resolve_model_path(tmp_path):
+    assert resolve_model_path("default").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="never downloaded"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_load_model_format_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(str(tmp_path), load_format="safetensors")
+    cfg = ModelConfig.from_hf(HF_LLAMA)
+    with pytest.raises(ValueError, match="dummy"):
+        load_model(cfg, load_format="gguf")
+
+
+def test_dummy_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
+    model, cfg = load_model(str(tmp_path), load_format="dummy", seed=3)
+    again, _ = load_model(cfg, seed=3)
+    assert cfg == ModelConfig.from_hf(HF_LLAMA)
+    for (name, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), name
+        assert not p.requires_grad
+    assert (model.model.norm.weight == 1).all()
+    assert 0.01 < model.model.layers[0].mlp.down_proj.weight.std().item() < 0.03
+
+
+def test_config_is_frozen():
+    cfg = ModelConfig.from_hf(HF_LLAMA)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3  # type: ignore[misc]

@@ -1,0 +1,82 @@
+"""Tiny random HF checkpoints (saved by transformers' save_pretrained as safetensors) loaded by
+us: logits match transformers' own forward, for each supported architecture and config switch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from radixrelay.model import load_model
+from tests.model.paged import PagedSession
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+CASES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama_tied_mha": (transformers.LlamaConfig, {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama3_rope": (transformers.LlamaConfig, {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "llama_linear_rope_head_dim": (transformers.LlamaConfig, {"head_dim": 32, "rope_scaling": {
+        "rope_type": "linear", "factor": 2.0}}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
+}
+
+
+def _save_random(path, config_cls, overrides, max_shard_size=None):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # HF inits norms to 1 and biases to 0: perturb them
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.generation_config.eos_token_id = [2, 5]
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf.save_pretrained(path, **kwargs)
+    return hf.eval()
+
+
+def _compare(model, hf, page_size=4):
+    """Two sequences in one ragged batch, all rows' logits, against HF forward per sequence."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (37, 11)]
+    session = PagedSession(model, num_pages=64, page_size=page_size, seed=3)
+    for rid, s in enumerate(seqs):
+        session.add(rid, s)
+    logits = session.step([(rid, len(s)) for rid, s in enumerate(seqs)], all_logits=True)
+    ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs]).float()
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@torch.no_grad()
+def test_logits_match_transformers(case, tmp_path):
+    config_cls, overrides = CASES[case]
+    hf = _save_random(tmp_path, config_cls, overrides)
+    model, cfg = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert cfg.eos_token_ids == (2, 5)  # generation_config.json wins over config.json
+    assert cfg.attention_bias == (case == "qwen2")
+    _compare(model, hf)
+
+
+@torch.no_grad()
+def test_sharded_checkpoint(tmp_path):
+    hf = _save_random(tmp_path, transformers.LlamaConfig, {}, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    model, _ = load_model(str(tmp_path), load_format="safetensors")
+    _compare(model, hf, page_size=1)
+
+
+def test_llama3_config_parsed(tmp_path):
+    _save_random(tmp_path, *CASES["llama3_rope"])
+    _, cfg = load_model(str(tmp_path), load_format="dummy")
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3"
+    assert cfg.rope_scaling.original_max_position_embeddings == 16 and cfg.rope_theta == 500000.0
