@@ -1,0 +1,179 @@
+"""Pieces shared by the attention kernels: argument checks and the Triton inner steps.
+
+Conventions (docs/kv_layout.md): ``k_cache``/``v_cache`` are ``[num_slots, num_kv_heads, head_dim]``;
+token position ``t`` of a page list ``pages`` lives in slot
+``pages[t // page_size] * page_size + t % page_size``. Inside the kernels scores are kept in base-2
+units (``s2 = sm_scale * log2(e) * q.k``) so that ``exp2`` is used; the LSE handed out is natural-log.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_index(name: str, t: torch.Tensor, device: torch.device, numel: int | None = None) -> None:
+    """An index tensor: 1-D, int32, contiguous, on ``device``, with ``numel`` entries if given."""
+    check(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+    check(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    check(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+    check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    check(t.is_contiguous(), f"{name} must be contiguous")
+    if numel is not None:
+        check(t.numel() == numel, f"{name} must have {numel} entries, got {t.numel()}")
+
+
+def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> int:
+    """Check queries and the paged cache against each other; return the GQA group size."""
+    check(q.dim() == 3, f"q must be [tokens, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    check(k_cache.dim() == 3, f"k_cache must be [num_slots, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+    check(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    check(k_cache.stride() == v_cache.stride(), "k_cache and v_cache must have the same strides")
+    check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} not supported (fp16, bf16, fp32)")
+    check(q.dtype == k_cache.dtype == v_cache.dtype,
+          f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check(q.device == k_cache.device == v_cache.device, "q, k_cache and v_cache must be on one device")
+    head_dim = q.shape[2]
+    check(k_cache.shape[2] == head_dim, f"head_dim of q ({head_dim}) != of the cache ({k_cache.shape[2]})")
+    check(16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0,
+          f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    check(q.stride(2) == 1 and k_cache.stride(2) == 1, "the head_dim axis of q and the cache must be contiguous")
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    check(num_q_heads % num_kv_heads == 0,
+          f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    check(isinstance(page_size, int) and page_size >= 1, f"page_size must be a positive int, got {page_size}")
+    check(k_cache.shape[0] % page_size == 0,
+          f"num_slots ({k_cache.shape[0]}) must be a multiple of page_size ({page_size})")
+    return num_q_heads // num_kv_heads
+
+
+def check_page_table(page_table: torch.Tensor, rows: int, device: torch.device) -> None:
+    check(page_table.dim() == 2 and page_table.shape[0] == rows,
+          f"page_table must be [{rows}, max_pages], got shape {tuple(page_table.shape)}")
+    check(page_table.dtype == torch.int32, f"page_table must be int32, got {page_table.dtype}")
+    check(page_table.device == device, f"page_table is on {page_table.device}, expected {device}")
+    check(page_table.stride(1) == 1, "page_table rows must be contiguous")
+
+
+def check_out(out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """Validate an optional caller-provided ``(o, lse)`` pair, or allocate one."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape[:-1], dtype=torch.float32,
+                                                                           device=device)
+    o, lse = out
+    check(tuple(o.shape) == shape and o.dtype == dtype and o.device == device,
+          f"out[0] must be {shape} {dtype} on {device}, got {tuple(o.shape)} {o.dtype} on {o.device}")
+    check(tuple(lse.shape) == shape[:-1] and lse.dtype == torch.float32 and lse.device == device,
+          f"out[1] must be {shape[:-1]} float32 on {device}, got {tuple(lse.shape)} {lse.dtype}")
+    check(o.stride(-1) == 1, "out[0] must be contiguous along head_dim")
+    return o, lse
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (tests); 16-bit inputs run on the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_splits(work_items: int, kv_len: int, block_n: int, slots: int, overhead: int) -> tuple[int, int]:
+    """Split a KV length over programs: ``work_items`` independent (query tile, KV head) items run on
+    ``slots`` concurrent programs; each program costs its chunk plus ``overhead`` tokens' worth of time.
+
+    Picks the split count with the fewest modelled token-steps, counting wave quantisation. Returns
+    ``(splits, chunk)``; ``chunk`` is a multiple of ``block_n`` and ``splits * chunk >= kv_len``.
+    """
+    kv_len = max(kv_len, 1)
+    work_items = max(work_items, 1)
+    max_splits = triton.cdiv(kv_len, block_n)
+    best = None
+    for splits in range(1, min(max_splits, 4 * triton.cdiv(slots, work_items)) + 1):
+        chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+        cost = triton.cdiv(work_items * splits, slots) * (chunk + overhead)
+        if best is None or cost < best[0]:
+            best = (cost, triton.cdiv(kv_len, chunk), chunk)
+    return best[1], best[2]
+
+
+@triton.jit
+def load_kv_tile(k_cache, v_cache, pages, pos, valid, page_size, kv_head, stride_slot, stride_head, offs_d):
+    """Gather K and V for token positions ``pos`` [BN] of a page list: two [BN, D] tiles (0 where invalid)."""
+    page = tl.load(pages + pos // page_size, mask=valid, other=0)
+    slot = page.to(tl.int64) * page_size + pos % page_size
+    offs = slot[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
+    k = tl.load(k_cache + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache + offs, mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of a [BM, D] query tile against a [BN, D] K/V tile.
+
+    ``qk_scale`` = sm_scale * log2(e); ``m_i`` [BM] running max of the scaled scores (base-2 units),
+    ``l_i`` [BM] running sum, ``acc`` [BM, D] fp32.
+    With ``MASKED`` the scores outside ``mask`` [BM, BN] are dropped; rows with nothing seen yet keep
+    ``m_i = -inf`` and contribute no NaN.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN] raw scores q.k
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s * qk_scale - m_ref[:, None])                          # scale folded into one FMA
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finish_rows(m_i, l_i, acc):
+    """Normalise: returns ``o`` [BM, D] (0 for empty rows) and the natural-log ``lse`` [BM] (-inf if empty)."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
+def gather_kv_reference(cache: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor, page_size: int):
+    """Torch gather of token ``positions`` [L] of a page list: returns ``cache`` rows [L, num_kv_heads, D]."""
+    pos = positions.long()
+    slots = pages.long()[pos // page_size] * page_size + pos % page_size
+    return cache[slots]
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                     allowed: torch.Tensor | None = None, dtype: torch.dtype = torch.float64):
+    """Dense attention in ``dtype``: q [n, Hq, D], k/v [L, Hkv, D], allowed [n, L] bool (None = all).
+
+    Returns o [n, Hq, D] and natural-log lse [n, Hq]; rows that attend nothing get o = 0, lse = -inf.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.to(dtype).repeat_interleave(group, dim=1)
+    v = v.to(dtype).repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->nhl", q.to(dtype), k) * sm_scale                   # [n, Hq, L]
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else s.new_full(s.shape[:2], float("-inf"))
+    lse_ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - lse_ref[..., None])
+    return torch.einsum("nhl,lhd->nhd", p, v), lse

@@ -1,0 +1,208 @@
+"""Cascaded decode attention: every shared radix node and every request's own KV, merged in one pass.
+
+API::
+
+    plan = plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
+                        num_q_heads=..., num_kv_heads=..., head_dim=..., page_size=...)   # once per step
+    o, lse = cascade_decode_attention(q, k_cache, v_cache, plan, sm_scale=None,
+                                      side_stream=None)                                # once per layer
+
+    shared nodes: as shared_node_attention (group g: requests q_rows[q_indptr[g]:q_indptr[g + 1]] over
+                  the first kv_lens[g] tokens of the page run kv_pages[kv_indptr[g]:kv_indptr[g + 1]])
+    own KV:       as paged_decode_attention (request b: positions [kv_start[b], kv_end[b]) of
+                  page_table[b])
+    q:            [B, Hq, D] with B = page_table.shape[0]
+    returns       o [B, Hq, D] dtype of q, lse [B, Hq] float32 natural log: request b attends every node
+                  of its groups and its own range (nothing at all: o = 0, lse = -inf)
+
+Three launches per layer: the shared-node kernel and the paged-decode kernel write their KV-split
+partials (fp32) into one parts buffer, and one merge combines, per request, all splits of all its
+levels (the standalone kernels would each merge their own splits first: five launches). Given a
+``side_stream``, the tensor-core-bound shared node runs beside the memory-bound own-KV decode. The
+plan (split counts and the merge index; one device-to-host copy of the small index tensors) serves
+every layer of the step. ``worth_cascading`` is the measured rule for when a node earns its level.
+
+A version that interleaved both kinds of programs in ONE kernel measured 1.5x slower at batch 256 x 16K
+on an H200 (255 registers for every program) and was dropped; see benchmarks/results/attention.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from radixrelay.kernels import paged_decode, shared_node
+from radixrelay.kernels._common import check, check_index, check_page_table, check_qkv, num_sms, pick_splits
+from radixrelay.kernels.merge import launch_merge, merge_attention_states_reference
+from radixrelay.kernels.paged_decode import paged_decode_attention_reference
+from radixrelay.kernels.shared_node import shared_node_attention_reference
+
+
+# A node shared by n requests saves (n - 1) * node_tokens KV reads; below this the extra launches and
+# partial states may cost more than they save (Llama-3-8B shapes, H100 / H200: at batch 16 x 1-2K the
+# cascade ties flat within 2%; 16 x 8K and 64 x 1K win clearly; benchmarks/results/attention.md).
+MIN_SAVED_TOKENS = 32768
+
+# Own-KV decode launch options: alone it has the GPU and takes 128-token tiles; beside the shared node
+# (side stream) it takes 64-token tiles and at most 128 registers, so that one of its programs fits on a
+# multiprocessor next to two shared-node programs (H200: 0.314 -> 0.252 ms at batch 256 x 16K).
+OWN_ALIGN = 128
+OWN_ALONE = dict(block_n=128)
+OWN_BESIDE = dict(block_n=64, maxnreg=128)
+
+
+def worth_cascading(num_requests: int, node_tokens: int) -> bool:
+    """Cost rule for the planner: give a radix node its own cascade level, or leave it to flat decode."""
+    return (num_requests - 1) * node_tokens >= MIN_SAVED_TOKENS
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Launch plan of one decode step's cascade; device tensors are int32 and valid while the step's
+    page lists are (indices are not copied)."""
+
+    q_indptr: torch.Tensor        # [G + 1] shared groups
+    q_rows: torch.Tensor          # [R]
+    kv_indptr: torch.Tensor       # [G + 1]
+    kv_pages: torch.Tensor        # [sum pages]
+    kv_lens: torch.Tensor         # [G]
+    page_table: torch.Tensor      # [B, max_pages] own KV
+    kv_start: torch.Tensor        # [B]
+    kv_end: torch.Tensor          # [B]
+    merge_indptr: torch.Tensor    # [B + 1] request b merges parts merge_part_ids[merge_indptr[b]:...]
+    merge_part_ids: torch.Tensor  # part i * shared_splits + s: row i, split s; then R * shared_splits + ...
+    page_size: int
+    head_dim: int
+    group: int                    # Hq / Hkv
+    m_tiles: int                  # query tiles per group (grid bound)
+    shared_splits: int
+    shared_chunk: int
+    own_splits: int
+    own_chunk: int
+    shared_config: tuple[int, int, int, int]   # BLOCK_M, BLOCK_N, warps, stages
+
+    @property
+    def num_requests(self) -> int:
+        return self.page_table.shape[0]
+
+
+def _merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_splits: int):
+    """Parts of request b: every (shared row i with q_rows[i] == b, split), then its own splits."""
+    rows_of = [[] for _ in range(num_requests)]
+    for i, b in enumerate(q_rows):
+        rows_of[b].append(i)
+    base = len(q_rows) * shared_splits
+    indptr, ids = [0], []
+    for b in range(num_requests):
+        for i in rows_of[b]:
+            ids.extend(range(i * shared_splits, (i + 1) * shared_splits))
+        ids.extend(range(base + b * own_splits, base + (b + 1) * own_splits))
+        indptr.append(len(ids))
+    return indptr, ids
+
+
+def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end, *,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 shared_splits: int | None = None, own_splits: int | None = None) -> CascadePlan:
+    device = page_table.device
+    check(num_q_heads % num_kv_heads == 0, f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads")
+    check_index("q_indptr", q_indptr, device)
+    check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
+    num_groups = q_indptr.numel() - 1
+    check(page_table.dim() == 2, f"page_table must be [B, max_pages], got shape {tuple(page_table.shape)}")
+    num_requests = page_table.shape[0]
+    check_page_table(page_table, num_requests, device)
+    check_index("q_rows", q_rows, device)
+    check_index("kv_indptr", kv_indptr, device, num_groups + 1)
+    check_index("kv_pages", kv_pages, device)
+    check_index("kv_lens", kv_lens, device, num_groups)
+    check_index("kv_start", kv_start, device, num_requests)
+    check_index("kv_end", kv_end, device, num_requests)
+    rows_host = q_rows.tolist()
+    check(all(0 <= b < num_requests for b in rows_host), f"q_rows must index the {num_requests} requests")
+    indptr_host = q_indptr.tolist()
+    max_rows = max((indptr_host[g + 1] - indptr_host[g] for g in range(num_groups)), default=0)
+    max_kv = max(kv_lens.tolist(), default=0)
+    max_own = max((kv_end - kv_start).tolist(), default=0)
+
+    group = num_q_heads // num_kv_heads
+    shared_config = shared_node.tile_config(max_rows * group)
+    block_m, block_n = shared_config[:2]
+    m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)
+    live_tiles = min(num_groups * m_tiles, triton.cdiv(len(rows_host) * group, block_m) + num_groups)
+    slots = 2 * num_sms(device)
+    if shared_splits is None:
+        shared_splits, shared_chunk = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
+    else:
+        shared_chunk = triton.cdiv(triton.cdiv(max(max_kv, 1), shared_splits), block_n) * block_n
+    if own_splits is None:
+        own_splits, own_chunk = pick_splits(num_requests * num_kv_heads, max_own, OWN_ALIGN, 4 * slots, 256)
+    else:
+        own_chunk = triton.cdiv(triton.cdiv(max(max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
+    indptr, ids = _merge_index(rows_host, num_requests, shared_splits, own_splits)
+    return CascadePlan(
+        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
+        torch.tensor(indptr, dtype=torch.int32, device=device), torch.tensor(ids, dtype=torch.int32, device=device),
+        page_size, head_dim, group, m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config,
+    )
+
+
+def cascade_decode_attention(q, k_cache, v_cache, plan: CascadePlan, sm_scale=None,
+                             side_stream: torch.cuda.Stream | None = None):
+    """See the module docstring. With ``side_stream`` (CUDA), the shared-node kernel runs on it, beside
+    the own-KV decode on the current stream; the merge waits for both (CUDA-graph capturable)."""
+    group = check_qkv(q, k_cache, v_cache, plan.page_size)
+    check(group == plan.group, f"q / cache heads give GQA group {group}, the plan was made for {plan.group}")
+    check(q.shape[2] == plan.head_dim, f"q has head_dim {q.shape[2]}, the plan was made for {plan.head_dim}")
+    check(q.shape[0] == plan.num_requests, f"q has {q.shape[0]} requests, the plan {plan.num_requests}")
+    check(q.device == plan.page_table.device, "q and the plan are on different devices")
+    check(side_stream is None or q.is_cuda, "side_stream needs CUDA tensors")
+    batch, num_q_heads, head_dim = q.shape
+    num_rows, num_groups = plan.q_rows.numel(), plan.q_indptr.numel() - 1
+    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, num_q_heads), dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return o, lse
+
+    # parts: [R * shared_splits + B * own_splits, Hq, D] fp32; shared rows first, then own KV
+    shared_parts = num_rows * plan.shared_splits
+    o_parts = torch.empty((shared_parts + batch * plan.own_splits, num_q_heads, head_dim), dtype=torch.float32,
+                          device=q.device)
+    lse_parts = torch.empty(o_parts.shape[:2], dtype=torch.float32, device=q.device)
+    overlap = side_stream is not None and num_groups > 0
+    if overlap:
+        main = torch.cuda.current_stream(q.device)
+        side_stream.wait_stream(main)
+    if num_groups:
+        with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
+            shared_node.launch_splits(q, k_cache, v_cache, plan.page_size, plan.q_indptr, plan.q_rows,
+                                      plan.kv_indptr, plan.kv_pages, plan.kv_lens, sm_scale,
+                                      o_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads, head_dim),
+                                      lse_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads),
+                                      group, plan.m_tiles, plan.shared_chunk, plan.shared_config)
+    paged_decode.launch_splits(q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end,
+                               sm_scale, o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),
+                               lse_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads), group,
+                               plan.own_chunk, **(OWN_BESIDE if overlap else OWN_ALONE))
+    if overlap:
+        main.wait_stream(side_stream)
+    launch_merge(o_parts, lse_parts, plan.merge_indptr, plan.merge_part_ids, o, lse, 0)
+    return o, lse
+
+
+def cascade_decode_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages,
+                                       kv_lens, page_table, kv_start, kv_end, sm_scale=None,
+                                       dtype: torch.dtype = torch.float64):
+    """Pure torch in ``dtype``: shared-node and own-KV references merged; contract of cascade_decode_attention."""
+    o_sh, lse_sh = shared_node_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr,
+                                                   kv_pages, kv_lens, sm_scale, dtype)
+    o_own, lse_own = paged_decode_attention_reference(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end,
+                                                      sm_scale, dtype)
+    indptr, ids = _merge_index(q_rows.tolist(), q.shape[0], 1, 1)
+    as_index = lambda x: torch.tensor(x, dtype=torch.int32, device=q.device)  # noqa: E731
+    return merge_attention_states_reference(torch.cat([o_sh, o_own]), torch.cat([lse_sh, lse_own]),
+                                            as_index(indptr), as_index(ids), dtype)

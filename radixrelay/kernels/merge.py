@@ -1,0 +1,144 @@
+"""Merge partial attention states ``(o, lse)`` by log-sum-exp: any number of parts per row, one launch.
+
+API::
+
+    merge_attention_states(o_parts, lse_parts, indptr, part_ids, out=None) -> (o, lse)
+
+    o_parts:   [P, H, D]  fp16 / bf16 / fp32, partial outputs (each normalised over its own KV)
+    lse_parts: [P, H]     float32, natural-log LSE of each part; -inf marks an empty part
+    indptr:    [N + 1]    int32, row n merges parts part_ids[indptr[n]:indptr[n + 1]]
+    part_ids:  [nnz]      int32, indices into P (a part may be used by several rows)
+    out:       optional preallocated (o [N, H, D] dtype of o_parts, lse [N, H] float32)
+    returns    o [N, H, D] in the dtype of o_parts, lse [N, H] float32 (natural log)
+
+Exact merge (docs/kv_layout.md): ``o = sum_i o_i e^(l_i - m) / sum_i e^(l_i - m)``, ``m = max_i l_i``,
+``lse = m + log(sum_i e^(l_i - m))``. A row with no parts, or only empty parts, gets ``o = 0`` and
+``lse = -inf``; an empty part never contributes, even if its ``o`` holds garbage, so no NaN appears.
+Accumulation is in fp32. Used across cascade levels and to reduce the KV splits of the other kernels
+(``merge_splits``: row n merges parts ``n * S .. n * S + S - 1``, no index tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrelay.kernels._common import FLOAT_DTYPES, check, check_index, check_out, num_sms
+
+
+@triton.jit
+def _merge_kernel(
+    o_parts, lse_parts, indptr, part_ids, o_out, lse_out,
+    parts_per_row, num_heads, head_dim,
+    stride_op_p, stride_op_h, stride_lp_p, stride_lp_h,
+    stride_o_n, stride_o_h, stride_l_n, stride_l_h,
+    INDEXED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # grid: (rows, cdiv(num_heads, BLOCK_H)); one program merges a [BLOCK_H, D] tile of one row.
+    row = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_heads
+    hd_ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
+    if INDEXED:
+        start = tl.load(indptr + row)
+        end = tl.load(indptr + row + 1)
+    else:
+        start = row * parts_per_row
+        end = start + parts_per_row
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of lse (natural log)
+    s_i = tl.zeros([BLOCK_H], tl.float32)                  # running sum of e^(lse - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(start, end):
+        if INDEXED:
+            part = tl.load(part_ids + i).to(tl.int64)
+        else:
+            part = tl.cast(i, tl.int64)
+        lse = tl.load(lse_parts + part * stride_lp_p + offs_h * stride_lp_h, mask=h_ok, other=float("-inf"))
+        o = tl.load(o_parts + part * stride_op_p + offs_h[:, None] * stride_op_h + offs_d[None, :],
+                    mask=hd_ok, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_i, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        beta = tl.exp(lse - m_ref)
+        acc = acc * alpha[:, None] + tl.where(beta[:, None] > 0.0, o * beta[:, None], 0.0)
+        s_i = s_i * alpha + beta
+        m_i = m_new
+
+    empty = s_i == 0.0
+    o = acc / tl.where(empty, 1.0, s_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, s_i)))
+    tl.store(o_out + row * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :],
+             o.to(o_out.dtype.element_ty), mask=hd_ok)
+    tl.store(lse_out + row * stride_l_n + offs_h * stride_l_h, lse, mask=h_ok)
+
+
+def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int) -> None:
+    """Merge into preallocated (o, lse) of any dtype; ``indptr=None``: row n merges parts n*S..n*S+S-1."""
+    num_rows, num_heads, head_dim = o.shape
+    if num_rows == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // block_d))
+    # few rows: split the heads finer, so that enough programs hide the latency of the loop over parts
+    while block_h > 1 and num_rows * triton.cdiv(num_heads, block_h) < 4 * num_sms(o.device):
+        block_h //= 2
+    grid = (num_rows, triton.cdiv(num_heads, block_h))
+    indexed = indptr is not None
+    _merge_kernel[grid](
+        o_parts, lse_parts, indptr if indexed else lse_parts, part_ids if indexed else lse_parts, o, lse,
+        parts_per_row, num_heads, head_dim,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), lse_parts.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Reduce KV splits in place into ``(o, lse)``: o_parts [N, S, H, D] fp32, lse_parts [N, S, H]."""
+    n, splits, h, d = o_parts.shape
+    launch_merge(o_parts.view(n * splits, h, d), lse_parts.view(n * splits, h), None, None, o, lse, splits)
+
+
+def merge_attention_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, indptr: torch.Tensor,
+                           part_ids: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    check(o_parts.dim() == 3, f"o_parts must be [parts, heads, head_dim], got shape {tuple(o_parts.shape)}")
+    check(o_parts.dtype in FLOAT_DTYPES, f"o_parts dtype {o_parts.dtype} not supported")
+    check(o_parts.stride(2) == 1, "o_parts must be contiguous along head_dim")
+    check(tuple(lse_parts.shape) == tuple(o_parts.shape[:2]),
+          f"lse_parts must be {tuple(o_parts.shape[:2])}, got {tuple(lse_parts.shape)}")
+    check(lse_parts.dtype == torch.float32, f"lse_parts must be float32, got {lse_parts.dtype}")
+    check(lse_parts.device == o_parts.device, "lse_parts and o_parts must be on one device")
+    check_index("indptr", indptr, o_parts.device)
+    check(indptr.numel() >= 1, "indptr needs at least one entry")
+    check_index("part_ids", part_ids, o_parts.device)
+    num_rows = indptr.numel() - 1
+    o, lse = check_out(out, (num_rows, o_parts.shape[1], o_parts.shape[2]), o_parts.dtype, o_parts.device)
+    launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, 0)
+    return o, lse
+
+
+def merge_attention_states_reference(o_parts: torch.Tensor, lse_parts: torch.Tensor, indptr: torch.Tensor,
+                                     part_ids: torch.Tensor, dtype: torch.dtype | None = None):
+    """Pure-torch merge in ``dtype`` (default: float64); same contract as ``merge_attention_states``."""
+    dtype = dtype or torch.float64
+    num_rows = indptr.numel() - 1
+    counts = (indptr[1:] - indptr[:-1]).long()
+    row_of = torch.repeat_interleave(torch.arange(num_rows, device=indptr.device), counts)  # [nnz]
+    ids = part_ids[: int(indptr[-1])].long()
+    lse = lse_parts[ids].to(dtype)                                   # [nnz, H]
+    o = o_parts[ids].to(dtype)                                       # [nnz, H, D]
+    h, d = o_parts.shape[1:]
+    m = torch.full((num_rows, h), float("-inf"), dtype=dtype, device=o.device)
+    m = m.scatter_reduce(0, row_of[:, None].expand(-1, h), lse, reduce="amax")
+    m_ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_ref[row_of])                               # [nnz, H], 0 for empty parts
+    s = torch.zeros((num_rows, h), dtype=dtype, device=o.device).index_add_(0, row_of, w)
+    wo = torch.where(w[..., None] > 0, o * w[..., None], torch.zeros_like(o))
+    acc = torch.zeros((num_rows, h, d), dtype=dtype, device=o.device).index_add_(0, row_of, wo)
+    empty = s == 0
+    out = acc / torch.where(empty, torch.ones_like(s), s)[..., None]
+    out_lse = torch.where(empty, torch.full_like(s, float("-inf")), m_ref + torch.log(torch.where(empty, 1, s)))
+    return out, out_lse

@@ -1,0 +1,199 @@
+"""Shared-node attention: the decode queries of many requests attend one radix node's KV, non-causal.
+
+API::
+
+    shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
+                          sm_scale=None, *, max_q_rows=None, max_kv_len=None, out=None) -> (o, lse)
+
+    q:         [B, Hq, D]           fp16 / bf16 / fp32 decode queries, one per request
+    k_cache:   [num_slots, Hkv, D]  paged cache (docs/kv_layout.md), v_cache the same
+    q_indptr:  [G + 1] int32        group g (one shared node) owns entries q_indptr[g]:q_indptr[g + 1] ...
+    q_rows:    [R] int32            ... of q_rows, the request indices into q; a request may sit in several
+                                    groups (one per cascade level)
+    kv_indptr: [G + 1] int32        group g's node is the first kv_lens[g] tokens of the page run
+    kv_pages:  [sum pages] int32    kv_pages[kv_indptr[g]:kv_indptr[g + 1]]
+    kv_lens:   [G] int32
+    max_q_rows, max_kv_len: optional host ints >= max over groups of the row count / of kv_lens; they
+               size the launch grid. Left out, they are read from the tensors (one device sync).
+    out:       optional preallocated (o [R, Hq, D] dtype of q, contiguous D; lse [R, Hq] float32)
+    returns    o [R, Hq, D] dtype of q and lse [R, Hq] float32 natural log, row i for q_rows[i]; a group
+               with kv_lens[g] = 0 gives o = 0, lse = -inf
+
+One program handles (query tile, group x KV split, KV head). The tile's M rows are (request, query head
+of this KV head) pairs: the GQA group folded into M, so a KV tile is loaded once per KV head for up to
+BLOCK_M / group requests and both products run on the tensor cores (tl.dot). Tiles of one
+(group, split, head) are adjacent in the grid, so their shared KV chunk is served from L2. When the
+query tiles are too few to fill the GPU the node's KV length is split and the fp32 partials are
+merged by ``merge_splits``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_index, check_out, check_qkv,
+                                        dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
+                                        num_sms, pick_splits, softmax_step)
+from radixrelay.kernels.merge import merge_splits
+
+
+@triton.jit
+def shared_node_program(
+    m_tile, g, split, kv_head,
+    q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
+    qk_scale, chunk, group,
+    stride_q_b, stride_q_h, stride_slot, stride_kv_h,
+    stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Query tile ``m_tile`` of group ``g`` against KV split ``split`` of the group's node, one KV head.
+
+    Writes o[row, split, head, :] and lse[row, split, head] for the tile's rows (nothing if the tile is
+    past the group's rows); a split past the node's end writes o = 0, lse = -inf.
+    """
+    row0 = tl.load(q_indptr + g)
+    num_m = (tl.load(q_indptr + g + 1) - row0) * group                 # rows of this group, heads folded
+    if m_tile * BLOCK_M < num_m:
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)              # [BM] = (row, head in group)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        m_ok = offs_m < num_m
+        row = row0 + offs_m // group                                   # [BM] output row
+        head = kv_head * group + offs_m % group                        # [BM] query head
+        req = tl.load(q_rows + row, mask=m_ok, other=0).to(tl.int64)
+        q_tile = tl.load(q + req[:, None] * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
+                         mask=m_ok[:, None], other=0.0)               # [BM, D]
+
+        lo = split * chunk
+        hi = tl.minimum(tl.load(kv_lens + g), lo + chunk)
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        pages = kv_pages + tl.load(kv_indptr + g)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for n0 in range(lo, full_hi, BLOCK_N):
+            pos = n0 + offs_n
+            k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
+                                stride_kv_h, offs_d)
+            m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
+        if full_hi < hi:
+            pos = full_hi + offs_n
+            valid = pos < hi
+            k, v = load_kv_tile(k_cache, v_cache, pages, pos, valid, PAGE_SIZE, kv_head, stride_slot,
+                                stride_kv_h, offs_d)
+            m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, valid[None, :], True,
+                                         DOT_PRECISION)
+
+        out, out_lse = finish_rows(m_i, l_i, acc)
+        row = row.to(tl.int64)
+        tl.store(o + row[:, None] * stride_o_r + split * stride_o_s + head[:, None] * stride_o_h + offs_d[None, :],
+                 out.to(o.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(lse + row * stride_l_r + split * stride_l_s + head * stride_l_h, out_lse, mask=m_ok)
+
+
+@triton.jit
+def _shared_node_kernel(
+    q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
+    qk_scale, chunk, splits, group,
+    stride_q_b, stride_q_h, stride_slot, stride_kv_h,
+    stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (query tiles, groups * splits, Hkv); tiles of one (group, split, head) are adjacent
+    shared_node_program(
+        tl.program_id(0), tl.program_id(1) // splits, tl.program_id(1) % splits, tl.program_id(2),
+        q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse, qk_scale, chunk, group,
+        stride_q_b, stride_q_h, stride_slot, stride_kv_h,
+        stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
+        PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )
+
+
+def tile_config(rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group (H200 sweep)."""
+    return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
+
+
+def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
+                  lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int]):
+    """Launch into o_dst [R, S, Hq, D], lse_dst [R, S, Hq]: split s covers node tokens [s * chunk, +chunk);
+    ``m_tiles`` query tiles of BLOCK_M rows per group, ``config`` = (BLOCK_M, BLOCK_N, warps, stages).
+    Returns the compiled kernel (its resource report)."""
+    block_m, block_n, num_warps, num_stages = config
+    splits = o_dst.shape[1]
+    return _shared_node_kernel[(m_tiles, (q_indptr.numel() - 1) * splits, k_cache.shape[1])](
+        q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o_dst, lse_dst,
+        sm_scale * LOG2E, chunk, splits, group,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1), lse_dst.stride(2),
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
+            group: int, max_q_rows: int, max_kv_len: int, config=None, slots_per_sm: int = 2,
+            overhead: int = 256) -> None:
+    num_groups = q_indptr.numel() - 1
+    num_rows, num_q_heads, head_dim = o.shape
+    if num_rows == 0 or num_groups == 0:
+        return
+    config = config or tile_config(max_q_rows * group)
+    block_m, block_n = config[:2]
+    m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)
+    live_tiles = min(num_groups * m_tiles, triton.cdiv(num_rows * group, block_m) + num_groups)
+    splits, chunk = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
+                                slots_per_sm * num_sms(q.device), overhead)
+    if splits == 1:
+        o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [R, 1, Hq, D], [R, 1, Hq]
+    else:
+        o_dst = torch.empty((num_rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty((num_rows, splits, num_q_heads), dtype=torch.float32, device=q.device)
+    launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
+                  lse_dst, group, m_tiles, chunk, config)
+    if splits > 1:
+        merge_splits(o_dst, lse_dst, o, lse)
+
+
+def shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
+                          sm_scale=None, *, max_q_rows: int | None = None, max_kv_len: int | None = None, out=None):
+    group = check_qkv(q, k_cache, v_cache, page_size)
+    device = q.device
+    check_index("q_indptr", q_indptr, device)
+    check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
+    num_groups = q_indptr.numel() - 1
+    check_index("q_rows", q_rows, device)
+    check_index("kv_indptr", kv_indptr, device, num_groups + 1)
+    check_index("kv_pages", kv_pages, device)
+    check_index("kv_lens", kv_lens, device, num_groups)
+    o, lse = check_out(out, (q_rows.numel(), q.shape[1], q.shape[2]), q.dtype, device)
+    if max_q_rows is None:
+        max_q_rows = int((q_indptr[1:] - q_indptr[:-1]).max()) if num_groups else 0
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max()) if num_groups else 0
+    sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
+    _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
+            group, int(max_q_rows), int(max_kv_len))
+    return o, lse
+
+
+def shared_node_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages,
+                                    kv_lens, sm_scale=None, dtype: torch.dtype = torch.float64):
+    """Pure torch, one group at a time, in ``dtype``; same contract as ``shared_node_attention``."""
+    sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
+    num_rows = q_rows.numel()
+    o = torch.zeros((num_rows, *q.shape[1:]), dtype=dtype, device=q.device)
+    lse = torch.full((num_rows, q.shape[1]), float("-inf"), dtype=dtype, device=q.device)
+    for g in range(q_indptr.numel() - 1):
+        r0, r1 = int(q_indptr[g]), int(q_indptr[g + 1])
+        pages = kv_pages[int(kv_indptr[g]) : int(kv_indptr[g + 1])]
+        positions = torch.arange(int(kv_lens[g]), device=q.device)
+        k = gather_kv_reference(k_cache, pages, positions, page_size)
+        v = gather_kv_reference(v_cache, pages, positions, page_size)
+        o[r0:r1], lse[r0:r1] = attend_reference(q[q_rows[r0:r1].long()], k, v, sm_scale, dtype=dtype)
+    return o, lse

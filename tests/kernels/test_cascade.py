@@ -1,0 +1,60 @@
+"""cascade_decode_attention (shared nodes + own KV + one merge) against the float64 reference."""
+
+import pytest
+import torch
+
+from radixrelay.kernels import cascade_decode_attention, cascade_decode_attention_reference, plan_cascade
+from tests.kernels.helpers import DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table
+
+
+def run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed,
+             side_stream=None, **splits):
+    """Requests own disjoint pages for their own ranges; nodes are separate page runs."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    ends = [e for _, e in own_ranges]
+    lists = page_lists(node_lens + ends, page_size, sum(-(-n // page_size) for n in node_lens + ends) + 2, gen)
+    num_pages = sum(len(p) for p in lists) + 2
+    k_cache, v_cache = make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
+    runs, own = lists[: len(node_lens)], lists[len(node_lens):]
+    index = (
+        int32([0] + torch.tensor([len(r) for r in group_rows], dtype=torch.long).cumsum(0).tolist()),
+        int32([b for rows in group_rows for b in rows]),
+        int32([0] + torch.tensor([len(r) for r in runs], dtype=torch.long).cumsum(0).tolist()),
+        torch.cat(runs) if runs else int32([]),
+        int32(node_lens),
+        page_table(own),
+        int32([s for s, _ in own_ranges]),
+        int32(ends),
+    )
+    q = torch.randn((len(own_ranges), num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
+    plan = plan_cascade(*index, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        page_size=page_size, **splits)
+    o, lse = cascade_decode_attention(q, k_cache, v_cache, plan, side_stream=side_stream)
+    o_ref, lse_ref = cascade_decode_attention_reference(q, k_cache, v_cache, page_size, *index)
+    assert_close_attention(o, lse, o_ref, lse_ref, dtype)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, page_size", [(8, 2, 64, 16), (4, 4, 32, 4)])
+@pytest.mark.parametrize("splits", [{}, {"shared_splits": 3, "own_splits": 2}])
+def test_cascade_two_levels(num_q_heads, num_kv_heads, head_dim, page_size, splits):
+    # root node shared by all 6, a child node shared by 3, an empty node; request 5 has no own tokens
+    # and request 4 is in no group but the root; request 2 attends nothing beyond the root
+    group_rows = [[0, 1, 2, 3, 4, 5], [0, 1, 3], [5]]
+    node_lens = [40, 2 * page_size, 0]
+    own_ranges = [(0, 9), (0, 1), (0, 0), (3, 50), (0, 17), (0, 0)]
+    run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_dim, page_size, torch.float32,
+             seed=head_dim, **splits)
+
+
+def test_cascade_without_shared_nodes():
+    run_case([], [], [(0, 30), (5, 5)], 4, 2, 32, 8, torch.float32, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cascade_real_size_gpu(overlap):
+    batch = 128
+    group_rows = [list(range(batch)), list(range(0, batch, 2)), list(range(1, batch, 4))]
+    own = [(0, int(n)) for n in torch.randint(0, 700, (batch,), generator=torch.Generator().manual_seed(5))]
+    side = torch.cuda.Stream() if overlap else None
+    run_case(group_rows, [8192, 1024, 4000], own, 32, 8, 128, 16, torch.bfloat16, seed=6, side_stream=side)
