@@ -1,4 +1,8 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Configuration: one frozen dataclass per layer, validated on construction (ValueError).
+
+``EngineConfig`` configures the runtime processes (scheduler + worker) that the offline Engine and
+the HTTP server share; ``ServerConfig`` adds what only the HTTP server needs.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,13 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("torch",)       # "triton" joins once the Triton backend lands
+CASCADE_MODES = ("auto", "on", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _bad(cls: str, field: str, why: str) -> ValueError:
+    return ValueError(f"{cls}.{field}: {why}")
 
 
 @dataclass(frozen=True)
@@ -16,17 +27,24 @@ class EngineConfig:
     device: str = "auto"              # auto: cuda when available, else cpu
     dtype: str = "auto"               # auto: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
-    kv_cache_tokens: int | None = None  # KV capacity in tokens; None: a default per device
+    kv_cache_tokens: int | None = None  # KV capacity in tokens; None: derived from the device
+    kv_memory_fraction: float = 0.85  # CUDA, kv_cache_tokens unset: share of free memory after load
     page_size: int = 16
     max_running_requests: int = 256
+    max_queued_requests: int = 1024   # waiting requests beyond this are refused (HTTP 429)
     chunked_prefill_tokens: int = 2048  # per-step budget of prefill tokens
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    attention_backend: str = "torch"
+    # Cascaded decode attention. The scheduler installs a cascade planner for "on" and "auto"
+    # once one exists (StepPlan.cascade); until then every mode runs flat attention.
+    cascade: str = "auto"
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
+    startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"EngineConfig.{field}: {why}")
+            return _bad("EngineConfig", field, why)
 
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise bad("device", f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
@@ -36,11 +54,51 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cascade not in CASCADE_MODES:
+            raise bad("cascade", f"must be one of {CASCADE_MODES}, got {self.cascade!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise bad("page_size", f"must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise bad("kv_memory_fraction", f"must be in (0, 1), got {self.kv_memory_fraction}")
         if self.max_running_requests < 1:
             raise bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests < 0:
+            raise bad("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
         if self.chunked_prefill_tokens < self.page_size:
             raise bad("chunked_prefill_tokens", f"must be >= page_size, got {self.chunked_prefill_tokens}")
+        if self.startup_timeout <= 0:
+            raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None        # when set, /v1/* and /flush_cache need "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # None: the --model value
+    chat_template: str | None = None  # Jinja template text overriding the model's
+    max_n: int = 16                   # most choices one request may ask for
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout: float = 30.0       # SIGTERM: seconds in-flight requests get to finish
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return _bad("ServerConfig", field, why)
+
+        if not 0 <= self.port < 65536:
+            raise bad("port", f"must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise bad("api_key", "must be non-empty when set")
+        if self.max_n < 1:
+            raise bad("max_n", f"must be >= 1, got {self.max_n}")
+        if self.max_body_bytes < 1024:
+            raise bad("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        if self.drain_timeout < 0:
+            raise bad("drain_timeout", f"must be >= 0, got {self.drain_timeout}")
+        if self.log_level not in LOG_LEVELS:
+            raise bad("log_level", f"must be one of {LOG_LEVELS}, got {self.log_level!r}")

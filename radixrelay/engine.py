@@ -1,103 +1,46 @@
-"""``Engine``: the offline API. One process runs tokenizer, scheduler and worker in a loop.
+"""``Engine``: the offline API, driving the same scheduler and worker processes as the server.
 
     with Engine(model="default") as engine:
         outs = engine.generate(["prompt", ...], SamplingParams(max_tokens=32, temperature=0))
 
-Each step is ``plan = scheduler.schedule(); out = runner.step(plan);
-updates = scheduler.process_output(out)``; the updates are detokenized per request here. The
-scheduler and the model runner are the same objects the server drives.
+The Engine is a frontend like the HTTP server: it tokenizes, submits requests to the scheduler
+process over ZMQ (``SyncRuntimeClient``), and detokenizes the token updates that come back. Leaving
+the ``with`` block (or ``close()``) stops the child processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from radixrelay.attention import KVCache, TorchBackend
 from radixrelay.config import EngineConfig
-from radixrelay.model.loader import load_model
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.outputs import RequestOutput
+from radixrelay.runtime.client import QueueFullError
+from radixrelay.runtime.messages import RequestRejected, UpdateBatch
+from radixrelay.runtime.sync_client import SyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.config import SchedulerConfig
-from radixrelay.scheduler.request import RequestUpdate
-from radixrelay.scheduler.scheduler import Scheduler
-from radixrelay.server.detokenizer import IncrementalDetokenizer
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
-from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import TokenLogprobs
+from radixrelay.server.output_text import OutputAssembler
+from radixrelay.server.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
-DEFAULT_CPU_KV_TOKENS = 32_768
-CUDA_KV_MEMORY_FRACTION = 0.85   # of the memory free after the model is loaded
-
-
-class _Tracker:
-    """Per-request output state: emitted tokens, their text, logprobs."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                            context_ids=prompt_ids)
-        self.want_logprobs = params.logprobs is not None
-        self.sampled_logprobs: list[TokenLogprobs] = []
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.output: RequestOutput | None = None
-
-    def apply(self, update: RequestUpdate) -> str:
-        """Fold one scheduler update in; returns the new text."""
-        self.token_ids.extend(update.token_ids)
-        delta = self.detok.add(update.token_ids)
-        if update.finished:
-            delta += self.detok.finish()
-            if update.trim_chars:
-                full = self.text + delta
-                full = full[: max(len(self.text), len(full) - update.trim_chars)]
-                delta = full[len(self.text):]
-        self.text += delta
-        if update.finished:
-            logprobs = self.sampled_logprobs[: len(self.token_ids)] if self.want_logprobs else None
-            self.output = RequestOutput(self.text, list(self.token_ids), update.finish_reason or "abort",
-                                        update.prompt_tokens, update.cached_tokens,
-                                        update.completion_tokens, logprobs, update.error)
-        return delta
 
 
 class Engine:
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        cfg = self.config
-        device = torch.device(_pick_device(cfg.device))
-        dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        path = resolve_model_path(cfg.model)
-        self.tokenizer = load_tokenizer(path)
-        self.model, self.model_config = load_model(cfg.model, device=device, dtype=dtype,
-                                                   load_format=cfg.load_format, seed=cfg.seed)
-        mc = self.model_config
-        kv_dtype = next(self.model.parameters()).dtype
-        kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(device, mc, kv_dtype)
-        num_pages = kv_tokens // cfg.page_size
-        self.kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages, page_size=cfg.page_size,
-                                num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
-                                device=device)
-        eos = tuple(sorted(self.tokenizer.eos_token_ids | set(mc.eos_token_ids)))
-        self.scheduler = Scheduler(
-            SchedulerConfig(kv_cache_tokens=num_pages * cfg.page_size, page_size=cfg.page_size,
-                            max_running_requests=cfg.max_running_requests,
-                            chunked_prefill_tokens=cfg.chunked_prefill_tokens,
-                            schedule_policy=cfg.schedule_policy,
-                            disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos),
-            detokenize=self.tokenizer.decode)
-        self.runner = ModelRunner(self.model, self.kv_cache, TorchBackend(), seed=cfg.seed)
+        self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        self._client = SyncRuntimeClient(self.config)
+        # Stops the children even if the caller never closes the engine.
+        self._finalizer = weakref.finalize(self, self._client.close)
+        self.max_context = self._client.info.max_context
+        self.vocab_size = self._client.info.vocab_size
+        self.kv_cache_tokens = self._client.info.kv_cache_tokens
         self._rids = itertools.count()
-        self._trackers: dict[int, _Tracker] = {}
-        self.max_context = mc.max_position_embeddings
-        self.steps = 0
-        self.computed_tokens = 0   # tokens run through the model (cache hits excluded)
+        self._outputs: dict[int, OutputAssembler] = {}
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -107,40 +50,58 @@ class Engine:
         """Run every prompt to completion; outputs in prompt order. A prompt is text or token ids."""
         prompt_list = _as_prompt_list(prompts)
         params = _params_for(prompt_list, sampling_params)
-        rids = [self._add(p, sp, cache_salt) for p, sp in zip(prompt_list, params)]
-        while any(self._trackers[rid].output is None for rid in rids):
-            self._step()
-        return [self._trackers.pop(rid).output for rid in rids]
+        encoded = [self._encode(p, sp) for p, sp in zip(prompt_list, params)]
+        rids = [self._submit(ids, sp, cache_salt) for ids, sp in zip(encoded, params)]
+        try:
+            while not all(self._outputs[rid].finished for rid in rids):
+                self._pump()
+        except BaseException:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        return [self._outputs.pop(rid).result() for rid in rids]
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                         *, cache_salt: str | None = None) -> Iterator[str]:
         """Yield text deltas of one request as they are produced."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), cache_salt)
-        tracker = self._trackers[rid]
+        params = sampling_params or SamplingParams()
+        rid = self._submit(self._encode(prompt, params), params, cache_salt)
+        output = self._outputs[rid]
         try:
-            while tracker.output is None:
-                for update_rid, delta in self._step():
+            while not output.finished:
+                for update_rid, delta in self._pump():
                     if update_rid == rid and delta:
                         yield delta
         finally:
-            if tracker.output is None:
+            if not output.finished:
                 self.abort(rid)
-            self._trackers.pop(rid, None)
+            self._outputs.pop(rid, None)
 
     def abort(self, rid: int) -> None:
-        update = self.scheduler.abort(rid)
-        if update is not None and rid in self._trackers:
-            self._trackers[rid].apply(update)
+        """Abort a request of this engine; its KV is freed before the scheduler's next step."""
+        if self._outputs.pop(rid, None) is not None:
+            self._client.abort(rid)
 
     def stats(self) -> dict[str, Any]:
+        stats = self._client.stats()
+        sched = stats.scheduler
         return {**dataclasses.asdict(self.config),
-                **{f: getattr(self.scheduler.stats(), f) for f in self.scheduler.stats().__struct_fields__},
-                "steps": self.steps, "computed_tokens": self.computed_tokens}
+                **{f: getattr(sched, f) for f in sched.__struct_fields__},
+                "steps": stats.steps, "computed_tokens": stats.computed_tokens,
+                "decode_steps": stats.decode_steps, "cascade_steps": stats.cascade_steps}
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens run through the model so far (prefix-cache hits excluded)."""
+        return self._client.stats().computed_tokens
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (nothing done) while requests are live."""
+        return self._client.flush_cache()
 
     def close(self) -> None:
-        for rid in list(self._trackers):
-            self.abort(rid)
-        self._trackers.clear()
+        self._outputs.clear()
+        self._finalizer()
 
     def __enter__(self) -> Engine:
         return self
@@ -150,60 +111,43 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> int:
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.max_context} tokens")
+        return ids
+
+    def _submit(self, ids: list[int], params: SamplingParams, cache_salt: str | None) -> int:
         rid = next(self._rids)
-        self.scheduler.add_request(rid, ids, params, cache_salt)
-        self._trackers[rid] = _Tracker(self.tokenizer, ids, params)
+        self._outputs[rid] = OutputAssembler(self.tokenizer, ids, params)
+        self._client.submit(rid, ids, params, cache_salt)
         return rid
 
-    def _step(self) -> list[tuple[int, str]]:
-        plan = self.scheduler.schedule()
-        if plan is None:
-            if not self.scheduler.has_work():
-                raise RuntimeError("engine idle with unfinished requests")
-            raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-        self.computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
-        out = self.runner.step(plan)
-        self.steps += 1
-        if out.logprobs is not None:
-            for rid, lp in zip(out.rids, out.logprobs):
-                tracker = self._trackers.get(rid)
-                if tracker is not None and lp is not None:
-                    tracker.sampled_logprobs.append(lp)
+    def _pump(self) -> list[tuple[int, str]]:
+        """Handle the next scheduler message; returns the text deltas it produced."""
+        message = self._client.recv()
+        if isinstance(message, RequestRejected):
+            if self._outputs.pop(message.rid, None) is None:
+                return []
+            error = QueueFullError if message.reason == "queue_full" else ValueError
+            raise error(message.message)
+        if not isinstance(message, UpdateBatch):
+            raise RuntimeError(f"unexpected runtime message {type(message).__name__}")
         deltas = []
-        for update in self.scheduler.process_output(out):
-            tracker = self._trackers.get(update.rid)
-            if tracker is not None:
-                deltas.append((update.rid, tracker.apply(update)))
+        for item in message.items:
+            output = self._outputs.get(item.update.rid)
+            if output is not None:
+                deltas.append((item.update.rid, output.apply(item)))
         return deltas
-
-
-def _pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return device
-
-
-def _default_kv_tokens(device: torch.device, mc: Any, dtype: torch.dtype) -> int:
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_TOKENS
-    free, _ = torch.cuda.mem_get_info(device)
-    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-    return int(free * CUDA_KV_MEMORY_FRACTION) // per_token
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -89,6 +89,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix from the radix tree; refused (False) while requests are live."""
+        if self._requests:
+            return False
+        self.cache.allocator.free(self.cache.tree.evict(self.cache.tree.evictable_pages))
+        return True
+
     def set_cascade_planner(self, planner: CascadePlanner | None) -> None:
         """``planner(rows)`` sees each step's decode rows with their radix paths; its result
         becomes ``StepPlan.cascade``."""

@@ -1,0 +1,128 @@
+"""``radixrelay`` command line: ``serve`` (the OpenAI-compatible server) and ``generate`` (one
+offline generation). Heavy imports happen inside the subcommands, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from radixrelay.config import (
+    ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, LOAD_FORMATS, LOG_LEVELS, EngineConfig,
+    ServerConfig,
+)
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and runtime")
+    g.add_argument("--model", default="default",
+                   help="'default' (the embedded SmolLM2-135M-Instruct), a local HF model directory "
+                        "or a .gguf file (default: %(default)s)")
+    g.add_argument("--device", default="auto",
+                   help=f"one of {', '.join(DEVICES)} or cuda:N (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="weight format; dummy: random weights (default: %(default)s)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="KV cache capacity in tokens (default: 32768 on CPU, memory fraction on CUDA)")
+    kv.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                    help="CUDA: share of the memory free after loading the model used for the KV "
+                         "cache (default: %(default)s)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    g.add_argument("--max-running-requests", type=int, default=256,
+                   help="most requests decoding at once (default: %(default)s)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="most requests waiting for admission; more get HTTP 429 (default: %(default)s)")
+    g.add_argument("--chunked-prefill-tokens", type=int, default=2048,
+                   help="per-step token budget of prefill chunks (default: %(default)s)")
+    g.add_argument("--attention-backend", default="torch", choices=ATTENTION_BACKENDS,
+                   help="attention implementation (default: %(default)s)")
+    g.add_argument("--cascade", default="auto", choices=CASCADE_MODES,
+                   help="cascaded decode attention over shared prefixes (default: %(default)s)")
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="never reuse cached prefixes")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+        kv_cache_tokens=args.kv_cache_tokens, kv_memory_fraction=args.kv_memory_fraction,
+        page_size=args.page_size, max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_tokens=args.chunked_prefill_tokens,
+        attention_backend=args.attention_backend, cascade=args.cascade,
+        disable_radix_cache=args.disable_radix_cache, seed=args.seed)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixrelay", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Run the OpenAI-compatible HTTP server.")
+    _engine_args(serve)
+    g = serve.add_argument_group("HTTP server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=30000, help="port to listen on (default: %(default)s)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send and /v1/models lists (default: the --model value)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, as a file path or inline text (default: the model's)")
+    g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get HTTP 413 (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+
+    gen = sub.add_parser("generate", help="generate once, offline, and print the text",
+                         description="Generate a completion offline and print it.")
+    _engine_args(gen)
+    gen.add_argument("--prompt", default="The capital of France is", help="(default: %(default)r)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="(default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    return parser
+
+
+def _template_text(value: str | None) -> str | None:
+    if value is not None and Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        engine_config = _engine_config(args)
+        if args.command == "serve":
+            server_config = ServerConfig(
+                host=args.host, port=args.port, api_key=args.api_key,
+                served_model_name=args.served_model_name,
+                chat_template=_template_text(args.chat_template), max_n=args.max_n,
+                max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
+                log_level=args.log_level)
+    except ValueError as exc:
+        print(f"radixrelay: error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from radixrelay.server.serve import run_server
+        return run_server(engine_config, server_config)
+    from radixrelay import Engine, SamplingParams
+    with Engine(**{**engine_config.__dict__}) as engine:
+        for delta in engine.generate_stream(args.prompt, SamplingParams(max_tokens=args.max_tokens,
+                                                                        temperature=args.temperature)):
+            print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``AsyncRuntimeClient``: the runtime over ZMQ for asyncio frontends (the HTTP server).
+
+Two background tasks: the reader routes every scheduler message to the request stream or pending
+call it answers; the watcher polls the children every ``WATCH_INTERVAL`` seconds and, when one has
+died, fails every stream and call with ``RuntimeDiedError`` and runs the ``on_death`` callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from radixrelay.config import EngineConfig
+from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
+from radixrelay.runtime.launcher import RuntimeProcesses
+from radixrelay.runtime.messages import (
+    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
+    RequestRejected, RuntimeMessage, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply,
+    StatsRequest, TokenUpdate, UpdateBatch, decoder, encoder,
+)
+from radixrelay.sampling_params import SamplingParams
+
+logger = logging.getLogger("radixrelay.runtime")
+WATCH_INTERVAL = 0.5                  # seconds between child liveness checks
+CALL_TIMEOUT = 30.0                   # seconds a stats / flush call may take
+
+_StreamItem = TokenUpdate | BaseException
+
+
+class AsyncRuntimeClient:
+    def __init__(self, processes: RuntimeProcesses, ctx: zmq.asyncio.Context,
+                 inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket, info: RuntimeReady) -> None:
+        self._processes = processes
+        self._ctx, self._inbox, self._outbox = ctx, inbox, outbox
+        self._info = info
+        self._encode = encoder().encode
+        self._decode = decoder(RuntimeMessage).decode
+        self._rids = itertools.count()
+        self._call_ids = itertools.count()
+        self._streams: dict[int, asyncio.Queue[_StreamItem]] = {}
+        self._calls: dict[int, asyncio.Future[FlushCacheReply | StatsReply]] = {}
+        self._death: str | None = None
+        self._closed = False
+        self._drain_deadline = math.inf
+        self.on_death: list[Callable[[str], None]] = []
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncRuntimeClient:
+        """Spawn the runtime and wait until it is ready (model loaded, KV allocated)."""
+        processes = RuntimeProcesses(config)
+        ctx = zmq.asyncio.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(processes.endpoints.scheduler_to_frontend)
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.connect(processes.endpoints.frontend_to_scheduler)
+        try:
+            processes.spawn()
+            info = await _wait_ready(processes, inbox, config.startup_timeout)
+        except BaseException:
+            ctx.destroy(linger=0)
+            await asyncio.to_thread(processes.stop, 0.0)
+            raise
+        return cls(processes, ctx, inbox, outbox, info)
+
+    @property
+    def alive(self) -> bool:
+        return self._death is None
+
+    @property
+    def info(self) -> RuntimeReady:
+        return self._info
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
+                       cache_salt: str | None = None, rid: int | None = None) -> AsyncIterator[TokenUpdate]:
+        self._check_usable()
+        rid = next(self._rids) if rid is None else rid
+        queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
+        self._streams[rid] = queue
+        done = False
+        try:
+            await self._outbox.send(self._encode(GenerateRequest(rid, token_ids, sampling, cache_salt)))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.update.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                self._abort_nowait(rid)
+
+    async def abort(self, rid: int) -> None:
+        await self._send(AbortRequest(rid))
+
+    async def flush_cache(self) -> bool:
+        reply = await self._call(FlushCacheRequest)
+        assert isinstance(reply, FlushCacheReply)
+        return reply.flushed
+
+    async def stats(self) -> RuntimeStats:
+        reply = await self._call(StatsRequest)
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Refuse new requests, give in-flight ones ``drain_timeout`` seconds, fail the rest, stop
+        the children and remove the socket directory. A later call only shortens the drain of the
+        first one (a second SIGTERM) and returns at once."""
+        self._drain_deadline = min(self._drain_deadline, time.monotonic() + drain_timeout)
+        if self._closed:
+            return
+        self._closed = True
+        while self._streams and self.alive and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        self._fail_everything(RuntimeDiedError("the server shut down before the request finished"))
+        if self.alive:
+            await self._outbox.send(self._encode(ShutdownRequest()))
+        for task in self._tasks:
+            task.cancel()
+        self._ctx.destroy(linger=0)
+        await asyncio.to_thread(self._processes.stop)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._death is not None:
+            raise RuntimeDiedError(self._death)
+        if self._closed:
+            raise RuntimeDiedError("the runtime is shutting down")
+
+    async def _send(self, message: FrontendMessage) -> None:
+        self._check_usable()
+        await self._outbox.send(self._encode(message))
+
+    async def _call(self, make: Callable[[int], FrontendMessage]) -> FlushCacheReply | StatsReply:
+        call_id = next(self._call_ids)
+        future: asyncio.Future[FlushCacheReply | StatsReply] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            await self._send(make(call_id))
+            return await asyncio.wait_for(future, CALL_TIMEOUT)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _read(self) -> None:
+        while True:
+            message = self._decode(await self._inbox.recv())
+            if isinstance(message, UpdateBatch):
+                for item in message.items:
+                    queue = self._streams.get(item.update.rid)
+                    if queue is not None:
+                        queue.put_nowait(item)
+            elif isinstance(message, RequestRejected):
+                queue = self._streams.get(message.rid)
+                if queue is not None:
+                    error = QueueFullError if message.reason == "queue_full" else ValueError
+                    queue.put_nowait(error(message.message))
+            elif isinstance(message, FlushCacheReply | StatsReply):
+                future = self._calls.get(message.call_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            else:
+                logger.error("unexpected runtime message %s", type(message).__name__)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            death = self._processes.dead_child()
+            if death is not None:
+                break
+        logger.error("runtime died: %s", death)
+        self._death = death
+        self._fail_everything(RuntimeDiedError(f"the runtime died: {death}"))
+        for callback in self.on_death:
+            callback(death)
+
+    def _abort_nowait(self, rid: int) -> None:
+        """Abort without awaiting: the caller may be a cancelled task (client disconnect), which
+        cannot await. The message goes out at once (a PUSH socket with room in its queue)."""
+        if self.alive and not self._ctx.closed:
+            self._outbox.send(self._encode(AbortRequest(rid)))
+
+    def _fail_everything(self, error: RuntimeDiedError) -> None:
+        for rid, queue in list(self._streams.items()):
+            queue.put_nowait(error)
+            self._abort_nowait(rid)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+async def _wait_ready(processes: RuntimeProcesses, inbox: zmq.asyncio.Socket,
+                      timeout: float) -> RuntimeReady:
+    deadline = time.monotonic() + timeout
+    while not await inbox.poll(int(WATCH_INTERVAL * 1000)):
+        death = processes.dead_child()
+        if death is not None:
+            if await inbox.poll(100):   # a RuntimeFailed that explains the death
+                break
+            raise RuntimeDiedError(f"runtime failed to start: {death}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"runtime not ready after {timeout} s")
+    return ready_info(decoder(RuntimeMessage).decode(await inbox.recv()))

@@ -1,0 +1,51 @@
+"""What the scheduler and worker processes share: start-up from the command line, parent watching,
+socket set-up. A child is started as ``python -m radixrelay.runtime.<kind>_process '<ChildArgs JSON>'``.
+
+Children ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent decides
+what happens) and exit on their own within ``POLL_MS`` once their parent is gone, so a killed
+server never leaves orphans holding the model or the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from radixrelay.runtime.messages import ChildArgs
+
+POLL_MS = 500                         # longest a child blocks before checking on its parent
+
+
+def run_child(name: str, body: Callable[[ChildArgs, zmq.Context], int]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = msgspec.json.decode(sys.argv[1], type=ChildArgs)
+    logging.basicConfig(level=args.log_level,
+                        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    try:
+        code = body(args, ctx)
+    finally:
+        ctx.destroy(linger=0)
+    sys.exit(code)
+
+
+def parent_gone(args: ChildArgs) -> bool:
+    return os.getppid() != args.parent_pid
+
+
+def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(endpoint)
+    return sock
+
+
+def connect_push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(endpoint)
+    return sock

@@ -1,0 +1,79 @@
+"""Start, watch and stop the runtime's child processes (one scheduler, one worker).
+
+Children are started with ``subprocess`` as ``python -m radixrelay.runtime.<kind>_process`` and get
+their arguments as msgspec JSON on the command line. (Not ``multiprocessing``: its spawn start
+pickles the process object and re-imports the parent's ``__main__``, which would break scripts
+that use ``Engine`` without an ``if __name__ == "__main__"`` guard.)
+
+Sockets are ``ipc://`` files in a private directory (mode 0700, from ``mkdtemp``) that ``stop``
+removes. Invariant: after ``stop`` returns, no child process and no socket file is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from radixrelay.config import EngineConfig
+from radixrelay.runtime.messages import ChildArgs, Endpoints
+
+logger = logging.getLogger("radixrelay.runtime")
+CHILD_KINDS = ("worker", "scheduler")
+
+
+class RuntimeProcesses:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="radixrelay-"))   # mode 0700
+        def ipc(name: str) -> str:
+            return f"ipc://{self.ipc_dir / name}"
+        self.endpoints = Endpoints(ipc("frontend_to_scheduler"), ipc("scheduler_to_frontend"),
+                                   ipc("scheduler_to_worker"), ipc("worker_to_scheduler"))
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self) -> None:
+        """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will)."""
+        level = logging.getLevelName(logger.getEffectiveLevel())
+        args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), level)).decode()
+        for kind in CHILD_KINDS:
+            self.children[kind] = subprocess.Popen(
+                [sys.executable, "-m", f"radixrelay.runtime.{kind}_process", args],
+                stdin=subprocess.DEVNULL)
+
+    def dead_child(self) -> str | None:
+        """A description of the first child that has exited, None while all run."""
+        for kind, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                return f"the {kind} process (pid {proc.pid}) exited with code {code}"
+        return None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` for the children to exit (after a ShutdownRequest), then
+        terminate, then kill them; remove the socket directory. Idempotent."""
+        deadline = time.monotonic() + timeout
+        for proc in self.children.values():
+            _wait(proc, max(0.0, deadline - time.monotonic()))
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+                if not _wait(proc, 2.0):
+                    proc.kill()
+                    proc.wait()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

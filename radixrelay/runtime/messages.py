@@ -1,0 +1,155 @@
+"""Every message between the runtime's processes, as tagged msgspec structs (msgpack on the wire).
+
+Channels (one ZMQ PUSH -> PULL socket pair each, see ``launcher.Endpoints``):
+
+    frontend  --FrontendMessage-->  scheduler  --WorkerCommand-->  worker
+    frontend  <--RuntimeMessage--   scheduler  <--WorkerMessage--  worker
+
+Nothing is pickled: each receiver decodes with a ``msgspec.msgpack.Decoder`` typed to its channel's
+union, so a malformed or unexpected message fails loudly instead of executing anything.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from radixrelay.config import EngineConfig
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler.request import RequestUpdate, SchedulerStats
+from radixrelay.worker.protocol import StepOutput, StepPlan, TokenLogprobs
+
+# -- frontend -> scheduler ----------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
+    rid: int
+    token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    rid: int
+
+
+class FlushCacheRequest(msgspec.Struct, tag="flush_cache", frozen=True):
+    call_id: int
+
+
+class StatsRequest(msgspec.Struct, tag="stats", frozen=True):
+    call_id: int
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown", frozen=True):
+    """Stop the worker and exit; requests still live are dropped (the frontend drains first)."""
+
+
+FrontendMessage = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | ShutdownRequest
+
+# -- scheduler -> frontend ----------------------------------------------------------------------
+
+
+class TokenUpdate(msgspec.Struct, frozen=True):
+    update: RequestUpdate
+    # One entry per token of ``update.token_ids`` when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class UpdateBatch(msgspec.Struct, tag="updates", frozen=True):
+    items: list[TokenUpdate]
+
+
+RejectReason = Literal["invalid", "queue_full"]
+
+
+class RequestRejected(msgspec.Struct, tag="rejected", frozen=True):
+    rid: int
+    reason: RejectReason
+    message: str
+
+
+class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply", frozen=True):
+    call_id: int
+    flushed: bool                     # False: requests were live, nothing was dropped
+
+
+class RuntimeStats(msgspec.Struct, frozen=True):
+    scheduler: SchedulerStats
+    steps: int                        # steps the worker ran
+    computed_tokens: int              # tokens run through the model (cache hits excluded)
+    decode_steps: int                 # steps with at least one decode row
+    cascade_steps: int                # decode steps that carried a cascade plan
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
+    call_id: int
+    stats: RuntimeStats
+
+
+class RuntimeReady(msgspec.Struct, tag="ready", frozen=True):
+    kv_cache_tokens: int              # KV capacity (whole pages)
+    max_context: int                  # model's maximum positions
+    vocab_size: int
+
+
+class RuntimeFailed(msgspec.Struct, tag="failed", frozen=True):
+    """A child could not start (bad model file, out of memory, ...)."""
+    error: str
+
+
+RuntimeMessage = UpdateBatch | RequestRejected | FlushCacheReply | StatsReply | RuntimeReady | RuntimeFailed
+
+# -- scheduler <-> worker -----------------------------------------------------------------------
+
+
+class WorkerStep(msgspec.Struct, tag="step", frozen=True):
+    plan: StepPlan
+
+
+class WorkerStop(msgspec.Struct, tag="stop", frozen=True):
+    pass
+
+
+WorkerCommand = WorkerStep | WorkerStop
+
+
+class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
+    num_pages: int                    # KV pages the worker allocated
+    max_context: int
+    vocab_size: int
+    eos_token_ids: list[int]          # from the model's config (the tokenizer adds its own)
+
+
+class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
+    output: StepOutput
+
+
+WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed
+
+# -- process arguments (JSON on the child's command line) ---------------------------------------
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """ZMQ addresses of the four channels; the reading side of each binds."""
+    frontend_to_scheduler: str
+    scheduler_to_frontend: str
+    scheduler_to_worker: str
+    worker_to_scheduler: str
+
+
+class ChildArgs(msgspec.Struct, frozen=True):
+    config: EngineConfig
+    endpoints: Endpoints
+    parent_pid: int                   # the child exits once this process is gone
+    log_level: str = "INFO"
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(kind: type) -> msgspec.msgpack.Decoder:
+    """``kind`` is one of the channel unions above."""
+    return msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,207 @@
+"""The scheduler process: request queue, radix cache and batching, between the frontend and the
+worker.
+
+Start-up: wait for the worker's ``WorkerReady`` (it knows how much KV memory it got), build the
+``Scheduler``, report ``RuntimeReady`` to the frontend.
+
+Loop (``SchedulerLoop.run``), with at most one step in flight as the Scheduler API requires:
+
+    schedule a step if none is in flight and there is work -> send it to the worker
+    block on both inboxes (never spins: an idle scheduler sleeps in poll)
+    worker output   -> process_output -> token updates to the frontend
+    frontend input  -> drained completely before the next schedule(), so aborts and arrivals
+                       land between steps (an abort frees its KV before the next plan)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+
+from radixrelay.model.registry import resolve_model_path
+from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.runtime.messages import (
+    AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
+    RejectReason, RequestRejected, RuntimeFailed, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply,
+    StatsRequest, TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone,
+    WorkerStop, decoder, encoder,
+)
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.request import RequestUpdate
+from radixrelay.scheduler.scheduler import Scheduler
+from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.worker.protocol import StepOutput, TokenLogprobs
+
+logger = logging.getLogger("radixrelay.scheduler")
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, args: ChildArgs, frontend_in: zmq.Socket,
+                 frontend_out: zmq.Socket, worker_in: zmq.Socket, worker_out: zmq.Socket) -> None:
+        self.scheduler = scheduler
+        self.args = args
+        self.max_queued = args.config.max_queued_requests
+        self.frontend_in, self.frontend_out = frontend_in, frontend_out
+        self.worker_in, self.worker_out = worker_in, worker_out
+        self._encode = encoder().encode
+        self._frontend_msgs = decoder(FrontendMessage)
+        self._worker_msgs = decoder(WorkerMessage)
+        # Live requests; for those that asked for logprobs, the logprobs of sampled tokens not yet
+        # handed out (emitted tokens are always a prefix of the sampled ones, in order).
+        self._live: dict[int, list[TokenLogprobs] | None] = {}
+        self._in_flight = False
+        self._stopping = False
+        self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.frontend_in, zmq.POLLIN)
+        poller.register(self.worker_in, zmq.POLLIN)
+        while not self._stopping:
+            if not self._in_flight:
+                self._start_step()
+            events = dict(poller.poll(POLL_MS))
+            if not events and parent_gone(self.args):
+                return 1
+            if self.worker_in in events:
+                self._on_worker(self._worker_msgs.decode(self.worker_in.recv()))
+            self._drain_frontend()
+        self.worker_out.send(self._encode(WorkerStop()))
+        return 0
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _start_step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            if self.scheduler.has_work():   # admission guarantees progress; never expected
+                self._fail_all("scheduler made no progress: no request fits the KV cache")
+            return
+        self._steps += 1
+        self._computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
+        if plan.decodes:
+            self._decode_steps += 1
+            self._cascade_steps += plan.cascade is not None
+        self.worker_out.send(self._encode(WorkerStep(plan)))
+        self._in_flight = True
+
+    def _on_worker(self, message: WorkerMessage) -> None:
+        if not isinstance(message, WorkerStepDone):
+            raise RuntimeError(f"unexpected worker message {type(message).__name__}")
+        self._in_flight = False
+        out: StepOutput = message.output
+        if out.logprobs is not None:
+            for rid, lp in zip(out.rids, out.logprobs):
+                pending = self._live.get(rid)
+                if pending is not None and lp is not None:
+                    pending.append(lp)
+        updates = self.scheduler.process_output(out)
+        if updates:
+            self._send_updates(updates)
+
+    def _send_updates(self, updates: list[RequestUpdate]) -> None:
+        items = []
+        for update in updates:
+            pending = self._live.pop(update.rid) if update.finished else self._live[update.rid]
+            logprobs = None
+            if pending is not None:
+                n = len(update.token_ids)
+                logprobs, pending[:n] = pending[:n], []
+            items.append(TokenUpdate(update, logprobs))
+        self.frontend_out.send(self._encode(UpdateBatch(items)))
+
+    def _fail_all(self, error: str) -> None:
+        logger.error("%s; failing %d requests", error, len(self._live))
+        updates = [msgspec.structs.replace(u, error=error)
+                   for rid in list(self._live) if (u := self.scheduler.abort(rid)) is not None]
+        self._send_updates(updates)
+
+    # -- frontend -------------------------------------------------------------------------------
+
+    def _drain_frontend(self) -> None:
+        while True:
+            try:
+                raw = self.frontend_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frontend(self._frontend_msgs.decode(raw))
+
+    def _on_frontend(self, message: FrontendMessage) -> None:
+        if isinstance(message, GenerateRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequest):
+            update = self.scheduler.abort(message.rid)
+            if update is not None:
+                self._send_updates([update])
+        elif isinstance(message, FlushCacheRequest):
+            reply = FlushCacheReply(message.call_id, self.scheduler.flush_cache())
+            self.frontend_out.send(self._encode(reply))
+        elif isinstance(message, StatsRequest):
+            stats = RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
+                                 self._decode_steps, self._cascade_steps)
+            self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
+        elif isinstance(message, ShutdownRequest):
+            self._stopping = True
+
+    def _add(self, req: GenerateRequest) -> None:
+        def reject(reason: RejectReason, why: str) -> None:
+            self.frontend_out.send(self._encode(RequestRejected(req.rid, reason, why)))
+
+        if req.rid in self._live:
+            return reject("invalid", f"request id {req.rid} is already live")
+        if self.scheduler.stats().num_waiting >= self.max_queued:
+            return reject("queue_full", f"the queue is full ({self.max_queued} waiting requests)")
+        try:
+            self.scheduler.add_request(req.rid, req.token_ids, req.sampling, req.cache_salt)
+        except ValueError as exc:
+            return reject("invalid", str(exc))
+        self._live[req.rid] = [] if req.sampling.logprobs is not None else None
+
+
+def _wait_for_worker(args: ChildArgs, worker_in: zmq.Socket) -> WorkerReady | RuntimeFailed | None:
+    """The worker's first message; None when the parent died meanwhile."""
+    while not worker_in.poll(POLL_MS):
+        if parent_gone(args):
+            return None
+    message = decoder(WorkerMessage).decode(worker_in.recv())
+    if isinstance(message, WorkerStepDone):
+        return RuntimeFailed("worker sent a step output before it was ready")
+    return message
+
+
+def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
+    ep = args.endpoints
+    frontend_in = bind_pull(ctx, ep.frontend_to_scheduler)
+    worker_in = bind_pull(ctx, ep.worker_to_scheduler)
+    frontend_out = connect_push(ctx, ep.scheduler_to_frontend)
+    worker_out = connect_push(ctx, ep.scheduler_to_worker)
+    encode = encoder().encode
+    ready = _wait_for_worker(args, worker_in)
+    if ready is None:
+        return 1
+    if isinstance(ready, RuntimeFailed):
+        frontend_out.send(encode(ready))
+        return 1
+    cfg = args.config
+    try:
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+        eos = tuple(sorted(tokenizer.eos_token_ids | set(ready.eos_token_ids)))
+        scheduler = Scheduler(
+            SchedulerConfig(kv_cache_tokens=ready.num_pages * cfg.page_size, page_size=cfg.page_size,
+                            max_running_requests=cfg.max_running_requests,
+                            chunked_prefill_tokens=cfg.chunked_prefill_tokens,
+                            schedule_policy=cfg.schedule_policy,
+                            disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos),
+            detokenize=tokenizer.decode)
+    except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
+        frontend_out.send(encode(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}")))
+        return 1
+    frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
+                                          ready.vocab_size)))
+    return SchedulerLoop(scheduler, args, frontend_in, frontend_out, worker_in, worker_out).run()
+
+
+if __name__ == "__main__":
+    run_child("scheduler", _serve)

@@ -1,0 +1,90 @@
+"""The worker process: owns the model, the KV memory and the ``ModelRunner``; runs one
+``StepPlan`` per ``WorkerStep`` message and answers with its ``StepOutput``.
+
+Start-up: load the model, size and allocate the KV cache, report ``WorkerReady`` (or
+``RuntimeFailed``) to the scheduler. Then: receive a plan, step, send the output; nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+import zmq
+
+from radixrelay.attention import KVCache, TorchBackend
+from radixrelay.config import EngineConfig
+from radixrelay.model.loader import load_model
+from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.runtime.messages import (
+    ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, decoder,
+    encoder,
+)
+from radixrelay.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("radixrelay.worker")
+DEFAULT_CPU_KV_TOKENS = 32_768
+
+
+def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
+    device = torch.device(pick_device(cfg.device))
+    dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    model, mc = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format,
+                           seed=cfg.seed)
+    kv_dtype = next(model.parameters()).dtype
+    kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(cfg, device, mc, kv_dtype)
+    num_pages = kv_tokens // cfg.page_size
+    if num_pages < 1:
+        raise ValueError(f"no memory left for the KV cache ({kv_tokens} tokens)")
+    kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages, page_size=cfg.page_size,
+                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
+                       device=device)
+    runner = ModelRunner(model, kv_cache, TorchBackend(), seed=cfg.seed)
+    ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids))
+    return runner, ready
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return device
+
+
+def _default_kv_tokens(cfg: EngineConfig, device: torch.device, mc: object, dtype: torch.dtype) -> int:
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    return int(free * cfg.kv_memory_fraction) // per_token
+
+
+def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
+    inbox = bind_pull(ctx, args.endpoints.scheduler_to_worker)
+    outbox = connect_push(ctx, args.endpoints.worker_to_scheduler)
+    encode = encoder().encode
+    commands = decoder(WorkerCommand)
+    try:
+        runner, ready = build_runner(args.config)
+    except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
+        logger.error("worker start-up failed:\n%s", traceback.format_exc())
+        outbox.send(encode(RuntimeFailed(f"worker start-up failed: {type(exc).__name__}: {exc}")))
+        return 1
+    outbox.send(encode(ready))
+    logger.info("worker ready: %d KV pages of %d tokens", ready.num_pages, args.config.page_size)
+    with torch.inference_mode():
+        while True:
+            if not inbox.poll(POLL_MS):
+                if parent_gone(args):
+                    return 1
+                continue
+            command = commands.decode(inbox.recv())
+            if not isinstance(command, WorkerStep):
+                return 0
+            outbox.send(encode(WorkerStepDone(runner.step(command.plan))))
+
+
+if __name__ == "__main__":
+    run_child("worker", _serve)

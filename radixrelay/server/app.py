@@ -1,0 +1,267 @@
+"""The HTTP server's FastAPI app: OpenAI endpoints, health, metrics, cache control.
+
+``ServerState`` is everything one app instance shares (no module-global state). Lifecycle:
+the runtime starts in the app's lifespan; ``drain`` (SIGTERM, wired by ``serve.py``) turns new
+requests away with 503, lets in-flight ones finish within ``drain_timeout`` and stops the runtime;
+when a runtime process dies, /health turns 503 at once, in-flight requests end with an error, and
+after ``DEATH_LINGER`` seconds the server exits with code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixrelay.config import EngineConfig, ServerConfig
+from radixrelay.model.registry import resolve_model_path
+from radixrelay.runtime.async_client import AsyncRuntimeClient
+from radixrelay.server import openai_protocol as oa
+from radixrelay.server import serving
+from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.server.metrics import ServerMetrics
+from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("radixrelay.server")
+DEATH_LINGER = 2.0       # seconds /health reports 503 after a runtime death before the exit
+_encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class ServerState:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.tokenizer = load_tokenizer(resolve_model_path(engine_config.model))
+        self.chat_template = _chat_template(self.tokenizer, config.chat_template)
+        self.model_name = config.served_model_name or engine_config.model
+        self.metrics = ServerMetrics()
+        self.client: AsyncRuntimeClient | None = None
+        self.draining = False
+        self.exit_code = 0
+        self.request_exit: Callable[[], None] = lambda: None   # set by whoever runs the server
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.client is not None and self.client.alive and not self.draining
+
+    def serving_context(self) -> serving.ServingContext:
+        assert self.client is not None
+        return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
+                                      self.model_name, self.config.max_n, self.metrics)
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""
+        if not self.draining:
+            self.draining = True
+            self._spawn(self._drain())
+
+    def hurry_drain(self) -> None:
+        """A second signal: end the drain now (in-flight requests fail)."""
+        self.begin_drain()
+        if self.client is not None:
+            self._spawn(self.client.shutdown(0))
+
+    async def _drain(self) -> None:
+        logger.info("draining: up to %.1f s for in-flight requests", self.config.drain_timeout)
+        if self.client is not None:
+            await self.client.shutdown(self.config.drain_timeout)
+        self.request_exit()
+
+    def on_runtime_death(self, reason: str) -> None:
+        self._spawn(self._exit_after_death(reason))
+
+    async def _exit_after_death(self, reason: str) -> None:
+        logger.error("runtime process died (%s); exiting in %.0f s", reason, DEATH_LINGER)
+        self.exit_code = 1
+        await asyncio.sleep(DEATH_LINGER)
+        if self.client is not None:
+            await self.client.shutdown(0)
+        self.request_exit()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _chat_template(tokenizer: Tokenizer, override: str | None) -> ChatTemplate | None:
+    if override is None and tokenizer.chat_template is None:
+        return None            # /v1/chat/completions answers 400 naming the model
+    return ChatTemplate.for_tokenizer(tokenizer, override)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def error_response(error: oa.APIError) -> Response:
+    return Response(_encode(error.body()), status_code=error.status, media_type="application/json")
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(_encode(payload), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    too_big = oa.APIError(413, f"request body exceeds {cap} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:
+            raise too_big
+    return bytes(body)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it: ClientGone)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class GateMiddleware:
+    """Before any route: 503 while draining or after a runtime death (except /health and
+    /metrics, which report it), then the API key on /v1/* and /flush_cache."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self._check(scope)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> oa.APIError | None:
+        path = scope["path"]
+        if path in ("/health", "/metrics"):
+            return None
+        if not self.state.healthy:
+            why = "the server is shutting down" if self.state.draining else "the runtime is not available"
+            return oa.APIError(503, why, type="server_error", code="unavailable")
+        key = self.state.config.api_key
+        if key is not None and (path.startswith("/v1/") or path == "/flush_cache"):
+            given = Headers(scope=scope).get("authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return oa.APIError(401, "invalid or missing API key", type="authentication_error",
+                                   code="invalid_api_key")
+        return None
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.client = await AsyncRuntimeClient.start(state.engine_config)
+        state.client.on_death.append(state.on_runtime_death)
+        logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
+                    state.client.info.max_context)
+        try:
+            yield
+        finally:
+            await state.client.shutdown(0)
+
+    app = FastAPI(title="radixrelay", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(GateMiddleware, state=state)
+    cap = state.config.max_body_bytes
+
+    async def generate(request: Request, kind: type[oa.ChatCompletionRequest] | type[oa.CompletionRequest]) -> Response:
+        ctx = state.serving_context()
+        try:
+            req = oa.decode_request(await read_body(request, cap), kind)
+            if isinstance(req, oa.ChatCompletionRequest):
+                choices = serving.chat_choices(ctx, req)
+            else:
+                choices = serving.completion_choices(ctx, req)
+            job = serving.GenerationJob(ctx, choices, req.cache_salt)
+            if req.stream:
+                first = await until_disconnect(request, serving.start_stream(job))
+                if isinstance(req, oa.ChatCompletionRequest):
+                    body = serving.chat_stream(ctx, job, first, req.include_usage)
+                else:
+                    body = serving.completion_stream(ctx, job, first, req.echo, req.include_usage)
+                return serving.stream_response(body, job)
+            await until_disconnect(request, serving.run_to_end(job))
+            if isinstance(req, oa.ChatCompletionRequest):
+                return json_response(serving.chat_response(ctx, job))
+            return json_response(serving.completion_response(ctx, job, req.echo))
+        except ClientGone:
+            return Response(status_code=499)      # nobody is listening; the request was aborted
+        except Exception as exc:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
+            error = serving.api_error(exc)
+            if error.status >= 500:
+                logger.exception("request failed")
+            return error_response(error)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, oa.ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, oa.CompletionRequest)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = state.client.info if state.client is not None else None
+        card = oa.ModelCard(state.model_name, int(time.time()), info.max_context if info else 0)
+        return json_response(oa.ModelList([card]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy:
+            return json_response({"status": "ok"})
+        return json_response({"status": "draining" if state.draining else "unavailable"}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = None
+        if state.client is not None and state.client.alive and not state.draining:
+            stats = await state.client.stats()
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        assert state.client is not None
+        if await state.client.flush_cache():
+            return json_response({"flushed": True})
+        return error_response(oa.APIError(409, "cache not flushed: requests are running",
+                                          code="requests_running"))
+
+    return app

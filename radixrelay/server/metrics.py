@@ -1,0 +1,81 @@
+"""Prometheus metrics of one server (its own ``CollectorRegistry``, no module-global state).
+
+Two sources: the frontend observes request-level values as they happen (tokens, TTFT,
+inter-token latency, finished requests); the runtime's ``RuntimeStats`` snapshot, fetched when
+/metrics is scraped, provides the scheduler's gauges and its cumulative counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixrelay.runtime.messages import RuntimeStats
+
+PREFIX = "radixrelay"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _RuntimeCollector(Collector):
+    """Exposes the latest ``RuntimeStats`` snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: RuntimeStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.stats is None:
+            return
+        s, sched = self.stats, self.stats.scheduler
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Requests admitted and holding KV.", sched.num_running)
+        yield gauge("num_requests_waiting", "Requests queued for admission.", sched.num_waiting)
+        yield gauge("kv_cache_usage_ratio", "Share of KV pages in use (requests or radix cache).",
+                    sched.kv_usage)
+        yield gauge("kv_used_pages", "KV pages in use (requests or radix cache).", sched.kv_used_pages)
+        yield gauge("kv_total_pages", "KV pages in the cache.", sched.kv_total_pages)
+        yield gauge("radix_cached_tokens", "Tokens held by the radix tree.", sched.cached_tokens)
+        yield gauge("radix_locked_tokens", "Radix-tree tokens locked by running requests.",
+                    sched.locked_tokens)
+        yield counter("cache_hit_tokens", "Prompt tokens served from the radix cache.",
+                      sched.cache_hit_tokens)
+        yield counter("scheduled_prompt_tokens", "Prompt tokens admitted by the scheduler.",
+                      sched.prompt_tokens)
+        yield counter("retractions", "Requests retracted to the queue for lack of KV.",
+                      sched.num_retractions)
+        yield counter("steps", "Model steps run by the worker.", s.steps)
+        yield counter("computed_tokens", "Tokens run through the model.", s.computed_tokens)
+        yield counter("decode_steps", "Steps with decode rows.", s.decode_steps)
+        yield counter("cascade_steps", "Decode steps run with a cascade plan.", s.cascade_steps)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._runtime = _RuntimeCollector()
+        self.registry.register(self._runtime)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
+                                         "Tokens generated for finished requests.", registry=self.registry)
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests (one per choice).",
+                                ["finish_reason"], registry=self.registry)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                                     "Time between consecutive output tokens of a request.",
+                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self, stats: RuntimeStats | None) -> bytes:
+        """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics."""
+        self._runtime.stats = stats
+        return generate_latest(self.registry)

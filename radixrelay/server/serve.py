@@ -1,0 +1,67 @@
+"""Run the HTTP server: uvicorn with radixrelay's own signal handling.
+
+uvicorn's default SIGTERM handling closes the listening socket at once and re-raises the signal
+after shutdown; radixrelay instead drains (``ServerState.begin_drain``): new requests get 503 while
+in-flight ones finish, then the runtime stops and the server exits 0. A second SIGINT/SIGTERM
+cuts the drain short: in-flight requests end with an error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from radixrelay.config import EngineConfig, ServerConfig
+from radixrelay.server.app import ServerState, build_app
+
+logger = logging.getLogger("radixrelay.server")
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None],
+                 on_second_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_first_signal = on_first_signal
+        self._on_second_signal = on_second_signal
+        self._signals = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        loop = asyncio.get_running_loop()
+        for sig in _SIGNALS:
+            loop.add_signal_handler(sig, self._handle_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in _SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    def _handle_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("%s: draining", sig.name)
+            self._on_first_signal()
+        else:
+            logger.info("%s again: ending in-flight requests now", sig.name)
+            self._on_second_signal()
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Serve until drained or the runtime dies; returns the process exit code."""
+    state = ServerState(engine_config, config)
+    app = build_app(state)
+    server = _DrainingServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                       timeout_graceful_shutdown=int(config.drain_timeout) + 5),
+        on_first_signal=state.begin_drain, on_second_signal=state.hurry_drain)
+    state.request_exit = lambda: setattr(server, "should_exit", True)
+    asyncio.run(server.serve())
+    if not server.started:
+        return 1               # start-up failed (runtime or port); uvicorn logged why
+    return state.exit_code

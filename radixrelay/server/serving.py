@@ -1,0 +1,363 @@
+"""The OpenAI endpoints' logic: request -> choices on the runtime -> response or SSE stream.
+
+One HTTP request becomes ``len(prompts) * n`` runtime requests ("choices"), run concurrently by a
+``GenerationJob`` that merges their update streams. Choice ``i * n + j`` is sample ``j`` of prompt
+``i``; with a ``seed``, sample ``j`` uses ``seed + j`` so that the n samples differ but repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from radixrelay.runtime.async_client import AsyncRuntimeClient
+from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
+from radixrelay.runtime.messages import TokenUpdate
+from radixrelay.sampling_params import SamplingParams
+from radixrelay.server import openai_protocol as oa
+from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.server.metrics import ServerMetrics
+from radixrelay.server.output_text import OutputAssembler
+from radixrelay.server.sse import DONE, EventStreamResponse, event
+from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.worker.protocol import TokenLogprobs
+
+
+@dataclass
+class ServingContext:
+    client: AsyncRuntimeClient
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    model_name: str
+    max_n: int
+    metrics: ServerMetrics
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output: OutputAssembler
+    last_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    choice: Choice
+    item: TokenUpdate
+    delta: str
+
+
+def api_error(exc: Exception) -> oa.APIError:
+    """The HTTP error for an exception a generation ended with."""
+    if isinstance(exc, oa.APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return oa.APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, ValueError):
+        return oa.invalid(str(exc))
+    if isinstance(exc, RuntimeDiedError):
+        return oa.APIError(503, str(exc), type="server_error", code="runtime_unavailable")
+    return oa.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+
+
+class GenerationJob:
+    """The choices of one HTTP request, running concurrently; ``cancel`` aborts them all."""
+
+    def __init__(self, ctx: ServingContext, choices: list[Choice], cache_salt: str | None) -> None:
+        self.ctx = ctx
+        self.choices = choices
+        self.cache_salt = cache_salt
+        self.started = time.monotonic()
+        self._queue: asyncio.Queue[tuple[Choice, TokenUpdate | Exception]] = asyncio.Queue()
+        self._unfinished = len(choices)
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            async for item in self.ctx.client.generate(choice.prompt_ids, choice.sampling,
+                                                       cache_salt=self.cache_salt):
+                self._queue.put_nowait((choice, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised by next_event in the handler
+            self._queue.put_nowait((choice, exc))
+
+    async def next_event(self) -> Event | None:
+        """The next update of any choice; None once every choice finished. Raises the error a
+        choice failed with (rejection, runtime death, worker failure)."""
+        if not self._unfinished:
+            return None
+        choice, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        update = item.update
+        if update.error is not None:
+            raise RuntimeError(f"generation failed: {update.error}")
+        delta = choice.output.apply(item)
+        self._observe(choice, item)
+        if update.finished:
+            self._unfinished -= 1
+        return Event(choice, item, delta)
+
+    async def events(self) -> AsyncIterator[Event]:
+        while (ev := await self.next_event()) is not None:
+            yield ev
+
+    def cancel(self) -> None:
+        """Abort every unfinished choice (synchronous: safe from a cancelled task)."""
+        for task in self._tasks:
+            task.cancel()
+
+    def _observe(self, choice: Choice, item: TokenUpdate) -> None:
+        metrics, update = self.ctx.metrics, item.update
+        now = time.monotonic()
+        if update.token_ids:
+            if choice.last_token_at is None:
+                metrics.ttft.observe(now - self.started)
+            else:   # tokens released together (held back for a stop string) share the gap
+                gap = (now - choice.last_token_at) / len(update.token_ids)
+                for _ in update.token_ids:
+                    metrics.inter_token.observe(gap)
+            choice.last_token_at = now
+        if update.finished:
+            metrics.requests.labels(update.finish_reason or "abort").inc()
+            metrics.prompt_tokens.inc(update.prompt_tokens)
+            metrics.generation_tokens.inc(update.completion_tokens)
+
+
+def usage(choices: list[Choice]) -> oa.Usage:
+    """Each prompt counts once (its first choice's numbers), every choice's completion counts."""
+    firsts = {c.prompt_index: c for c in reversed(choices)}
+    prompt = sum(len(c.prompt_ids) for c in firsts.values())
+    cached = sum(c.output.last.cached_tokens for c in firsts.values() if c.output.last is not None)
+    completion = sum(c.output.last.completion_tokens for c in choices if c.output.last is not None)
+    return oa.Usage(prompt, completion, prompt + completion, oa.PromptTokensDetails(cached))
+
+
+# -- request -> choices -------------------------------------------------------------------------
+
+
+def _check_common(ctx: ServingContext, req: oa.GenerationRequest) -> None:
+    if req.model != ctx.model_name:
+        raise oa.invalid(f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+                         "model")
+    if not 1 <= req.n <= ctx.max_n:
+        raise oa.invalid(f"n must be in [1, {ctx.max_n}], got {req.n}", "n")
+
+
+def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, default: int | None,
+                prompt_param: str) -> int:
+    limit = ctx.client.info.max_context
+    if prompt_len >= limit:
+        raise oa.invalid(f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
+                         prompt_param)
+    if requested is None:
+        requested = default or min(limit, ctx.client.info.kv_cache_tokens) - prompt_len
+        if requested < 1:
+            raise oa.invalid(f"the prompt has {prompt_len} tokens, more than the KV cache holds "
+                             f"({ctx.client.info.kv_cache_tokens})", prompt_param)
+    if requested < 1:
+        raise oa.invalid(f"max_tokens must be >= 1, got {requested}", "max_tokens")
+    if prompt_len + requested > limit:
+        raise oa.invalid(f"this model's context is {limit} tokens; the prompt ({prompt_len} tokens) "
+                         f"plus max_tokens ({requested}) exceeds it", "max_tokens")
+    return requested
+
+
+def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[int]],
+             max_tokens: list[int], logprobs: int | None) -> list[Choice]:
+    out = []
+    for p, ids in enumerate(prompts):
+        for j in range(req.n):
+            seed = None if req.seed is None else req.seed + j
+            sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed)
+            out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp)))
+    return out
+
+
+def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
+    _check_common(ctx, req)
+    if ctx.chat_template is None:
+        raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
+                         "messages")
+    try:
+        text = ctx.chat_template.render(req.messages)
+    except ValueError as exc:
+        raise oa.invalid(str(exc), "messages") from None
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)   # the template has BOS if any
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _max_tokens(ctx, len(ids), requested, None, "messages")
+    return _choices(ctx, req, [ids], [max_tokens], req.num_logprobs)
+
+
+def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
+    _check_common(ctx, req)
+    if req.suffix is not None:
+        raise oa.invalid("suffix is not supported", "suffix")
+    if req.best_of not in (None, 1):
+        raise oa.invalid("best_of is not supported; use n", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise oa.invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    prompts = []
+    for prompt in oa.completion_prompts(req):
+        if isinstance(prompt, str):
+            ids = ctx.tokenizer.encode(prompt)
+        else:
+            ids = prompt
+            vocab = ctx.client.info.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise oa.invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise oa.invalid("prompt is empty", "prompt")
+        prompts.append(ids)
+    max_tokens = [_max_tokens(ctx, len(ids), req.max_tokens, 16, "prompt") for ids in prompts]
+    return _choices(ctx, req, prompts, max_tokens, req.logprobs)
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def _token_text(ctx: ServingContext, token_id: int) -> str:
+    return ctx.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(ctx: ServingContext, item_logprobs: list[TokenLogprobs],
+                   token_ids: list[int]) -> oa.ChatLogprobs:
+    content = []
+    for token_id, lp in zip(token_ids, item_logprobs):
+        text = _token_text(ctx, token_id)
+        top = [oa.TopLogprob(t := _token_text(ctx, tid), value, list(t.encode())) for tid, value in lp.top]
+        content.append(oa.ChatTokenLogprob(text, lp.logprob, list(text.encode()), top))
+    return oa.ChatLogprobs(content)
+
+
+def _completion_logprobs(ctx: ServingContext, item_logprobs: list[TokenLogprobs], token_ids: list[int],
+                         offset: int) -> oa.CompletionLogprobs:
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, item_logprobs):
+        text = _token_text(ctx, token_id)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({_token_text(ctx, tid): value for tid, value in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return oa.CompletionLogprobs(tokens, values, tops, offsets)
+
+
+async def run_to_end(job: GenerationJob) -> None:
+    try:
+        async for _ in job.events():
+            pass
+    finally:
+        job.cancel()
+
+
+def chat_response(ctx: ServingContext, job: GenerationJob) -> oa.ChatCompletion:
+    choices = []
+    for c in job.choices:
+        logprobs = None
+        if c.sampling.logprobs is not None:
+            logprobs = _chat_logprobs(ctx, c.output.logprobs, c.output.token_ids)
+        choices.append(oa.ChatChoice(c.index, oa.ChatMessage("assistant", c.output.text),
+                                     c.output.last.finish_reason, logprobs))
+    return oa.ChatCompletion(_id("chatcmpl"), int(time.time()), ctx.model_name, choices, usage(job.choices))
+
+
+def completion_response(ctx: ServingContext, job: GenerationJob, echo: bool) -> oa.Completion:
+    choices = []
+    for c in job.choices:
+        prefix = ctx.tokenizer.decode(c.prompt_ids) if echo else ""
+        logprobs = None
+        if c.sampling.logprobs is not None:
+            logprobs = _completion_logprobs(ctx, c.output.logprobs, c.output.token_ids, 0)
+        choices.append(oa.CompletionChoice(c.index, prefix + c.output.text,
+                                           c.output.last.finish_reason, logprobs))
+    return oa.Completion(_id("cmpl"), int(time.time()), ctx.model_name, choices, usage(job.choices))
+
+
+async def chat_stream(ctx: ServingContext, job: GenerationJob, first: Event,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    rid, created, model = _id("chatcmpl"), int(time.time()), ctx.model_name
+
+    def chunk(choices: list[oa.ChatChunkChoice], use: oa.Usage | None = None) -> bytes:
+        return event(oa.ChatCompletionChunk(rid, created, model, choices, use))
+
+    try:
+        for c in job.choices:
+            yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(role="assistant", content=""))])
+        ev: Event | None = first
+        while ev is not None:
+            update, c = ev.item.update, ev.choice
+            logprobs = None
+            if c.sampling.logprobs is not None and update.token_ids:
+                logprobs = _chat_logprobs(ctx, ev.item.logprobs or [], update.token_ids)
+            if ev.delta or logprobs is not None:
+                yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(content=ev.delta), None, logprobs)])
+            if update.finished:
+                yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(), update.finish_reason)])
+            ev = await job.next_event()
+        if include_usage:
+            yield chunk([], usage(job.choices))
+    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
+        yield event(api_error(exc).body())
+    finally:
+        job.cancel()
+    yield DONE
+
+
+async def completion_stream(ctx: ServingContext, job: GenerationJob, first: Event, echo: bool,
+                            include_usage: bool) -> AsyncIterator[bytes]:
+    rid, created, model = _id("cmpl"), int(time.time()), ctx.model_name
+    offsets = {c.index: 0 for c in job.choices}
+
+    def chunk(choices: list[oa.CompletionChoice], use: oa.Usage | None = None) -> bytes:
+        return event(oa.Completion(rid, created, model, choices, use))
+
+    try:
+        if echo:
+            for c in job.choices:
+                text = ctx.tokenizer.decode(c.prompt_ids)
+                yield chunk([oa.CompletionChoice(c.index, text, None)])
+        ev: Event | None = first
+        while ev is not None:
+            update, c = ev.item.update, ev.choice
+            logprobs = None
+            if c.sampling.logprobs is not None and update.token_ids:
+                logprobs = _completion_logprobs(ctx, ev.item.logprobs or [], update.token_ids,
+                                                offsets[c.index])
+            offsets[c.index] += len(ev.delta)
+            if ev.delta or logprobs is not None or update.finished:
+                yield chunk([oa.CompletionChoice(c.index, ev.delta, update.finish_reason, logprobs)])
+            ev = await job.next_event()
+        if include_usage:
+            yield chunk([], usage(job.choices))
+    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
+        yield event(api_error(exc).body())
+    finally:
+        job.cancel()
+    yield DONE
+
+
+async def start_stream(job: GenerationJob) -> Event:
+    """The first event, awaited before the response starts so that a rejected request still gets
+    its HTTP status (400, 429, 503) instead of a 200 stream holding an error."""
+    try:
+        first = await job.next_event()
+    except BaseException:
+        job.cancel()
+        raise
+    assert first is not None  # every choice ends with a finished update
+    return first
+
+
+def stream_response(body: AsyncIterator[bytes], job: GenerationJob) -> EventStreamResponse:
+    return EventStreamResponse(body, on_close=job.cancel)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+

@@ -1,0 +1,94 @@
+"""Test helper: run ``radixrelay serve`` as a real process on a free port, with its own TMPDIR
+(so the test can check that the private socket directory is gone afterwards)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+class ServerProcess:
+    def __init__(self, tmp_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.tmp_dir = tmp_dir
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "TMPDIR": str(tmp_dir)}
+        self.log = open(tmp_dir / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixrelay.cli", "serve", "--port", str(self.port),
+             "--log-level", "warning", *args],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.child_pids: list[int] = []
+
+    def wait_ready(self) -> ServerProcess:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    self.child_pids = children_of(self.proc.pid)
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.read_log()}")
+
+    def child(self, kind: str) -> int:
+        [pid] = [p for p in self.child_pids if f"radixrelay.runtime.{kind}_process" in cmdline(p)]
+        return pid
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return (self.tmp_dir / "server.log").read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        """Make sure nothing of this server is left running (used by fixtures' teardown)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)      # the second signal skips the drain
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.child_pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()

@@ -1,0 +1,313 @@
+"""The OpenAI-compatible server as a real process, driven by the official openai client.
+
+One server for the whole module (start-up loads the model); every test leaves it idle. Death,
+drain and queue limits have their own servers in ``test_lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.runtime.server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+API_KEY = "test-key-123"
+MAX_N = 4
+BODY_CAP = 64 * 1024
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("api"), "--kv-cache-tokens", "4096",
+                        "--api-key", API_KEY, "--max-n", str(MAX_N),
+                        "--max-body-bytes", str(BODY_CAP), "--served-model-name", "relay")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as h:
+        yield h
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(model="relay", messages=[{"role": "user", "content": content}], **kw)
+
+
+# -- endpoints ----------------------------------------------------------------------------------
+
+
+def test_models_health_metrics(client, http):
+    assert [m.id for m in client.models.list().data] == ["relay"]
+    assert http.get("/health").json() == {"status": "ok"}
+    text = http.get("/metrics").text
+    for name in ("radixrelay_num_requests_running", "radixrelay_num_requests_waiting",
+                 "radixrelay_kv_cache_usage_ratio", "radixrelay_cache_hit_tokens_total",
+                 "radixrelay_prompt_tokens_total", "radixrelay_generation_tokens_total",
+                 "radixrelay_time_to_first_token_seconds_bucket",
+                 "radixrelay_inter_token_latency_seconds_bucket", "radixrelay_cascade_steps_total"):
+        assert name in text, name
+
+
+def test_chat_completion(client, http):
+    before = metrics(http)
+    out = chat(client, "Say hello.", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and out.model == "relay"
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+    after = metrics(http)
+    assert after["radixrelay_generation_tokens_total"] - before["radixrelay_generation_tokens_total"] == 8
+    assert after["radixrelay_time_to_first_token_seconds_count"] > before["radixrelay_time_to_first_token_seconds_count"]
+
+
+def test_chat_stream_equals_non_stream(client, http):
+    kw = dict(max_tokens=12, temperature=0)
+    full = chat(client, "Name a fruit.", **kw)
+    stream = chat(client, "Name a fruit.", stream=True, stream_options={"include_usage": True}, **kw)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # The raw stream ends with [DONE].
+    body = {"model": "relay", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+
+
+def test_completions_stream_echo_and_token_prompt(client, server):
+    tokenizer_ids = client.completions.create(model="relay", prompt=PROMPTS[0], max_tokens=6,
+                                              temperature=0)
+    text = tokenizer_ids.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="relay", prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True))
+    assert streamed == text
+    echoed = client.completions.create(model="relay", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + text
+    echoed_stream = "".join(c.choices[0].text for c in client.completions.create(
+        model="relay", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, stream=True))
+    assert echoed_stream == PROMPTS[0] + text
+    # A batch of prompts, one as token ids: choices are ordered prompt-major.
+    batch = client.completions.create(model="relay", prompt=[PROMPTS[0], PROMPTS[2]], max_tokens=4,
+                                      temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == text[: len(batch.choices[0].text)]
+
+
+def test_n_seed_and_sampling_parameters(client):
+    kw = dict(model="relay", prompt="Once upon a time", max_tokens=10, temperature=1.0, top_p=0.9,
+              seed=1234, presence_penalty=0.5, frequency_penalty=0.3,
+              extra_body={"top_k": 40, "min_p": 0.05})
+    first = client.completions.create(n=3, **kw)
+    again = client.completions.create(n=3, **kw)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]    # seeded
+    assert len({c.text for c in first.choices}) > 1                             # seed + j per sample
+    single = client.completions.create(n=1, **kw)
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens          # the prompt counts once
+    assert 3 <= first.usage.completion_tokens <= 30
+
+
+def test_stop_strings_and_max_completion_tokens(client):
+    base = client.completions.create(model="relay", prompt=PROMPTS[2], max_tokens=12, temperature=0).choices[0].text
+    stop = base[3:6]
+    one = client.completions.create(model="relay", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=stop)
+    assert one.choices[0].finish_reason == "stop" and one.choices[0].text == base[: base.index(stop)]
+    many = client.completions.create(model="relay", prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                     stop=["zzz", stop])
+    assert many.choices[0].text == one.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="relay", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=[stop], stream=True))
+    assert streamed == one.choices[0].text
+    capped = chat(client, "Count to ten.", max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+
+
+def test_logprobs(client):
+    out = chat(client, "Say yes.", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens or len(content) == out.usage.completion_tokens - 1
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        assert tok.top_logprobs[0].logprob >= tok.logprob - 1e-5     # greedy: the best token
+    comp = client.completions.create(model="relay", prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text
+    assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="relay", prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2, stream=True)
+        if c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_cached_tokens_and_cache_salt(client, http):
+    prompt = " ".join(f"shared{i}" for i in range(80))
+    client.completions.create(model="relay", prompt=prompt, max_tokens=1)
+    hits_before = metrics(http)["radixrelay_cache_hit_tokens_total"]
+    again = client.completions.create(model="relay", prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+    assert metrics(http)["radixrelay_cache_hit_tokens_total"] - hits_before >= 128
+    salted = client.completions.create(model="relay", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    salted = client.completions.create(model="relay", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    assert salted.usage.prompt_tokens_details.cached_tokens >= 128
+    other = client.completions.create(model="relay", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_flush_cache(client, http):
+    prompt = " ".join(f"flush{i}" for i in range(60))
+    client.completions.create(model="relay", prompt=prompt, max_tokens=1)
+    assert http.post("/flush_cache").json() == {"flushed": True}
+    assert metrics(http)["radixrelay_radix_cached_tokens"] == 0
+    out = client.completions.create(model="relay", prompt=prompt, max_tokens=1)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _assert_kv_freed(http: httpx.Client) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = metrics(http)
+        if m["radixrelay_num_requests_running"] == 0 and m["radixrelay_kv_used_pages"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["radixrelay_num_requests_running"] == 0
+    assert m["radixrelay_kv_used_pages"] == 0          # aborted: nothing kept, nothing leaked
+
+
+LONG_BODY = {"model": "relay", "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+             "temperature": 0, "ignore_eos": True}
+
+
+def test_disconnect_mid_stream_frees_kv(http):
+    assert http.post("/flush_cache").status_code == 200
+    with http.stream("POST", "/v1/completions", json={**LONG_BODY, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(8)) if line.startswith("data:")]
+        assert got
+        assert metrics(http)["radixrelay_num_requests_running"] == 1
+    _assert_kv_freed(http)
+
+
+def test_disconnect_while_waiting_for_a_full_response_frees_kv(server, http):
+    assert http.post("/flush_cache").status_code == 200
+    with pytest.raises(httpx.ReadTimeout):     # the client gives up and closes the connection
+        httpx.post(f"{server.base_url}/v1/completions", json=LONG_BODY, timeout=1.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    _assert_kv_freed(http)
+
+
+def test_server_equals_offline_engine(client):
+    from radixrelay import Engine, SamplingParams
+
+    served = [client.completions.create(model="relay", prompt=p, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    with Engine(kv_cache_tokens=2048) as engine:
+        offline = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert served == [o.text for o in offline]
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+LONG = "word " * 9000          # more tokens than the model's 8192-token context
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "3"}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "n": MAX_N + 1}, "n"),
+    ("/v1/chat/completions", {"model": "relay", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, "max_tokens"),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "max_tokens": 8192}, "max_tokens"),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"model": "relay", "prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"model": "relay", "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": "relay"}, None),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "stream": "yes"}, "stream"),
+])
+def test_invalid_requests_get_400(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert http.get("/health").status_code == 200
+
+
+def test_prompt_longer_than_context_gets_400(client, http):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="relay", prompt=LONG, max_tokens=4)
+    assert "context" in str(info.value)
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_body_over_cap_gets_413(http):
+    body = {"model": "relay", "prompt": "x" * (BODY_CAP + 10), "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert http.get("/health").status_code == 200
+
+
+def test_api_key_required(server):
+    body = {"model": "relay", "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(f"{server.base_url}/flush_cache").status_code == 401
+    assert httpx.get(f"{server.base_url}/health").status_code == 200        # health is open
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_errors_leave_metrics_consistent(http):
+    m = metrics(http)
+    assert m["radixrelay_num_requests_running"] == 0 and m["radixrelay_num_requests_waiting"] == 0
+    assert re.search(r"radixrelay_kv_total_pages \d", http.get("/metrics").text)
