@@ -12,9 +12,28 @@ One step, end to end::
 ``input_ids`` holds each request's tokens ``[start, start + num_new)``, packed in request order.
 """
 
-from radixrelay.model.config import ModelConfig, RopeScaling
-from radixrelay.model.llama import LlamaForCausalLM
-from radixrelay.model.loader import load_model
-from radixrelay.model.registry import resolve_model_path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixrelay.model.config import ModelConfig, RopeScaling
+    from radixrelay.model.llama import LlamaForCausalLM
+    from radixrelay.model.loader import load_model
+    from radixrelay.model.registry import resolve_model_path
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "RopeScaling", "load_model", "resolve_model_path"]
+
+# Imported lazily: torch-free processes (scheduler, HTTP server) use ``registry`` and ``config``
+# without paying for torch.
+_HOMES = {
+    "ModelConfig": "config", "RopeScaling": "config", "LlamaForCausalLM": "llama",
+    "load_model": "loader", "resolve_model_path": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'radixrelay.model' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"radixrelay.model.{home}"), name)
