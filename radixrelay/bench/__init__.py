@@ -1,0 +1,2 @@
+"""Serving benchmark (``benchmarks/bench_serving.py``): workloads, Poisson arrivals, a timing
+OpenAI-compatible client, metrics, reports and plots."""
