@@ -4,6 +4,8 @@ Contract, per model step:
 1. the model writes each layer's new K/V into ``kv_cache`` at ``batch.out_slots`` (``KVCache.store``);
 2. it calls ``backend.forward(q, layer_id, kv_cache, batch)`` which returns ``o: [T, Hq, D]``,
    each new token attending its request's cached prefix plus the new tokens up to itself.
+   With ``batch.cascade`` the same result is computed in parts: every shared run of KV once for its
+   group of rows, each request's ``[kv_start, seq_len)`` on its own, merged by LSE (exact).
 
 Per-step preparation (index plans, kernel workspaces) depends only on the batch, not the layer:
 backends build it on the first layer call for a batch and reuse it for the others.
@@ -12,11 +14,12 @@ backends build it on the first layer call for a batch and reuse it for the other
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from radixrelay.attention.kv_cache import KVCache
-from radixrelay.attention.metadata import ForwardBatch
+from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.reference import AttentionPlan, attend_planned, plan_attention
 
 
@@ -34,21 +37,52 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not return the LSE")
 
 
+def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """``triton`` (the kernels: CUDA, or the CPU under TRITON_INTERPRET=1) or ``torch`` (reference)."""
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        from radixrelay.attention.triton_backend import TritonBackend   # keeps triton out of torch-only use
+
+        return TritonBackend(overlap=torch.device(device).type == "cuda")
+    raise ValueError(f"attention backend must be triton or torch, got {name!r}")
+
+
+@dataclass(frozen=True)
+class _SharedPart:
+    plan: AttentionPlan     # groups as requests: rows attend positions [0, kv_len) of the group's run
+    rows: torch.Tensor      # int64 [R] flat token row of each of the plan's query rows
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    own: AttentionPlan
+    shared: tuple[_SharedPart, ...]
+
+
 class TorchBackend(AttentionBackend):
     """Reference backend: batched torch ops over a padded gather (see ``reference.py``)."""
 
     def __init__(self, sm_scale: float | None = None) -> None:
         self.sm_scale = sm_scale
         self._batch: ForwardBatch | None = None
-        self._plan: AttentionPlan | None = None
+        self._plan: _StepPlan | None = None
 
-    def _plan_for(self, batch: ForwardBatch) -> AttentionPlan:
+    def _plan_for(self, batch: ForwardBatch) -> _StepPlan:
         if batch is not self._batch or self._plan is None:
-            self._plan = plan_attention(
+            cascade = batch.cascade
+            own = plan_attention(
                 batch.page_table, batch.page_size, batch.q_indptr, batch.prefix_lens,
-                max_q_len=batch.max_q_len, max_kv_len=batch.max_seq_len,
-                num_tokens=batch.num_tokens,
+                None if cascade is None else cascade.kv_start,
+                max_q_len=batch.max_q_len, max_kv_len=batch.max_seq_len, num_tokens=batch.num_tokens,
             )
+            shared = []
+            if cascade is not None and cascade.prefill is not None:
+                shared.append(_shared_part(cascade.prefill, batch.page_size, 0))
+            if cascade is not None and cascade.decode is not None:
+                first_decode_row = batch.num_tokens - batch.num_decodes
+                shared.append(_shared_part(cascade.decode, batch.page_size, first_decode_row))
+            self._plan = _StepPlan(own, tuple(shared))
             self._batch = batch
         return self._plan
 
@@ -56,9 +90,47 @@ class TorchBackend(AttentionBackend):
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan_for(batch)
-        return attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan, self.sm_scale)
+        k, v = kv_cache.k[layer_id], kv_cache.v[layer_id]
+        o, lse = attend_planned(q, k, v, plan.own, self.sm_scale)
+        if not plan.shared:
+            return o, lse
+        parts = [(o, lse, torch.arange(q.shape[0], device=q.device))]
+        for part in plan.shared:
+            parts.append((*attend_planned(q[part.rows], k, v, part.plan, self.sm_scale), part.rows))
+        return merge_rows(parts, q.shape[0])
 
     def forward(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
     ) -> torch.Tensor:
         return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+
+
+def _shared_part(runs: SharedRuns, page_size: int, row_offset: int) -> _SharedPart:
+    """Each group is one 'request' whose rows sit past its run (so the causal mask allows all of it)."""
+    pages = torch.arange(max(runs.max_pages, 1), device=runs.kv_pages.device)
+    index = (runs.kv_indptr[:-1, None].long() + pages).clamp(max=runs.kv_pages.shape[0] - 1)
+    page_table = runs.kv_pages[index]                                   # [G, max_pages], padded
+    plan = plan_attention(page_table, page_size, runs.q_indptr, runs.kv_lens, kv_end=runs.kv_lens,
+                          max_q_len=runs.max_rows, max_kv_len=runs.max_kv_len,
+                          num_tokens=runs.q_rows.shape[0])
+    return _SharedPart(plan, runs.q_rows.long() + row_offset)
+
+
+def merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial states by LSE: each part is (o [P, H, D], lse [P, H], rows int64 [P]) and row
+    ``rows[p]`` of the result merges every part row aimed at it. Empty parts (lse = -inf) drop out;
+    a row with no non-empty part gets (0, -inf). Accumulates in lse's dtype."""
+    o_all = torch.cat([p[0] for p in parts])
+    lse_all = torch.cat([p[1] for p in parts])
+    dest = torch.cat([p[2] for p in parts])
+    heads, head_dim = o_all.shape[1:]
+    m = lse_all.new_full((num_rows, heads), float("-inf"))
+    m = m.scatter_reduce(0, dest[:, None].expand(-1, heads), lse_all, reduce="amax")
+    m = torch.where(m.isinf(), 0.0, m)
+    w = torch.exp(lse_all - m[dest])                                   # [P, H], 0 for empty parts
+    total = lse_all.new_zeros((num_rows, heads)).index_add_(0, dest, w)
+    weighted = torch.where(w[..., None] > 0, o_all.to(w.dtype) * w[..., None], 0.0)
+    acc = w.new_zeros((num_rows, heads, head_dim)).index_add_(0, dest, weighted)
+    o = acc / torch.where(total == 0, 1.0, total)[..., None]
+    return o.to(o_all.dtype), m + torch.log(total)

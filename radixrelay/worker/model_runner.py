@@ -7,20 +7,30 @@ sample). Loading lives in ``radixrelay.model.loader``, batch packing in
 The request table mirrors the scheduler's view (``protocol.py`` states the invariants): for every
 resident request, its tokens (prompt + everything sampled so far) and its page list. A decode
 computes the request's last known token, whose position is ``len(tokens) - 1``.
+
+Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
+cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixrelay.attention import AttentionBackend, KVCache
-from radixrelay.attention.metadata import BatchRequest, build_forward_batch
+from radixrelay.attention.metadata import (BatchRequest, DevicePageTable, ForwardBatch, build_forward_batch,
+                                           build_shared_runs)
+from radixrelay.cascade.batch import DecodeRunsCache, prefill_runs
+from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.protocol import StepOutput, StepPlan
 from radixrelay.worker.sampling import Sampler, SamplingTensors
+
+if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
+    from radixrelay.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -33,7 +43,10 @@ class _Resident:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 *, seed: int = 0) -> None:
+                 *, seed: int = 0, prefill_cost: CostModel | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
+        """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
+        ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -43,6 +56,10 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(generator)
         self._table: dict[int, _Resident] = {}
+        self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
+        self.prefill_cost = prefill_cost
+        self._decode_runs = DecodeRunsCache(self.page_size, self.device)
+        self.graphs = graphs
 
     @property
     def num_resident(self) -> int:
@@ -59,12 +76,15 @@ class ModelRunner:
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for rid in plan.released:
-            self._table.pop(rid, None)
+            if self._table.pop(rid, None) is not None:
+                self._page_table.release(rid)
         for req in plan.admitted:
             self._table[req.rid] = _Resident(list(req.token_ids), req.num_prompt_tokens,
                                              list(req.pages), req.sampling)
+            self._page_table.admit(req.rid, req.pages)
         for append in plan.page_appends:
             self._table[append.rid].pages.extend(append.pages)
+            self._page_table.append(append.rid, append.pages)
 
     def _compute(self, plan: StepPlan) -> StepOutput:
         # Rows of the flat batch: every extend chunk, then every decode (one token each).
@@ -85,9 +105,12 @@ class ModelRunner:
         if not work:
             return StepOutput(plan.step_id, [], [])
 
-        batch = build_forward_batch(work, self.page_size, self.device)
+        batch = self._batch(plan, work)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model(ids, batch, self.kv_cache, self.backend)       # [len(samplers), V]
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(ids, batch)                             # [len(samplers), V]
+        else:
+            logits = self.model(ids, batch, self.kv_cache, self.backend)
         if not samplers:
             return StepOutput(plan.step_id, [], [])
 
@@ -101,3 +124,21 @@ class ModelRunner:
             res.token_ids.append(token)
         logprobs = None if out.logprobs is None else out.logprobs.to_protocol(tensors.num_logprobs)
         return StepOutput(plan.step_id, samplers, token_ids, logprobs)
+
+    def _batch(self, plan: StepPlan, work: list[BatchRequest]) -> ForwardBatch:
+        num_extends = len(plan.extends)
+        decode_shared = prefill_shared = None
+        if plan.cascade is not None and plan.decodes:
+            decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, lambda rid: self._table[rid].pages)
+        extend_start = [0] * num_extends
+        if self.prefill_cost is not None and num_extends > 1:
+            runs, extend_start = prefill_runs(work[:num_extends], self.prefill_cost, self.page_size)
+            prefill_shared = build_shared_runs(runs, self.device)
+        kv_start = None
+        if decode_shared is not None or prefill_shared is not None:
+            own = plan.cascade.own_start if decode_shared is not None else {}
+            kv_start = extend_start + [own.get(rid, 0) for rid in plan.decodes]
+        page_table = self._page_table.gather([item.rid for item in plan.extends] + plan.decodes)
+        return build_forward_batch(work, self.page_size, self.device, page_table=page_table,
+                                   num_decodes=len(plan.decodes),
+                                   kv_start=kv_start, decode_runs=decode_shared, prefill_runs=prefill_shared)

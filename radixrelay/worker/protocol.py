@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from radixrelay.cascade.plan import CascadePlan
 from radixrelay.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     page_appends: list[PageAppend] = []
     extends: list[ExtendItem] = []          # prefill / chunked prefill / resume work
     decodes: list[int] = []                 # rids computing one token: their last known token
-    cascade: object | None = None           # cascade plan for the decode rows (later: typed struct)
+    cascade: CascadePlan | None = None      # shared levels of the decode rows (radixrelay.cascade.plan)
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):

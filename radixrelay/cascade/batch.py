@@ -1,0 +1,96 @@
+"""Worker side: a step's ``CascadePlan`` (decode rows) and the extend rows' shared cached pages
+(prefill) turned into the ``CascadeBatch`` of its ``ForwardBatch``.
+
+Decode: the scheduler's groups name rids; here they become decode-row indices and page runs read from
+the first member's page list. The device tensors are kept while the plan and the decode order repeat
+(steady decode: the plan object is reused by the planner), so the per-step cost is then one
+comparison.
+
+Prefill (RelayAttention's prompt phase): extend rows whose cached prefixes begin with the same pages
+share those pages' KV; the longest common run of cached pages of each such set becomes one shared run
+attended once for all their new tokens, if the cost model accepts it (per run, then all runs
+together; savings counted per request as in decode, a lower bound for a kernel that re-reads the
+prefix per query tile). One level: sets are keyed by their first page. Work is O(cached pages of the extend rows), within the O(new tokens) of an extend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs
+from radixrelay.cascade.cost import CostModel
+from radixrelay.cascade.plan import CascadePlan
+
+PagesOf = Callable[[int], Sequence[int]]   # rid -> its page list
+
+
+def decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf,
+                page_size: int) -> list[SharedRun]:
+    """One run per group, rows = indices into ``decode_rids``; checks that members hold the run's pages."""
+    index = {rid: i for i, rid in enumerate(decode_rids)}
+    runs = []
+    for g in plan.groups:
+        lo, hi = g.start // page_size, -(-(g.start + g.num_tokens) // page_size)
+        pages = list(pages_of(g.rids[0])[lo:hi])
+        if g.start % page_size or len(pages) != hi - lo:
+            raise ValueError(f"cascade group at {g.start}+{g.num_tokens}: not page aligned or past the pages")
+        for rid in g.rids[1:]:
+            if pages_of(rid)[lo:hi] != pages:
+                raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
+        runs.append(SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens))
+    return runs
+
+
+def prefill_runs(extends: Sequence[BatchRequest], cost: CostModel,
+                 page_size: int) -> tuple[list[SharedRun], list[int]]:
+    """Shared cached runs of the extend rows: (runs with flat token rows, kv_start per extend row)."""
+    by_first: dict[int, list[int]] = {}
+    for i, r in enumerate(extends):
+        if r.start >= page_size:
+            by_first.setdefault(r.pages[0], []).append(i)
+    offsets = [0]
+    for r in extends:
+        offsets.append(offsets[-1] + r.num_new)
+    runs, kv_start, saved = [], [0] * len(extends), 0
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        first = extends[members[0]].pages
+        common = min(extends[i].start for i in members) // page_size
+        for i in members[1:]:
+            common = _common_prefix(first, extends[i].pages, common)
+        tokens = common * page_size
+        if not cost.worth_group(len(members), tokens):
+            continue
+        saved += (len(members) - 1) * tokens
+        rows = [t for i in members for t in range(offsets[i], offsets[i + 1])]
+        runs.append(SharedRun(rows, list(first[:common]), tokens))
+        for i in members:
+            kv_start[i] = tokens
+    if not cost.worth_plan(saved):
+        return [], [0] * len(extends)
+    return runs, kv_start
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class DecodeRunsCache:
+    """Device tensors of the last decode plan, reused while (plan, decode order) repeat."""
+
+    def __init__(self, page_size: int, device) -> None:
+        self.page_size = page_size
+        self.device = device
+        self._key: tuple[CascadePlan, tuple[int, ...]] | None = None
+        self._runs: SharedRuns | None = None
+
+    def get(self, plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf) -> SharedRuns | None:
+        key = (plan, tuple(decode_rids))
+        if key != self._key:
+            self._runs = build_shared_runs(decode_runs(plan, decode_rids, pages_of, self.page_size), self.device)
+            self._key = key
+        return self._runs

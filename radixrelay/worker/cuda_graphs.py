@@ -1,0 +1,236 @@
+"""Decode steps as CUDA graphs, cascade included.
+
+A pure-decode step of B requests runs on fixed buffers padded to a batch bucket (1, 2, 4, 8, 16, 24, 32,
+then multiples of 16 up to ``max_batch``): token ids, positions, KV slots, page table, own KV range, and
+the cascade's shared runs padded to powers of two (groups, rows, pages; an empty group attends nothing).
+Flat decode is the same launch with no groups. The kernels' launch shape (split counts and chunk sizes,
+query tiles, tile config) is baked into a graph: it is what ``plan_cascade`` picks for the step's size
+class (bucket, groups, rows, largest group, longest run, own KV length rounded up to a power of two, so
+that a growing suffix rarely changes it), computed once per class. Graphs are keyed by (bucket, padded
+sizes, launch shape) and captured on first use; in steady decode a step is a few buffer copies and one
+replay, without a device sync (the shared runs and merge index are refilled only when the plan changes).
+Padded rows write their K/V to a scratch slot that no request owns and attend nothing.
+
+On the CPU the same buffers and plans run eagerly (no capture): the padding logic is tested there
+with the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from radixrelay.attention.kv_cache import KVCache
+from radixrelay.attention.metadata import ForwardBatch, SharedRuns
+from radixrelay.attention.triton_backend import TritonBackend
+from radixrelay.kernels import CascadePlan, plan_cascade
+from radixrelay.model.llama import LlamaForCausalLM
+
+_LaunchShape = tuple   # the plan's host-side launch parameters
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_batch]
+    return small + list(range(48, max_batch, 16)) + [max_batch]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None   # None on the CPU: "replay" runs the forward eagerly
+    ids: torch.Tensor                    # int64 [bs]
+    batch: ForwardBatch                  # fixed tensors, bs decode rows
+    kv_start: torch.Tensor               # int32 [bs]
+    plan: CascadePlan                    # over fixed tensors
+    logits: torch.Tensor | None = None   # [bs, V] output of the captured forward
+    runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
+    num: int = -1                        # ... for this many real rows
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TritonBackend, *,
+                 max_batch: int, max_pages: int, scratch_slot: int, max_graphs: int = 16) -> None:
+        """``max_pages``: page-table width (pages of the longest request); ``scratch_slot``: a KV slot
+        outside every request's pages, written by padded rows."""
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.max_batch, self.max_pages, self.scratch_slot = max_batch, max_pages, scratch_slot
+        self.buckets = batch_buckets(max_batch)
+        self.device = kv_cache.device
+        cfg = model.config
+        self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          page_size=kv_cache.page_size)
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._shapes: dict[tuple, CascadePlan] = {}     # size class -> plan whose launch shape graphs use
+        self._no_groups = _groups(None, self.device)
+        self._zero_rows = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self._max_graphs = max_graphs
+        self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.captures = 0
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return (batch.num_decodes == batch.num_requests <= self.max_batch
+                and batch.page_table.shape[1] <= self.max_pages)
+
+    def run(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """logits [B, V] of a decode-only batch (a view of the graph's output: read it before the next run)."""
+        num = batch.num_requests
+        bs = next(b for b in self.buckets if b >= num)
+        cascade = batch.cascade
+        runs = cascade.decode if cascade is not None else None
+        kv_start = cascade.kv_start if cascade is not None else self._zero_rows[:num]
+        own_len = cascade.max_own_len if cascade is not None else batch.max_seq_len
+        groups = _groups(runs, self.device) if runs is not None else self._no_groups
+        shape_key = (bs, groups[4].numel(), groups[1].numel(), 0 if runs is None else runs.max_rows,
+                     0 if runs is None else runs.max_kv_len, _pow2(own_len))
+        shape = self._shapes.get(shape_key)
+        if shape is None:       # the kernels' launch choice for this size class (device syncs: only here)
+            if len(self._shapes) > 256:
+                self._shapes.clear()
+            # own KV length rounded up to a power of two, so that a growing suffix rarely changes the key
+            own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
+            shape = self._shapes[shape_key] = plan_cascade(
+                *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
+                **self.heads)
+        caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
+        key = (bs, caps, _launch_shape(shape))
+        g = self._graphs.get(key)
+        fresh = g is None
+        if fresh:
+            g = self._buffers(bs, caps, shape)
+        self._fill_rows(g, ids, batch, kv_start)
+        if g.runs is not runs or g.num != num or fresh:
+            self._fill_groups(g, groups, num)
+            g.runs = runs
+        if fresh:
+            self._capture(g)
+            self._graphs[key] = g
+            if len(self._graphs) > self._max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+            self._replay(g)
+        return g.logits[:num]
+
+    # -- buffers -----------------------------------------------------------------------------------
+
+    def _buffers(self, bs: int, caps: tuple[int, int, int], shape: CascadePlan) -> _Graph:
+        num_groups, num_rows, num_pages = caps
+        i32 = dict(dtype=torch.int32, device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        seq_lens = torch.zeros(bs, **i32)
+        page_table = torch.zeros(bs, self.max_pages, **i32)
+        batch = ForwardBatch(
+            page_size=self.kv_cache.page_size, q_indptr=torch.arange(bs + 1, **i32),
+            prefix_lens=torch.zeros(bs, **i32), seq_lens=seq_lens, page_table=page_table,
+            positions=torch.zeros(bs, **i64), out_slots=torch.full((bs,), self.scratch_slot, **i64),
+            logits_indices=torch.arange(bs, **i64), max_q_len=1,
+            max_seq_len=self.max_pages * self.kv_cache.page_size, num_decodes=bs)
+        kv_start = torch.zeros(bs, **i32)
+        nnz = num_rows * shape.shared_splits + bs * shape.own_splits
+        plan = dataclasses.replace(   # the size class's launch shape over fixed, padded tensors
+            shape, q_indptr=torch.zeros(num_groups + 1, **i32), q_rows=torch.zeros(num_rows, **i32),
+            kv_indptr=torch.zeros(num_groups + 1, **i32), kv_pages=torch.zeros(num_pages, **i32),
+            kv_lens=torch.zeros(num_groups, **i32), page_table=page_table, kv_start=kv_start, kv_end=seq_lens,
+            merge_indptr=torch.zeros(bs + 1, **i32), merge_part_ids=torch.zeros(max(nnz, 1), **i32))
+        return _Graph(None, torch.zeros(bs, **i64), batch, kv_start, plan)
+
+    def _fill_rows(self, g: _Graph, ids: torch.Tensor, batch: ForwardBatch, kv_start: torch.Tensor) -> None:
+        """Per-row inputs, every step; padded rows write the scratch slot and attend nothing."""
+        num, width = batch.num_requests, batch.page_table.shape[1]
+        sb = g.batch
+        for pad, value in ((g.ids, 0), (sb.positions, 0), (sb.out_slots, self.scratch_slot), (sb.prefix_lens, 0),
+                           (sb.seq_lens, 0), (g.kv_start, 0)):
+            pad[num:].fill_(value)
+        g.ids[:num].copy_(ids)
+        sb.positions[:num].copy_(batch.positions)
+        sb.out_slots[:num].copy_(batch.out_slots)
+        sb.prefix_lens[:num].copy_(batch.prefix_lens)
+        sb.seq_lens[:num].copy_(batch.seq_lens)
+        sb.page_table[:num, :width].copy_(batch.page_table)
+        g.kv_start[:num].copy_(kv_start)
+
+    def _fill_groups(self, g: _Graph, groups: tuple[torch.Tensor, ...], num: int) -> None:
+        """The shared runs and the merge index: only when the step's runs or batch size changed."""
+        p = g.plan
+        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens = groups
+        num_groups, rows = kv_lens.numel(), q_rows.numel()
+        p.q_indptr[:num_groups + 1].copy_(q_indptr)
+        p.q_indptr[num_groups + 1:].fill_(rows)            # padded groups: no rows ...
+        p.kv_indptr[:num_groups + 1].copy_(kv_indptr)
+        p.kv_indptr[num_groups + 1:].fill_(kv_pages.numel())
+        p.kv_lens[:num_groups].copy_(kv_lens)
+        p.kv_lens[num_groups:].zero_()                     # ... and no KV
+        p.q_rows[:rows].copy_(q_rows)
+        p.kv_pages[:kv_pages.numel()].copy_(kv_pages)
+        indptr, part_ids = _merge_index(q_rows.tolist(), g.batch.num_requests, p.q_rows.numel(),
+                                        p.shared_splits, p.own_splits)
+        p.merge_indptr.copy_(torch.tensor(indptr, dtype=torch.int32).to(self.device, non_blocking=True))
+        p.merge_part_ids[:len(part_ids)].copy_(torch.tensor(part_ids, dtype=torch.int32).to(self.device,
+                                                                                            non_blocking=True))
+        g.num = num
+
+    # -- capture / replay --------------------------------------------------------------------------
+
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        self.backend.bind(g.batch, g.kv_start, g.plan)
+        return self.model(g.ids, g.batch, self.kv_cache, self.backend)
+
+    def _capture(self, g: _Graph) -> None:
+        self.captures += 1
+        if self.device.type != "cuda":
+            g.logits = self._forward(g)
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            g.logits = self._forward(g)          # warm-up (compiles kernels); the same step's work, so harmless
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self._pool):
+            g.logits = self._forward(g)
+        g.graph.replay()
+
+    def _replay(self, g: _Graph) -> None:
+        if g.graph is None:
+            g.logits = self._forward(g)
+        else:
+            g.graph.replay()
+
+
+def _groups(runs, device) -> tuple[torch.Tensor, ...]:
+    """(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens) of the decode runs; empty (flat) without."""
+    if runs is not None:
+        return runs.q_indptr, runs.q_rows, runs.kv_indptr, runs.kv_pages, runs.kv_lens
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    return zero, empty, zero, empty, empty
+
+
+def _launch_shape(plan: CascadePlan) -> _LaunchShape:
+    return (plan.m_tiles, plan.shared_splits, plan.shared_chunk, plan.own_splits, plan.own_chunk,
+            plan.shared_config)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _merge_index(q_rows: list[int], bs: int, rows_cap: int, shared_splits: int,
+                 own_splits: int) -> tuple[list[int], list[int]]:
+    """The cascade kernel's parts layout over padded sizes: shared row i, split s is part
+    i * shared_splits + s (rows_cap rows), then request b's own split s is part
+    rows_cap * shared_splits + b * own_splits + s; request b merges its shared rows' parts, then its own."""
+    rows_of: list[list[int]] = [[] for _ in range(bs)]
+    for i, b in enumerate(q_rows):
+        rows_of[b].append(i)
+    base = rows_cap * shared_splits
+    indptr, ids = [0], []
+    for b in range(bs):
+        for i in rows_of[b]:
+            ids.extend(range(i * shared_splits, (i + 1) * shared_splits))
+        ids.extend(range(base + b * own_splits, base + (b + 1) * own_splits))
+        indptr.append(len(ids))
+    return indptr, ids

@@ -1,0 +1,87 @@
+"""Cascade on the GPU (run with ``-m gpu`` on a CUDA machine; benchmarks/gpu_cascade.sh does).
+
+- bf16 at Llama-3-8B attention shapes: cascade (both phases) is within the error of flat attention,
+  both measured against a float64 reference of the flat batch;
+- CUDA graphs: decode steps replayed from graphs (flat and cascaded, padded batches) give the logits of
+  the same steps run eagerly, and the same greedy tokens (fp32, so that the graphs' different KV split
+  choices stay far below any argmax margin).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from radixrelay.attention.backend import TorchBackend, make_backend
+from radixrelay.model import load_model
+from tests.cascade.harness import run_workload
+from tests.cascade.test_exactness import CFG, prompt_tree
+from tests.cascade.trees import random_scenario
+
+pytestmark = pytest.mark.gpu
+
+
+def _to(cache, dtype, device):
+    out = copy.copy(cache)
+    out.k = [t.to(device=device, dtype=dtype) for t in cache.k]
+    out.v = [t.to(device=device, dtype=dtype) for t in cache.v]
+    return out
+
+
+def _on(batch, device):
+    import dataclasses
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if dataclasses.is_dataclass(x):
+            return dataclasses.replace(x, **{f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        return x
+    return move(batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_cascade_within_flat_error(seed):
+    rng = random.Random(seed)
+    sc = random_scenario(rng, page_size=16, num_extends=3, num_decodes=48, heads=(32, 8), head_dim=128,
+                         dtype=torch.float64)
+    assert sc.num_groups > 0
+    q64 = torch.randn(sc.flat.num_tokens, 32, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    ref, _ = TorchBackend().forward_with_lse(q64, 0, sc.cache, sc.flat)
+    cache = _to(sc.cache, torch.bfloat16, "cuda")
+    q = q64.to("cuda", torch.bfloat16)
+    backend = make_backend("triton", "cuda")
+    errors = {}
+    for name, batch in (("flat", sc.flat), ("cascade", sc.cascaded)):
+        o = backend.forward(q, 0, cache, _on(batch, "cuda"))
+        errors[name] = ((o.double().cpu() - ref).norm() / ref.norm()).item()
+    assert errors["flat"] < 1e-2
+    assert errors["cascade"] <= 1.5 * errors["flat"] + 1e-3, errors
+
+
+@pytest.fixture(scope="module")
+def llama_fp32():
+    net, _ = load_model(CFG, device="cuda", dtype=torch.float32, seed=11)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(6.0 if p.dim() == 2 else 1.0)
+    return net
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_cuda_graphs_equal_eager(llama_fp32, mode):
+    waves = prompt_tree(random.Random(3), system_len=40, problems=3, samples=5)
+    eager = run_workload(llama_fp32, waves, mode=mode, max_tokens=6, page_size=16,
+                         backend=make_backend("triton", "cuda"))
+    graphed = run_workload(llama_fp32, waves, mode=mode, max_tokens=6, page_size=16,
+                           backend=make_backend("triton", "cuda"), graph_max_batch=32)
+    assert graphed.graphs.captures >= 1
+    assert graphed.tokens == eager.tokens
+    for a, b in zip(eager.logits, graphed.logits):
+        for rid in a:
+            torch.testing.assert_close(b[rid], a[rid], rtol=1e-4, atol=1e-4)
+    if mode == "on":
+        assert graphed.planner.counters.cascade_steps > 0
