@@ -38,10 +38,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests waiting for admission; more get HTTP 429 (default: %(default)s)")
     g.add_argument("--chunked-prefill-tokens", type=int, default=2048,
                    help="per-step token budget of prefill chunks (default: %(default)s)")
-    g.add_argument("--attention-backend", default="torch", choices=ATTENTION_BACKENDS,
-                   help="attention implementation (default: %(default)s)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention implementation; auto: triton on CUDA, torch on CPU "
+                        "(default: %(default)s)")
     g.add_argument("--cascade", default="auto", choices=CASCADE_MODES,
-                   help="cascaded decode attention over shared prefixes (default: %(default)s)")
+                   help="cascaded attention over shared prefixes: auto decides per step by a cost "
+                        "model, on cascades every shared node, off is flat (default: %(default)s)")
+    g.add_argument("--disable-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly instead of as captured CUDA graphs")
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="never reuse cached prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)")
@@ -55,7 +59,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_tokens=args.chunked_prefill_tokens,
         attention_backend=args.attention_backend, cascade=args.cascade,
-        disable_radix_cache=args.disable_radix_cache, seed=args.seed)
+        disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache, seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("torch",)       # "triton" joins once the Triton backend lands
+ATTENTION_BACKENDS = ("auto", "triton", "torch")   # auto: triton on CUDA, torch on CPU
 CASCADE_MODES = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -35,10 +35,11 @@ class EngineConfig:
     chunked_prefill_tokens: int = 2048  # per-step budget of prefill tokens
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
-    attention_backend: str = "torch"
-    # Cascaded decode attention. The scheduler installs a cascade planner for "on" and "auto"
-    # once one exists (StepPlan.cascade); until then every mode runs flat attention.
+    attention_backend: str = "auto"
+    # Cascaded attention over shared radix nodes: "auto" (cost model), "on" (every shared node),
+    # "off" (flat). Decode plans come from the scheduler's planner, prefill sharing from the worker.
     cascade: str = "auto"
+    disable_cuda_graphs: bool = False  # CUDA + triton: decode steps run as captured graphs
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
     startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
 

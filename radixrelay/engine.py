@@ -88,7 +88,9 @@ class Engine:
         return {**dataclasses.asdict(self.config),
                 **{f: getattr(sched, f) for f in sched.__struct_fields__},
                 "steps": stats.steps, "computed_tokens": stats.computed_tokens,
-                "decode_steps": stats.decode_steps, "cascade_steps": stats.cascade_steps}
+                "decode_steps": stats.decode_steps, "cascade_steps": stats.cascade_steps,
+                "cascade_groups": stats.cascade_groups, "cascade_levels": stats.cascade_levels,
+                "cascade_tokens_read_once": stats.cascade_tokens_read_once}
 
     @property
     def computed_tokens(self) -> int:

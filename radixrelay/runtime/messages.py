@@ -81,6 +81,9 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     computed_tokens: int              # tokens run through the model (cache hits excluded)
     decode_steps: int                 # steps with at least one decode row
     cascade_steps: int                # decode steps that carried a cascade plan
+    cascade_groups: int = 0           # cascade groups summed over steps
+    cascade_levels: int = 0           # cascade levels summed over steps
+    cascade_tokens_read_once: int = 0  # KV token reads saved: (members - 1) * tokens, per group and step
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):

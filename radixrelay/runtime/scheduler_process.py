@@ -20,6 +20,8 @@ import logging
 import msgspec
 import zmq
 
+from radixrelay.cascade.counters import CascadeCounters
+from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
@@ -38,9 +40,11 @@ logger = logging.getLogger("radixrelay.scheduler")
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, args: ChildArgs, frontend_in: zmq.Socket,
-                 frontend_out: zmq.Socket, worker_in: zmq.Socket, worker_out: zmq.Socket) -> None:
+    def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
+                 frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
+                 worker_out: zmq.Socket) -> None:
         self.scheduler = scheduler
+        self.planner = planner            # installed in the scheduler; kept here for its counters
         self.args = args
         self.max_queued = args.config.max_queued_requests
         self.frontend_in, self.frontend_out = frontend_in, frontend_out
@@ -139,8 +143,10 @@ class SchedulerLoop:
             reply = FlushCacheReply(message.call_id, self.scheduler.flush_cache())
             self.frontend_out.send(self._encode(reply))
         elif isinstance(message, StatsRequest):
+            counters = self.planner.counters if self.planner is not None else CascadeCounters()
             stats = RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
-                                 self._decode_steps, self._cascade_steps)
+                                 self._decode_steps, self._cascade_steps, counters.groups,
+                                 counters.levels, counters.tokens_read_once)
             self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True
@@ -195,12 +201,14 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                             schedule_policy=cfg.schedule_policy,
                             disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos),
             detokenize=tokenizer.decode)
+        planner = make_cascade_planner(cfg.cascade, cfg.page_size)
+        scheduler.set_cascade_planner(planner)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
         frontend_out.send(encode(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}")))
         return 1
     frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
                                           ready.vocab_size)))
-    return SchedulerLoop(scheduler, args, frontend_in, frontend_out, worker_in, worker_out).run()
+    return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out).run()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import traceback
 import torch
 import zmq
 
-from radixrelay.attention import KVCache, TorchBackend
+from radixrelay.attention import KVCache
+from radixrelay.attention.backend import make_backend
+from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.model.loader import load_model
 from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
@@ -37,12 +39,31 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     num_pages = kv_tokens // cfg.page_size
     if num_pages < 1:
         raise ValueError(f"no memory left for the KV cache ({kv_tokens} tokens)")
-    kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages, page_size=cfg.page_size,
+    # One page beyond what the scheduler hands out: padded CUDA-graph rows write their K/V there.
+    kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages + 1, page_size=cfg.page_size,
                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
                        device=device)
-    runner = ModelRunner(model, kv_cache, TorchBackend(), seed=cfg.seed)
+    backend_name = resolve_attention_backend(cfg.attention_backend, device)
+    backend = make_backend(backend_name, device)
+    graphs = None
+    if device.type == "cuda" and backend_name == "triton" and not cfg.disable_cuda_graphs:
+        from radixrelay.worker.cuda_graphs import DecodeGraphs   # imports the Triton kernels
+
+        graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests,
+                              max_pages=-(-mc.max_position_embeddings // cfg.page_size),
+                              scratch_slot=num_pages * cfg.page_size)
+    runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
+                         graphs=graphs)
     ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids))
     return runner, ready
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: the Triton kernels on CUDA, the torch reference on CPU (the kernels run there only
+    under the slow Triton interpreter)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
 
 
 def pick_device(device: str) -> str:

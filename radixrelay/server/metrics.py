@@ -55,6 +55,11 @@ class _RuntimeCollector(Collector):
         yield counter("computed_tokens", "Tokens run through the model.", s.computed_tokens)
         yield counter("decode_steps", "Steps with decode rows.", s.decode_steps)
         yield counter("cascade_steps", "Decode steps run with a cascade plan.", s.cascade_steps)
+        yield counter("cascade_groups", "Cascade groups (shared node runs attended once), summed "
+                      "over steps.", s.cascade_groups)
+        yield counter("cascade_levels", "Cascade levels, summed over steps.", s.cascade_levels)
+        yield counter("cascade_tokens_read_once", "KV token reads saved by cascading: (members - 1)"
+                      " x tokens per group and step.", s.cascade_tokens_read_once)
 
 
 class ServerMetrics:

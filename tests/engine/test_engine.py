@@ -131,3 +131,19 @@ def test_bad_input_raises_clear_errors(engine):
         engine.generate(["a", "b"], [GREEDY])
     # The engine still works afterwards.
     assert engine.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def test_cascade_on_gives_identical_greedy_outputs(engine):
+    """Cascade is a reformulation: forcing it on every shared node changes no greedy token."""
+    shared = "You are a helpful assistant. " + " ".join(f"rule{i}" for i in range(90))
+    prompts = [f"{shared} Question {q}: what is {q} plus {q}?" for q in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:1], params)          # the shared prefix is cached before the batch
+    flat = engine.generate(prompts, params)
+    with Engine(model="default", kv_cache_tokens=4096, cascade="on") as cascaded:
+        cascaded.generate(prompts[:1], params)
+        outs = cascaded.generate(prompts, params)
+        stats = cascaded.stats()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in flat]
+    assert stats["cascade_steps"] > 0 and stats["cascade_groups"] > 0
+    assert stats["cascade_tokens_read_once"] >= 4 * 160 * stats["cascade_steps"] // 2
