@@ -1,0 +1,61 @@
+"""By-hand select scores: the default model's prompt log-probabilities from one forward pass.
+
+The model is transformers' GGUF loader on the same file the server serves (float32, CPU); the
+tokens are radixrelay's tokenizer's (what the server tokenizes). A choice's tokens are
+``ids(prefix + choice)`` after its longest common leading run with ``ids(prefix)`` (the rule
+``radixrelay.lang.scoring`` documents), its score the mean of their logprobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from radixrelay.model.registry import resolve_model_path
+from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(resolve_model_path("default"))
+
+
+_load_lock = threading.Lock()      # the stub server may ask from several threads at once
+
+
+def model() -> Any:
+    with _load_lock:
+        return _load_model()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_model() -> Any:
+    import transformers
+
+    path = resolve_model_path("default")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def token_logprobs(ids: list[int]) -> list[float | None]:
+    """logprob of each token given the ones before it (None for the first)."""
+    logits = model()(torch.tensor([ids])).logits[0].float()          # [tokens, vocab]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [None] + [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def choice_scores(prefix: str, choices: list[str]) -> list[float]:
+    prefix_ids = tokenizer().encode(prefix)
+    scores = []
+    for choice in choices:
+        ids = tokenizer().encode(prefix + choice)
+        common = 0
+        while common < min(len(ids), len(prefix_ids)) and ids[common] == prefix_ids[common]:
+            common += 1
+        values = token_logprobs(ids)[common:]
+        scores.append(sum(values) / len(values))
+    return scores

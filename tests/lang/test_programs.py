@@ -1,0 +1,189 @@
+"""Every element of the DSL against a real radixrelay server with the default model."""
+
+from __future__ import annotations
+
+import itertools
+
+import httpx
+import pytest
+
+import radixrelay.lang as rl
+from radixrelay.server.chat_template import ChatTemplate
+from tests.lang import reference
+
+pytestmark = pytest.mark.timeout(300)
+PAGE_SIZE = 16         # the server's default: the radix cache shares whole pages
+SHARED = ("A short story. Mia lives in a small house by the sea with her old grey cat, "
+          "and every morning she walks along the beach to look for shells. ")
+
+
+@rl.function
+def complete(s, text, **gen_args):
+    s += text
+    s += rl.gen("out", **gen_args)
+
+
+def test_text_gen_stop_and_usage(endpoint):
+    state = complete.run(text="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=",", backend=endpoint)
+    out = state["out"]
+    assert out.strip() == "5"                          # greedy, cut before the stop string
+    assert state.text() == "1, 2, 3, 4," + out
+    meta = state.meta("out")
+    assert meta.finish_reasons == ("stop",)
+    assert meta.usage is not None and meta.usage.prompt_tokens == len(reference.tokenizer().encode("1, 2, 3, 4,"))
+    assert meta.started < meta.finished
+
+
+def test_gen_n_top_p_and_max_tokens(endpoint):
+    state = complete.run(text="Once upon a time", max_tokens=3, temperature=1.0, top_p=0.9, n=3,
+                         backend=endpoint)
+    outs = state["out"]
+    assert isinstance(outs, list) and len(outs) == 3
+    assert state.text() == "Once upon a time"           # n > 1: the text is not extended
+    assert state.meta("out").usage.completion_tokens <= 9
+    assert state.meta("out").finish_reasons == ("length",) * 3
+
+
+def test_roles_render_with_the_model_chat_template(endpoint):
+    @rl.function
+    def chat(s):
+        s += rl.system("You answer in one word.")
+        s += rl.user("Capital of France?")
+        s += rl.assistant(rl.gen("answer", max_tokens=4, temperature=0))
+
+    state = chat.run(backend=endpoint)
+    template = ChatTemplate.for_tokenizer(reference.tokenizer())
+    expected = template.render([{"role": "system", "content": "You answer in one word."},
+                                {"role": "user", "content": "Capital of France?"},
+                                {"role": "assistant", "content": state["answer"]}],
+                               add_generation_prompt=False)
+    assert state.text() == expected
+    assert state["answer"]
+
+
+def test_fork_branches_run_concurrently_and_reuse_the_prefix(endpoint):
+    joined: list[rl.ProgramState] = []
+
+    @rl.function
+    def branches(s):
+        s += SHARED
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += f"Chapter {i + 1}:"
+            f += rl.gen("next", max_tokens=6, temperature=0.8)
+        joined.extend(forks.join())
+        assert forks["next"] == [f["next"] for f in forks]
+
+    branches.run(backend=endpoint)
+    forks = joined
+    metas = [f.meta("next") for f in forks]
+    # Concurrent, not sequential: every pair of request intervals overlaps.
+    for a, b in itertools.combinations(metas, 2):
+        assert a.started < b.finished and b.started < a.finished, (a, b)
+    # Every branch found the shared text in the radix cache (whole pages of it).
+    shared_tokens = len(reference.tokenizer().encode(SHARED)) - 1   # the boundary token may merge
+    for meta in metas:
+        assert meta.usage.cached_tokens >= shared_tokens // PAGE_SIZE * PAGE_SIZE > 0, meta.usage
+    assert all(f.text().startswith(SHARED + f"Chapter {i + 1}:") for i, f in enumerate(forks))
+
+
+def test_streaming_a_gen(endpoint):
+    @rl.function
+    def story(s):
+        s += "Write one sentence about the sea:"
+        s += rl.gen("line", max_tokens=8, temperature=0)
+
+    state = story.run(backend=endpoint, stream=True)
+    chunks = list(state.text_iter("line"))
+    assert len(chunks) > 1
+    assert "".join(chunks) == state["line"]
+    everything = "".join(state.text_iter())
+    assert everything == state.text()
+
+
+def test_run_batch_of_20_with_progress_bar(endpoint, capsys):
+    inputs = [{"text": f"{i} + {i} =", "max_tokens": 2, "temperature": 0} for i in range(20)]
+    states = complete.run_batch(inputs, backend=endpoint, num_threads=20, progress_bar=True)
+    assert len(states) == 20 and all(s.error is None for s in states)
+    for i, s in enumerate(states):
+        assert s.text() == f"{i} + {i} =" + s["out"]
+    assert "20/20" in capsys.readouterr().err
+
+
+def test_errors_name_the_program_line(endpoint):
+    @rl.function
+    def too_long(s):
+        s += "Hello"
+        s += rl.gen("x", max_tokens=10**6)
+        s += rl.gen("y", max_tokens=2)        # skipped after the failure
+
+    with pytest.raises(rl.ProgramError) as info:
+        too_long.run(backend=endpoint)
+    assert "rl.gen(\"x\", max_tokens=10**6)" in str(info.value)
+    assert "server answered 400" in info.value.reason
+    assert info.value.origin.lineno == too_long.func.__code__.co_firstlineno + 3
+
+    @rl.function
+    def bad_choices(s):
+        s += rl.select("x", choices=["same", "same"])
+
+    with pytest.raises(rl.ProgramError, match=r"bad_choices: .*choices repeat"):
+        bad_choices.run(backend=endpoint)
+
+    @rl.function
+    def failing_branch(s):
+        s += "Hi"
+        forks = s.fork(2)
+        forks[1] += rl.gen("x", max_tokens=10**6)
+        forks.join()
+
+    with pytest.raises(rl.ProgramError, match=r"forks\[1\] \+= rl\.gen"):
+        failing_branch.run(backend=endpoint)
+
+    states = too_long.run_batch([{}], backend=endpoint)
+    assert isinstance(states[0].error, rl.ProgramError)
+    with pytest.raises(rl.ProgramError):
+        states[0]["x"]
+
+
+def test_openai_compatible_backend_with_plain_roles(server):
+    backend = rl.OpenAICompatible(f"{server.base_url}/v1", model="default", api_key="unused")
+    try:
+        @rl.function
+        def chat(s):
+            s += rl.user("Say hi.")
+            s += rl.assistant(rl.gen("answer", max_tokens=3, temperature=0))
+
+        state = chat.run(backend=backend)
+        assert state.text() == f"User: Say hi.\nAssistant: {state['answer']}\n"
+    finally:
+        backend.close()
+
+
+def test_reference_agrees_with_the_server_next_token_logprobs(server):
+    """The by-hand reference (transformers on the same GGUF) matches radixrelay's own logprobs."""
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "model": "default", "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
+        "logprobs": 5}).json()
+    top = response["choices"][0]["logprobs"]["top_logprobs"][0]
+    ids = reference.tokenizer().encode("The capital of France is Paris")
+    assert top[" Paris"] == pytest.approx(reference.token_logprobs(ids)[-1], abs=2e-3)
+
+
+def test_select_on_radixrelay(endpoint):
+    """Needs prompt logprobs from /v1/completions (echo + logprobs): skipped while the server
+    refuses them; the same check against a server that has them is in test_select.py."""
+    @rl.function
+    def pick(s):
+        s += "The capital of France is"
+        s += rl.select("city", choices=[" Paris", " London", " Berlin"])
+
+    try:
+        state = pick.run(backend=endpoint)
+    except rl.ProgramError as exc:
+        if "echo" in exc.reason and "400" in exc.reason:
+            pytest.skip(f"the server has no prompt logprobs: {exc.reason}")
+        raise
+    scores = reference.choice_scores("The capital of France is", [" Paris", " London", " Berlin"])
+    assert state["city"] == " Paris"
+    assert state.meta("city").scores == pytest.approx(scores, abs=2e-3)
