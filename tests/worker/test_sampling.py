@@ -161,8 +161,9 @@ def test_rejects_bad_input() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_seeded_rows_and_filters() -> None:
     logits = logits_for(6, seed=2).cuda()
+    logits[3] = logits[0]                      # rows 0 and 3: same seed, position and logits
     params = [SamplingParams(seed=7, top_k=5), SamplingParams(top_p=0.5), SamplingParams(temperature=0)] * 2
     build = SamplingTensors.build(params, [[1, 2]] * 6, [1] * 6, vocab_size=V, device="cuda")
     first, second = Sampler()(logits, build).token_ids, Sampler()(logits, build).token_ids
-    assert first.is_cuda and first[0] == second[0] == first[3]  # same seed, position, logits
+    assert first.is_cuda and first[0] == second[0] == first[3]
     assert first[2] == logits[2].argmax() and first[0].item() in allowed_set(logits[0].cpu(), params[0])
