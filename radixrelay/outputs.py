@@ -16,4 +16,6 @@ class RequestOutput:
     cached_tokens: int                 # prompt tokens served from the radix cache
     completion_tokens: int             # tokens sampled, a matched stop token included
     logprobs: list[TokenLogprobs] | None = None   # per generated token, when requested
+    # Per prompt token when requested (SamplingParams.prompt_logprobs), None for token 0.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None           # set when the request failed inside the engine

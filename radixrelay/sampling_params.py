@@ -23,6 +23,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: no logprobs; k >= 0: sampled token's + top-k alternatives
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob + top-k alternatives (the first
+    # token has none). Such a request computes its whole prompt: it reuses no cached prefix (cached
+    # positions have no logits), though its KV is still inserted into the radix cache afterwards.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -45,8 +49,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise bad(name, f"must be in [-2, 2], got {value}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"must be None or in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                raise bad(name, f"must be None or an integer in [0, 20], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
 

@@ -31,7 +31,7 @@ class BatchRequest:
     pages: Sequence[int]     # the request's page list; must cover positions [0, start + num_new)
     start: int               # first position computed this step; [0, start) is cached
     num_new: int             # tokens computed this step (1 for a decode)
-    need_logits: bool = True  # return logits for the last new token
+    num_logits: int = 1      # return logits for the last num_logits new tokens (0: none)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ class ForwardBatch:
     # Per new token (T rows), int64 on the device.
     positions: torch.Tensor    # [T] absolute position of each token (RoPE + causal mask)
     out_slots: torch.Tensor    # [T] KV slot each token's K/V is written to
-    # Rows of the flat batch whose logits the step returns, int64 [R] (in request order).
+    # Rows of the flat batch whose logits the step returns, int64 [R] (in request order; each
+    # request's are the last ``num_logits`` of its rows: one, or a prompt-logprobs run).
     logits_indices: torch.Tensor
     # Host-side maxima so backends need no device sync to size their work.
     max_q_len: int
@@ -194,6 +195,8 @@ def build_forward_batch(
         end = r.start + r.num_new
         if r.start < 0 or r.num_new < 1:
             raise ValueError(f"request {i}: need start >= 0 and num_new >= 1, got {r.start}, {r.num_new}")
+        if not 0 <= r.num_logits <= r.num_new:
+            raise ValueError(f"request {i}: num_logits must be in [0, {r.num_new}], got {r.num_logits}")
         if len(r.pages) * page_size < end:
             raise ValueError(
                 f"request {i}: {len(r.pages)} pages of {page_size} cannot hold positions [0, {end})"
@@ -204,8 +207,7 @@ def build_forward_batch(
         q_indptr.append(q_indptr[-1] + r.num_new)
         prefix_lens.append(r.start)
         seq_lens.append(end)
-        if r.need_logits:
-            logits_rows.append(q_indptr[-1] - 1)
+        logits_rows.extend(range(q_indptr[-1] - r.num_logits, q_indptr[-1]))
     if not 0 <= num_decodes <= len(requests) or any(r.num_new != 1 for r in requests[len(requests) - num_decodes:]):
         raise ValueError(f"build_forward_batch: the last {num_decodes} requests must be one-token decodes")
     cascade = None

@@ -55,6 +55,9 @@ class TokenUpdate(msgspec.Struct, frozen=True):
     update: RequestUpdate
     # One entry per token of ``update.token_ids`` when the request asked for logprobs, else None.
     logprobs: list[TokenLogprobs] | None = None
+    # On the request's first update, when it asked for prompt logprobs: prompt tokens 1, 2, ...
+    # (token 0 has none; all of them unless the request ended early), else None.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class UpdateBatch(msgspec.Struct, tag="updates", frozen=True):

@@ -16,6 +16,7 @@ Loop (``SchedulerLoop.run``), with at most one step in flight as the Scheduler A
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -34,7 +35,7 @@ from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import RequestUpdate
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.server.tokenizer import load_tokenizer
-from radixrelay.worker.protocol import StepOutput, TokenLogprobs
+from radixrelay.worker.protocol import PromptLogprobsChunk, StepOutput, TokenLogprobs
 
 logger = logging.getLogger("radixrelay.scheduler")
 
@@ -52,9 +53,7 @@ class SchedulerLoop:
         self._encode = encoder().encode
         self._frontend_msgs = decoder(FrontendMessage)
         self._worker_msgs = decoder(WorkerMessage)
-        # Live requests; for those that asked for logprobs, the logprobs of sampled tokens not yet
-        # handed out (emitted tokens are always a prefix of the sampled ones, in order).
-        self._live: dict[int, list[TokenLogprobs] | None] = {}
+        self._live: dict[int, _Pending] = {}
         self._in_flight = False
         self._stopping = False
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
@@ -96,11 +95,15 @@ class SchedulerLoop:
             raise RuntimeError(f"unexpected worker message {type(message).__name__}")
         self._in_flight = False
         out: StepOutput = message.output
+        for chunk in out.prompt_logprobs:
+            pending = self._live.get(chunk.rid)
+            if pending is not None:
+                pending.add_prompt_logprobs(chunk)
         if out.logprobs is not None:
             for rid, lp in zip(out.rids, out.logprobs):
                 pending = self._live.get(rid)
-                if pending is not None and lp is not None:
-                    pending.append(lp)
+                if pending is not None and pending.logprobs is not None and lp is not None:
+                    pending.logprobs.append(lp)
         updates = self.scheduler.process_output(out)
         if updates:
             self._send_updates(updates)
@@ -109,11 +112,7 @@ class SchedulerLoop:
         items = []
         for update in updates:
             pending = self._live.pop(update.rid) if update.finished else self._live[update.rid]
-            logprobs = None
-            if pending is not None:
-                n = len(update.token_ids)
-                logprobs, pending[:n] = pending[:n], []
-            items.append(TokenUpdate(update, logprobs))
+            items.append(pending.take(update))
         self.frontend_out.send(self._encode(UpdateBatch(items)))
 
     def _fail_all(self, error: str) -> None:
@@ -163,7 +162,34 @@ class SchedulerLoop:
             self.scheduler.add_request(req.rid, req.token_ids, req.sampling, req.cache_salt)
         except ValueError as exc:
             return reject("invalid", str(exc))
-        self._live[req.rid] = [] if req.sampling.logprobs is not None else None
+        self._live[req.rid] = _Pending([] if req.sampling.logprobs is not None else None,
+                                       [] if req.sampling.prompt_logprobs is not None else None)
+
+
+@dataclass
+class _Pending:
+    """What a live request produced that the frontend has not received yet (None: not asked)."""
+
+    logprobs: list[TokenLogprobs] | None          # sampled tokens' logprobs (emitted tokens are
+                                                  # always a prefix of the sampled ones, in order)
+    prompt_logprobs: list[TokenLogprobs] | None   # prompt tokens 1, 2, ...; None once handed out
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Chunks arrive in order, each position once (the scheduler never recomputes one)."""
+        have = self.prompt_logprobs
+        if have is None or chunk.first_token != len(have) + 1:
+            raise RuntimeError(f"request {chunk.rid}: prompt logprobs from token {chunk.first_token} "
+                               f"arrived out of order ({'none' if have is None else len(have)} held)")
+        have.extend(chunk.entries)
+
+    def take(self, update: RequestUpdate) -> TokenUpdate:
+        """The update with the logprobs of its tokens; the prompt logprobs ride on the first one."""
+        logprobs = None
+        if self.logprobs is not None:
+            n = len(update.token_ids)
+            logprobs, self.logprobs[:n] = self.logprobs[:n], []
+        prompt, self.prompt_logprobs = self.prompt_logprobs, None
+        return TokenUpdate(update, logprobs, prompt)
 
 
 def _wait_for_worker(args: ChildArgs, worker_in: zmq.Socket) -> WorkerReady | RuntimeFailed | None:

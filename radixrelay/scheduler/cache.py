@@ -36,12 +36,13 @@ class CacheManager:
     def match_and_lock(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` (which holds no pages) and lock it.
 
-        At least the last known token is left to compute: its logits sample the next token.
+        At least the last known token is left to compute (its logits sample the next token), and
+        every position that still owes a prompt logprob (``Request.reusable_prefix``).
         """
         if self.config.disable_radix_cache:
             matched = None
         else:
-            matched = self.tree.match_prefix(req.token_ids[:-1], req.salt)
+            matched = self.tree.match_prefix(req.token_ids[:req.reusable_prefix], req.salt)
         if matched is None or matched.node is None:
             req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
         else:

@@ -7,7 +7,10 @@ Index ranges of one request (``L = len(token_ids)``):
 - prefill phase: ``kv_len < prefill_len`` (= L at admission: prompt, plus outputs after a
   retraction); decode phase afterwards, with ``kv_len == L - 1`` (the newest token is fed next);
 - output: ``[num_prompt, num_prompt + num_emitted)`` already sent to the caller; later tokens are
-  held back while they might begin a stop string.
+  held back while they might begin a stop string;
+- prompt logprobs (when asked): the logits of positions ``[0, prompt_logprob_pos)`` have given
+  theirs (position t: prompt token t + 1), ``[prompt_logprob_pos, num_prompt - 1)`` still owe
+  them. A cache match never covers an owing position, so a resumed request recomputes none twice.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Request:
     lock_node: RadixNode | None = None          # end of the locked path, None when none matched
     kv_len: int = 0
     prefill_len: int = 0                        # tokens known at admission (prefill target)
+    prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     num_emitted: int = 0                        # output tokens already handed to the caller
@@ -60,6 +64,22 @@ class Request:
     @property
     def own_pages(self) -> list[int]:
         return self.pages[self.num_shared_pages:]
+
+    @property
+    def reusable_prefix(self) -> int:
+        """Tokens a cache match may cover: all known but the last (its logits sample the next
+        token) and none whose logits still owe a prompt logprob."""
+        if self.sampling.prompt_logprobs is None:
+            return len(self.token_ids) - 1
+        return min(len(self.token_ids) - 1, self.prompt_logprob_pos)
+
+    def owed_prompt_logprobs(self, num_tokens: int) -> tuple[int, int]:
+        """(first position, count) of the prompt logprobs that the next ``num_tokens`` positions
+        from ``kv_len`` owe; count 0 when none."""
+        if self.sampling.prompt_logprobs is None:
+            return 0, 0
+        first = max(self.kv_len, self.prompt_logprob_pos)
+        return first, max(0, min(self.kv_len + num_tokens, self.num_prompt - 1) - first)
 
 
 class RequestUpdate(msgspec.Struct, frozen=True):

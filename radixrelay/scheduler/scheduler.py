@@ -128,8 +128,8 @@ class Scheduler:
                                     r.sampling) for r in pre.admitted]
         for req in pre.admitted:
             req.on_worker = True
-        extends = [ExtendItem(r.rid, r.kv_len, n, r.kv_len + n == r.prefill_len)
-                   for r, n in pre.extends]
+        extends = [ExtendItem(r.rid, r.kv_len, n, r.kv_len + n == r.prefill_len,
+                              *r.owed_prompt_logprobs(n)) for r, n in pre.extends]
         samplers = {r.rid: r for r in dec.decodes}
         samplers.update((r.rid, r) for r, n in pre.extends if r.kv_len + n == r.prefill_len)
         cascade = None
@@ -159,6 +159,8 @@ class Scheduler:
             return [self._finish(r, "abort", error=out.error) for r in batch.values()
                     if self._running.get(r.rid) is r]
         for extended, n in step.extends:
+            first, owed = extended.owed_prompt_logprobs(n)
+            extended.prompt_logprob_pos = max(extended.prompt_logprob_pos, first + owed)
             extended.kv_len += n
         for decoded in step.decodes:
             decoded.kv_len += 1

@@ -215,12 +215,12 @@ def build_app(state: ServerState) -> FastAPI:
                 if isinstance(req, oa.ChatCompletionRequest):
                     body = serving.chat_stream(ctx, job, first, req.include_usage)
                 else:
-                    body = serving.completion_stream(ctx, job, first, req.echo, req.include_usage)
+                    body = serving.completion_stream(ctx, job, first, req.include_usage)
                 return serving.stream_response(body, job)
             await until_disconnect(request, serving.run_to_end(job))
             if isinstance(req, oa.ChatCompletionRequest):
                 return json_response(serving.chat_response(ctx, job))
-            return json_response(serving.completion_response(ctx, job, req.echo))
+            return json_response(serving.completion_response(ctx, job))
         except ClientGone:
             return Response(status_code=499)      # nobody is listening; the request was aborted
         except Exception as exc:  # noqa: BLE001 - every failure becomes OpenAI's error JSON

@@ -130,12 +130,13 @@ def _is_token(value: Any) -> bool:
 
 
 def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None) -> SamplingParams:
+                    seed: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; out-of-range values -> 400."""
     if req.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
     fields: dict[str, Any] = {
-        "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs, "stop": req.stop_strings(),
+        "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs, "stop": req.stop_strings(),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
     }
@@ -149,7 +150,7 @@ def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | 
     except ValueError as exc:
         match = re.match(r"SamplingParams\.(\w+)", str(exc))
         param = match.group(1) if match else None
-        if param == "logprobs":
+        if param in ("logprobs", "prompt_logprobs"):
             param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise invalid(str(exc).removeprefix("SamplingParams."), param) from None
 
@@ -231,9 +232,9 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
+    token_logprobs: list[float | None]          # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]                      # characters into the choice's text (echo included)
 
 
 class CompletionChoice(msgspec.Struct):

@@ -22,8 +22,10 @@ class OutputAssembler:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
                                              context_ids=prompt_ids)
         self._want_logprobs = params.logprobs is not None
+        self._want_prompt_logprobs = params.prompt_logprobs is not None
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]   # token 0 has none
         self.text = ""
         self.last: RequestUpdate | None = None   # the newest update (counts, finish reason)
 
@@ -38,6 +40,8 @@ class OutputAssembler:
         self.token_ids.extend(update.token_ids)
         if item.logprobs:
             self.logprobs.extend(item.logprobs)
+        if item.prompt_logprobs:
+            self.prompt_logprobs.extend(item.prompt_logprobs)
         delta = self._detok.add(update.token_ids)
         if update.finished:
             delta += self._detok.finish()
@@ -53,4 +57,6 @@ class OutputAssembler:
             raise RuntimeError("result() before the request finished")
         return RequestOutput(self.text, list(self.token_ids), update.finish_reason or "abort",
                              update.prompt_tokens, update.cached_tokens, update.completion_tokens,
-                             list(self.logprobs) if self._want_logprobs else None, update.error)
+                             list(self.logprobs) if self._want_logprobs else None,
+                             list(self.prompt_logprobs) if self._want_prompt_logprobs else None,
+                             update.error)

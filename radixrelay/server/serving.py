@@ -3,6 +3,11 @@
 One HTTP request becomes ``len(prompts) * n`` runtime requests ("choices"), run concurrently by a
 ``GenerationJob`` that merges their update streams. Choice ``i * n + j`` is sample ``j`` of prompt
 ``i``; with a ``seed``, sample ``j`` uses ``seed + j`` so that the n samples differ but repeat.
+
+Completions with ``echo`` show the prompt before the output, and with ``logprobs`` also the prompt
+tokens' logprobs (the runtime's prompt logprobs; ``null`` for the first token), as vLLM does:
+``text_offset`` counts from the start of the echoed prompt. ``max_tokens: 0`` is allowed with
+``echo``: one token is generated (and counted in ``usage``) but only the prompt is returned.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Choice:
     prompt_ids: list[int]
     sampling: SamplingParams
     output: OutputAssembler
+    echo: bool = False                    # completions: the prompt precedes the output
+    echo_only: bool = False               # completions with max_tokens 0: the output is hidden
     last_token_at: float | None = None
 
 
@@ -169,13 +176,17 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, def
 
 
 def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[int]],
-             max_tokens: list[int], logprobs: int | None) -> list[Choice]:
+             max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
+             echo_only: bool = False) -> list[Choice]:
+    prompt_logprobs = logprobs if echo else None
     out = []
     for p, ids in enumerate(prompts):
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
-            sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed)
-            out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp)))
+            sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed,
+                                    prompt_logprobs=prompt_logprobs)
+            out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),
+                              echo, echo_only))
     return out
 
 
@@ -200,8 +211,6 @@ def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[C
         raise oa.invalid("suffix is not supported", "suffix")
     if req.best_of not in (None, 1):
         raise oa.invalid("best_of is not supported; use n", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise oa.invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
     prompts = []
     for prompt in oa.completion_prompts(req):
         if isinstance(prompt, str):
@@ -214,8 +223,10 @@ def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[C
         if not ids:
             raise oa.invalid("prompt is empty", "prompt")
         prompts.append(ids)
-    max_tokens = [_max_tokens(ctx, len(ids), req.max_tokens, 16, "prompt") for ids in prompts]
-    return _choices(ctx, req, prompts, max_tokens, req.logprobs)
+    echo_only = req.echo and req.max_tokens == 0
+    requested = 1 if echo_only else req.max_tokens
+    max_tokens = [_max_tokens(ctx, len(ids), requested, 16, "prompt") for ids in prompts]
+    return _choices(ctx, req, prompts, max_tokens, req.logprobs, echo=req.echo, echo_only=echo_only)
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -235,17 +246,38 @@ def _chat_logprobs(ctx: ServingContext, item_logprobs: list[TokenLogprobs],
     return oa.ChatLogprobs(content)
 
 
-def _completion_logprobs(ctx: ServingContext, item_logprobs: list[TokenLogprobs], token_ids: list[int],
-                         offset: int) -> oa.CompletionLogprobs:
+def _completion_logprobs(ctx: ServingContext, item_logprobs: list[TokenLogprobs | None],
+                         token_ids: list[int], offset: int) -> oa.CompletionLogprobs:
+    """``item_logprobs[i]`` belongs to ``token_ids[i]`` (None: a prompt's first token); ``offset``:
+    where the first token's text starts in the choice's text."""
     tokens, values, tops, offsets = [], [], [], []
-    for token_id, lp in zip(token_ids, item_logprobs):
+    for token_id, lp in zip(token_ids, item_logprobs, strict=True):
         text = _token_text(ctx, token_id)
         tokens.append(text)
-        values.append(lp.logprob)
-        tops.append({_token_text(ctx, tid): value for tid, value in lp.top})
+        values.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {_token_text(ctx, tid): value for tid, value in lp.top})
         offsets.append(offset)
         offset += len(text)
     return oa.CompletionLogprobs(tokens, values, tops, offsets)
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """What a completion choice shows for one update (or for the whole response)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]      # per token when logprobs were asked, else empty
+
+
+def _shown(ctx: ServingContext, c: Choice, text: str, token_ids: list[int],
+           logprobs: list[TokenLogprobs], with_prompt: bool) -> _Shown:
+    """The output part (hidden for ``echo_only``), preceded by the echoed prompt if ``with_prompt``."""
+    shown = _Shown("", [], []) if c.echo_only else _Shown(text, token_ids, list(logprobs))
+    if not with_prompt:
+        return shown
+    return _Shown(ctx.tokenizer.decode(c.prompt_ids) + shown.text, c.prompt_ids + shown.token_ids,
+                  c.output.prompt_logprobs + shown.logprobs)
 
 
 async def run_to_end(job: GenerationJob) -> None:
@@ -267,15 +299,14 @@ def chat_response(ctx: ServingContext, job: GenerationJob) -> oa.ChatCompletion:
     return oa.ChatCompletion(_id("chatcmpl"), int(time.time()), ctx.model_name, choices, usage(job.choices))
 
 
-def completion_response(ctx: ServingContext, job: GenerationJob, echo: bool) -> oa.Completion:
+def completion_response(ctx: ServingContext, job: GenerationJob) -> oa.Completion:
     choices = []
     for c in job.choices:
-        prefix = ctx.tokenizer.decode(c.prompt_ids) if echo else ""
+        shown = _shown(ctx, c, c.output.text, c.output.token_ids, c.output.logprobs, c.echo)
         logprobs = None
         if c.sampling.logprobs is not None:
-            logprobs = _completion_logprobs(ctx, c.output.logprobs, c.output.token_ids, 0)
-        choices.append(oa.CompletionChoice(c.index, prefix + c.output.text,
-                                           c.output.last.finish_reason, logprobs))
+            logprobs = _completion_logprobs(ctx, shown.logprobs, shown.token_ids, 0)
+        choices.append(oa.CompletionChoice(c.index, shown.text, c.output.last.finish_reason, logprobs))
     return oa.Completion(_id("cmpl"), int(time.time()), ctx.model_name, choices, usage(job.choices))
 
 
@@ -309,29 +340,29 @@ async def chat_stream(ctx: ServingContext, job: GenerationJob, first: Event,
     yield DONE
 
 
-async def completion_stream(ctx: ServingContext, job: GenerationJob, first: Event, echo: bool,
+async def completion_stream(ctx: ServingContext, job: GenerationJob, first: Event,
                             include_usage: bool) -> AsyncIterator[bytes]:
+    """A choice's first chunk carries its echoed prompt (and its prompt logprobs), as in vLLM."""
     rid, created, model = _id("cmpl"), int(time.time()), ctx.model_name
     offsets = {c.index: 0 for c in job.choices}
+    started: set[int] = set()
 
     def chunk(choices: list[oa.CompletionChoice], use: oa.Usage | None = None) -> bytes:
         return event(oa.Completion(rid, created, model, choices, use))
 
     try:
-        if echo:
-            for c in job.choices:
-                text = ctx.tokenizer.decode(c.prompt_ids)
-                yield chunk([oa.CompletionChoice(c.index, text, None)])
         ev: Event | None = first
         while ev is not None:
             update, c = ev.item.update, ev.choice
+            shown = _shown(ctx, c, ev.delta, update.token_ids, ev.item.logprobs or [],
+                           c.echo and c.index not in started)
+            started.add(c.index)
             logprobs = None
-            if c.sampling.logprobs is not None and update.token_ids:
-                logprobs = _completion_logprobs(ctx, ev.item.logprobs or [], update.token_ids,
-                                                offsets[c.index])
-            offsets[c.index] += len(ev.delta)
-            if ev.delta or logprobs is not None or update.finished:
-                yield chunk([oa.CompletionChoice(c.index, ev.delta, update.finish_reason, logprobs)])
+            if c.sampling.logprobs is not None and shown.token_ids:
+                logprobs = _completion_logprobs(ctx, shown.logprobs, shown.token_ids, offsets[c.index])
+            offsets[c.index] += len(shown.text)
+            if shown.text or logprobs is not None or update.finished:
+                yield chunk([oa.CompletionChoice(c.index, shown.text, update.finish_reason, logprobs)])
             ev = await job.next_event()
         if include_usage:
             yield chunk([], usage(job.choices))

@@ -2,7 +2,8 @@
 
 HOT FILE: only what runs every step belongs here (apply the plan diff, pack the batch, forward,
 sample). Loading lives in ``radixrelay.model.loader``, batch packing in
-``radixrelay.attention.metadata``, sampling in ``radixrelay.worker.sampling``.
+``radixrelay.attention.metadata``, sampling in ``radixrelay.worker.sampling``, prompt logprobs in
+``radixrelay.worker.prompt_logprobs``.
 
 The request table mirrors the scheduler's view (``protocol.py`` states the invariants): for every
 resident request, its tokens (prompt + everything sampled so far) and its page list. A decode
@@ -26,7 +27,8 @@ from radixrelay.cascade.batch import DecodeRunsCache, prefill_runs
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.protocol import StepOutput, StepPlan
+from radixrelay.worker.prompt_logprobs import num_logits_rows, prompt_logprobs_chunk
+from radixrelay.worker.protocol import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan
 from radixrelay.worker.sampling import Sampler, SamplingTensors
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
@@ -87,32 +89,47 @@ class ModelRunner:
             self._page_table.append(append.rid, append.pages)
 
     def _compute(self, plan: StepPlan) -> StepOutput:
-        # Rows of the flat batch: every extend chunk, then every decode (one token each).
+        # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
+        # rows: per extend its prompt-logprobs run (if any), then its sampling row; one per decode.
         work: list[BatchRequest] = []
         input_ids: list[int] = []
         samplers: list[int] = []
+        sample_rows: list[int] = []                       # logits row of each sampler
+        owed: list[tuple[ExtendItem, int]] = []           # (extend, its first logits row)
+        num_rows = 0
         for item in plan.extends:
             res = self._table[item.rid]
             input_ids.extend(res.token_ids[item.start:item.start + item.num_tokens])
-            work.append(BatchRequest(res.pages, item.start, item.num_tokens, need_logits=item.sample))
+            num_logits = num_logits_rows(item)
+            work.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
+            if item.num_prompt_logprobs:
+                owed.append((item, num_rows))
+            num_rows += num_logits
             if item.sample:
                 samplers.append(item.rid)
+                sample_rows.append(num_rows - 1)
         for rid in plan.decodes:
             res = self._table[rid]
             input_ids.append(res.token_ids[-1])
             work.append(BatchRequest(res.pages, len(res.token_ids) - 1, 1))
             samplers.append(rid)
+            sample_rows.append(num_rows)
+            num_rows += 1
         if not work:
             return StepOutput(plan.step_id, [], [])
 
         batch = self._batch(plan, work)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(ids, batch)                             # [len(samplers), V]
+            logits = self.graphs.run(ids, batch)                             # [num_rows, V]
         else:
             logits = self.model(ids, batch, self.kv_cache, self.backend)
+        prompt_chunks = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs])
+                         for item, row in owed]
         if not samplers:
-            return StepOutput(plan.step_id, [], [])
+            return StepOutput(plan.step_id, [], [], prompt_logprobs=prompt_chunks)
+        if owed:                                                             # -> [len(samplers), V]
+            logits = logits.index_select(0, torch.tensor(sample_rows).to(self.device, non_blocking=True))
 
         residents = [self._table[rid] for rid in samplers]
         tensors = SamplingTensors.build(
@@ -123,7 +140,14 @@ class ModelRunner:
         for res, token in zip(residents, token_ids):
             res.token_ids.append(token)
         logprobs = None if out.logprobs is None else out.logprobs.to_protocol(tensors.num_logprobs)
-        return StepOutput(plan.step_id, samplers, token_ids, logprobs)
+        return StepOutput(plan.step_id, samplers, token_ids, logprobs, prompt_chunks)
+
+    def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PromptLogprobsChunk:
+        res = self._table[item.rid]
+        k = res.sampling.prompt_logprobs
+        if k is None:
+            raise ValueError(f"request {item.rid}: prompt logprobs owed but not requested")
+        return prompt_logprobs_chunk(item, logits, res.token_ids, k)
 
     def _batch(self, plan: StepPlan, work: list[BatchRequest]) -> ForwardBatch:
         num_extends = len(plan.extends)

@@ -10,7 +10,11 @@ Invariants the scheduler guarantees:
 - the worker's copy of a request's tokens is prompt + every token it has sampled for it;
 - before a step computes positions [start, start + n) of a request, its page list covers them:
   token position t lives in KV slot ``pages[t // page_size] * page_size + t % page_size``;
-- positions [0, start) of an extend are already in the KV cache (cached prefix or earlier chunks).
+- positions [0, start) of an extend are already in the KV cache (cached prefix or earlier chunks);
+- prompt logprobs: the logits of position t give the logprob of prompt token t + 1. An extend's
+  ``[prompt_logprobs_start, prompt_logprobs_start + num_prompt_logprobs)`` are the positions whose
+  prompt logprobs are still owed; each position is asked for once per request, in order, and the
+  range ends where the chunk ends (or one before, on the chunk that samples).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class ExtendItem(msgspec.Struct, frozen=True):
     start: int                 # first position computed this step; [0, start) is cached
     num_tokens: int            # computes token_ids[start : start + num_tokens]
     sample: bool               # True on the chunk that ends the known tokens: sample the next one
+    prompt_logprobs_start: int = 0   # first position whose logits give a prompt logprob
+    num_prompt_logprobs: int = 0     # 0: this chunk reports no prompt logprobs
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -56,9 +62,16 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
     top: list[tuple[int, float]]            # (token id, logprob), best first
 
 
+class PromptLogprobsChunk(msgspec.Struct, frozen=True):
+    rid: int
+    first_token: int                        # prompt index of entries[0] (>= 1: token 0 has none)
+    entries: list[TokenLogprobs]            # prompt tokens [first_token, first_token + len), in order
+
+
 class StepOutput(msgspec.Struct, frozen=True):
     step_id: int
     rids: list[int]                         # the requests that sampled a token this step
     token_ids: list[int]                    # the sampled token of each, same order
     logprobs: list[TokenLogprobs | None] | None = None  # same order; None for requests without
+    prompt_logprobs: list[PromptLogprobsChunk] = []     # one per extend that owed prompt logprobs
     error: str | None = None                # set when the step failed; the scheduler fails the batch

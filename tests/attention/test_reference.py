@@ -134,7 +134,7 @@ def test_torch_backend_uses_kv_cache_and_returns_lse():
 
 def test_build_forward_batch_exact_layout():
     batch = build_forward_batch(
-        [BatchRequest([7, 2], start=3, num_new=3), BatchRequest([5], start=2, num_new=1, need_logits=False),
+        [BatchRequest([7, 2], start=3, num_new=3), BatchRequest([5], start=2, num_new=1, num_logits=0),
          BatchRequest([1, 0, 4], start=8, num_new=1)], page_size=4, device="cpu")
     assert batch.q_indptr.tolist() == [0, 3, 4, 5]
     assert batch.prefix_lens.tolist() == [3, 2, 8]
@@ -146,6 +146,15 @@ def test_build_forward_batch_exact_layout():
     assert (batch.max_q_len, batch.max_seq_len, batch.num_tokens, batch.num_requests) == (3, 9, 5, 3)
     assert not batch.is_decode
     assert batch.page_table.dtype == torch.int32 and batch.out_slots.dtype == torch.int64
+
+
+def test_build_forward_batch_logits_for_trailing_rows():
+    """A prompt-logprobs extend asks logits for its last ``num_logits`` rows; decodes keep one."""
+    batch = build_forward_batch([BatchRequest([7, 2], start=3, num_new=4, num_logits=3),
+                                 BatchRequest([5], start=2, num_new=1)], page_size=4, device="cpu")
+    assert batch.logits_indices.tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="num_logits"):
+        build_forward_batch([BatchRequest([7], start=0, num_new=2, num_logits=3)], page_size=4, device="cpu")
 
 
 @pytest.mark.parametrize("request_, message", [

@@ -27,3 +27,10 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
                                  min_new_tokens=max_new_tokens, pad_token_id=0)
         outs.append(seq[0, len(ids):].tolist())
     return outs
+
+
+def hf_prompt_logprobs(ids: list[int]) -> list[float]:
+    """Natural-log probability of each prompt token after the first, given the ones before it."""
+    with torch.inference_mode():
+        logprobs = _hf_model()(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)   # [len, V]
+    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()

@@ -74,6 +74,30 @@ def _stops(outs) -> int:
     return sum(o.completion_tokens - len(o.token_ids) for o in outs)
 
 
+def test_prompt_logprobs_of_a_cached_prompt(engine):
+    """A request with prompt logprobs recomputes a cached prefix: every position is reported, and
+    equals transformers' forward of the same prompt."""
+    from tests.engine.hf_reference import hf_prompt_logprobs
+
+    prefix = "Prompt logprobs: " + " ".join(f"word{i}" for i in range(20))
+    engine.generate([prefix], SamplingParams(max_tokens=1))                # caches the prefix
+    prompt = prefix + " and a tail"
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    out = engine.generate([prompt], params)[0]
+    ids = engine.tokenizer.encode(prompt)
+    assert engine.generate([prompt], SamplingParams(max_tokens=1))[0].cached_tokens >= 32
+    assert out.cached_tokens == 0 and out.prompt_tokens == len(ids) == len(out.prompt_logprobs)
+    assert out.prompt_logprobs[0] is None and out.logprobs is None
+    values = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert values == pytest.approx(hf_prompt_logprobs(ids), abs=1e-3)
+    for lp, token in zip(out.prompt_logprobs[1:], ids[1:]):
+        assert len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] and lp.top[0][1] >= lp.logprob
+        assert lp.logprob == pytest.approx(lp.top[0][1]) or lp.top[0][0] != token
+    again = engine.generate([prompt], params)[0]                           # cached now: same values
+    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == pytest.approx(values, abs=1e-5)
+    assert again.token_ids == out.token_ids
+
+
 def test_oversubscribed_kv_budget_keeps_outputs(batched):
     # The 6 requests need 14 pages of 16 tokens at their longest; the cache has 4 (3.5x
     # oversubscribed), so the scheduler must queue, retract and resume.
@@ -121,6 +145,9 @@ def test_salts_never_share(engine):
 def test_bad_input_raises_clear_errors(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([""], GREEDY)
     with pytest.raises(ValueError, match="out of range"):

@@ -10,6 +10,7 @@ import pytest
 import radixrelay.lang as rl
 from radixrelay.server.chat_template import ChatTemplate
 from tests.lang import reference
+from tests.lang.test_select import CASES as SELECT_CASES
 
 pytestmark = pytest.mark.timeout(300)
 PAGE_SIZE = 16         # the server's default: the radix cache shares whole pages
@@ -170,20 +171,16 @@ def test_reference_agrees_with_the_server_next_token_logprobs(server):
     assert top[" Paris"] == pytest.approx(reference.token_logprobs(ids)[-1], abs=2e-3)
 
 
-def test_select_on_radixrelay(endpoint):
-    """Needs prompt logprobs from /v1/completions (echo + logprobs): skipped while the server
-    refuses them; the same check against a server that has them is in test_select.py."""
+@pytest.mark.parametrize(("prefix", "choices"), SELECT_CASES)
+def test_select_on_radixrelay(endpoint, prefix, choices):
+    """select scores from radixrelay's prompt logprobs (/v1/completions with echo + logprobs): the
+    cases of test_select.py (checked there against a stand-in server), a BPE merge included."""
     @rl.function
     def pick(s):
-        s += "The capital of France is"
-        s += rl.select("city", choices=[" Paris", " London", " Berlin"])
+        s += prefix
+        s += rl.select("answer", choices=choices)
 
-    try:
-        state = pick.run(backend=endpoint)
-    except rl.ProgramError as exc:
-        if "echo" in exc.reason and "400" in exc.reason:
-            pytest.skip(f"the server has no prompt logprobs: {exc.reason}")
-        raise
-    scores = reference.choice_scores("The capital of France is", [" Paris", " London", " Berlin"])
-    assert state["city"] == " Paris"
-    assert state.meta("city").scores == pytest.approx(scores, abs=2e-3)
+    state = pick.run(backend=endpoint)
+    scores = reference.choice_scores(prefix, choices)
+    assert state["answer"] == choices[max(range(len(choices)), key=lambda i: scores[i])]
+    assert state.meta("answer").scores == pytest.approx(scores, abs=2e-3)

@@ -16,11 +16,11 @@ import pytest
 from radixrelay.config import EngineConfig
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.messages import (
-    AbortRequest, FrontendMessage, GenerateRequest, RuntimeMessage, WorkerCommand, WorkerStep,
-    decoder, encoder,
+    AbortRequest, FrontendMessage, GenerateRequest, RuntimeMessage, WorkerCommand, WorkerMessage,
+    WorkerStep, WorkerStepDone, decoder, encoder,
 )
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.protocol import ExtendItem, StepPlan
+from radixrelay.worker.protocol import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan, TokenLogprobs
 from tests.runtime.server_process import pid_alive
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,8 +30,11 @@ _PICKLERS = re.compile(r"^\s*(import|from)\s+(pickle|cloudpickle|dill|multiproce
 
 def test_messages_are_typed_and_never_pickled():
     encode = encoder().encode
-    plan = StepPlan(7, released=[1], extends=[ExtendItem(2, 0, 5, True)], decodes=[3])
+    plan = StepPlan(7, released=[1], extends=[ExtendItem(2, 0, 5, True, 1, 3)], decodes=[3])
     assert decoder(WorkerCommand).decode(encode(WorkerStep(plan))) == WorkerStep(plan)
+    done = WorkerStepDone(StepOutput(7, [2], [9], prompt_logprobs=[
+        PromptLogprobsChunk(2, 2, [TokenLogprobs(-0.5, [(4, -0.25)]), TokenLogprobs(-1.0, [])])]))
+    assert decoder(WorkerMessage).decode(encode(done)) == done
     request = GenerateRequest(5, [1, 2, 3], SamplingParams(max_tokens=4, stop=("x",)), "salt")
     assert decoder(FrontendMessage).decode(encode(request)) == request
     with pytest.raises(msgspec.ValidationError):          # a frontend message on the wrong channel

@@ -137,3 +137,44 @@ def test_schedule_refuses_a_second_step_in_flight():
         sched.schedule()
     with pytest.raises(ValueError):
         sched.process_output(worker.step(plan).__class__(plan.step_id + 1, [], []))
+
+
+def _owed_positions(plans, rid):
+    """Positions whose prompt logprob the plans asked ``rid`` for, in plan order, each chunk
+    checked against the worker's rule (a trailing run, ending one before a sampling row)."""
+    owed = []
+    for plan in plans:
+        for ext in plan.extends:
+            if ext.rid == rid and ext.num_prompt_logprobs:
+                end = ext.start + ext.num_tokens
+                assert ext.prompt_logprobs_start >= ext.start
+                assert ext.prompt_logprobs_start + ext.num_prompt_logprobs == end - ext.sample
+                owed.extend(range(ext.prompt_logprobs_start, ext.prompt_logprobs_start + ext.num_prompt_logprobs))
+    return owed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_prompt_logprobs_owed_once_across_cache_hits_and_retraction(seed):
+    """Every prompt position 0 .. P - 2 is asked for its prompt logprob exactly once, in order,
+    though the prompt is cached already and the request is retracted (mid-prefill too) and resumed."""
+    rng = random.Random(seed)
+    system = [rng.randrange(50) for _ in range(12)]
+    reqs = [(rid, system + [rng.randrange(50) for _ in range(rng.randrange(1, 10))], rng.randrange(1, 12))
+            for rid in range(10)]
+    sched, worker = make(page_size=2, kv_tokens=40, decode_reservation_ratio=0.0, chunked_prefill_tokens=5)
+    sched.add_request(100, system, SamplingParams(max_tokens=1))         # caches the shared prefix
+    drive(sched, worker)
+    for rid, prompt, n in reqs:
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=n, prompt_logprobs=rid % 2 or None))
+    run = drive(sched, worker)
+    admissions = [a for plan in worker.plans for a in plan.admitted if a.rid % 2]
+    mid_prefill = [a for a in admissions if len(a.token_ids) == a.num_prompt_tokens]
+    assert len(mid_prefill) > len({a.rid for a in admissions})     # some resumed before sampling
+    for rid, prompt, n in reqs:
+        assert run.finals[rid].completion_tokens == n
+        if rid % 2:
+            assert _owed_positions(worker.plans, rid) == list(range(len(prompt) - 1))
+            assert run.finals[rid].cached_tokens == 0
+        else:
+            assert _owed_positions(worker.plans, rid) == []
+    assert any(run.finals[rid].cached_tokens > 0 for rid, _, _ in reqs if rid % 2 == 0)

@@ -179,6 +179,46 @@ def test_logprobs(client):
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-4)
 
 
+def _check_echo_logprobs(lp, text: str, num_prompt: int) -> None:
+    """OpenAI's legacy format over an echoed prompt: tokens spell the text, offsets count from 0."""
+    assert "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert len(lp.tokens) >= num_prompt
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(client):
+    prompt = "Echo the prompt logprobs: the quick brown fox"
+    kw = dict(model="relay", temperature=0, logprobs=2)
+    plain = client.completions.create(prompt=prompt, max_tokens=3, **kw)
+    out = client.completions.create(prompt=prompt, max_tokens=3, echo=True, **kw)
+    choice, n = out.choices[0], out.usage.prompt_tokens
+    assert choice.text == prompt + plain.choices[0].text
+    _check_echo_logprobs(choice.logprobs, choice.text, n)
+    assert len(choice.logprobs.tokens) == n + out.usage.completion_tokens
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+    assert choice.logprobs.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(prompt=prompt, max_tokens=3, echo=True,
+                                                                stream=True, **kw)]
+    assert "".join(c.text for c in streamed) == choice.text
+    parts = [c.logprobs for c in streamed if c.logprobs]
+    assert sum((p.tokens for p in parts), []) == choice.logprobs.tokens
+    assert sum((p.text_offset for p in parts), []) == choice.logprobs.text_offset
+    values = sum((p.token_logprobs for p in parts), [])
+    assert values[0] is None and values[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
+    # A list of prompts; max_tokens 0 (with echo only) returns just the prompts, as vLLM does.
+    batch = client.completions.create(prompt=[prompt, *PROMPTS], max_tokens=0, echo=True, model="relay",
+                                      logprobs=0)
+    assert [c.text for c in batch.choices] == [prompt, *PROMPTS]
+    for c in batch.choices:
+        _check_echo_logprobs(c.logprobs, c.text, 1)
+        assert all(top == {} for top in c.logprobs.top_logprobs[1:])
+    assert len(batch.choices[0].logprobs.tokens) == n
+    assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(choice.logprobs.token_logprobs[1:n],
+                                                                          abs=1e-4)
+
+
 def test_cached_tokens_and_cache_salt(client, http):
     prompt = " ".join(f"shared{i}" for i in range(80))
     client.completions.create(model="relay", prompt=prompt, max_tokens=1)
@@ -241,9 +281,17 @@ def test_server_equals_offline_engine(client):
 
     served = [client.completions.create(model="relay", prompt=p, max_tokens=16, temperature=0,
                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    echoed = client.completions.create(model="relay", prompt=PROMPTS, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1).choices
     with Engine(kv_cache_tokens=2048) as engine:
         offline = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        prompt_logprobs = [o.prompt_logprobs for o in engine.generate(
+            PROMPTS, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))]
     assert served == [o.text for o in offline]
+    for choice, expected in zip(echoed, prompt_logprobs):
+        assert expected[0] is None and choice.logprobs.token_logprobs[0] is None
+        got = choice.logprobs.token_logprobs[1:len(expected)]
+        assert got == pytest.approx([lp.logprob for lp in expected[1:]], abs=1e-4)
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -262,6 +310,8 @@ LONG = "word " * 9000          # more tokens than the model's 8192-token context
     ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "relay", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, "max_tokens"),
     ("/v1/completions", {"model": "relay", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "relay", "prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": "relay", "prompt": ["hi", "yo"], "echo": True, "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"model": "relay", "prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"model": "relay", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"model": "relay", "prompt": "hi", "stop": [""]}, "stop"),
