@@ -6,6 +6,8 @@ per request); every request shares one prefix and owns a suffix. Columns (ms per
 - flat:         our paged decode over each request's whole KV (prefix pages shared in the page table);
 - cascade kernels: ours, cascade_decode_attention: shared node (prefix, all queries stacked; on a side
                 stream) beside the paged decode of the suffixes, then one merge of all their KV splits;
+                the prefix sits on consecutive pages here, so on Hopper with >= 128 folded rows the node
+                loads K/V by TMA (v6; scattered pages take the gather path, ~0.05 ms slower at 256 x 16K);
 - as planned:   what the engine runs: the cascade where worth_cascading(batch, prefix) says so, else flat;
 - FA flat:      torch FlashAttention-2 per request over its own copied KV (GQA folded into the queries);
 - FA cascade:   the Hydragen recipe: FA2 over the prefix with all queries stacked, FA2 over the

@@ -21,6 +21,9 @@ levels (the standalone kernels would each merge their own splits first: five lau
 ``side_stream``, the tensor-core-bound shared node runs beside the memory-bound own-KV decode. The
 plan (split counts and the merge index; one device-to-host copy of the small index tensors) serves
 every layer of the step. ``worth_cascading`` is the measured rule for when a node earns its level.
+Where every node's pages are consecutive page ids and the groups have >= 128 folded query rows, the
+plan (one more device sync, Hopper only) has the shared-node kernel load K/V by TMA (``plan.kv_tma``;
+H100, 256 x 16K x 256: 0.258 -> 0.208 ms; shared_node.py).
 
 A version that interleaved both kinds of programs in ONE kernel measured 1.5x slower at batch 256 x 16K
 on an H200 (255 registers for every program) and was dropped; see benchmarks/results/attention.md.
@@ -83,6 +86,7 @@ class CascadePlan:
     own_splits: int
     own_chunk: int
     shared_config: tuple[int, int, int, int]   # BLOCK_M, BLOCK_N, warps, stages
+    kv_tma: bool = False          # every group's pages are consecutive ids: node K/V by TMA (Hopper)
 
     @property
     def num_requests(self) -> int:
@@ -106,7 +110,8 @@ def _merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_s
 
 def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 shared_splits: int | None = None, own_splits: int | None = None) -> CascadePlan:
+                 shared_splits: int | None = None, own_splits: int | None = None,
+                 shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True) -> CascadePlan:
     device = page_table.device
     check(num_q_heads % num_kv_heads == 0, f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads")
     check_index("q_indptr", q_indptr, device)
@@ -129,11 +134,15 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     max_own = max((kv_end - kv_start).tolist(), default=0)
 
     group = num_q_heads // num_kv_heads
-    shared_config = shared_node.tile_config(max_rows * group)
+    # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows; one more sync)
+    # (a 32-bit cache then still runs the gather, with the TMA path's 128-row tiles)
+    kv_tma = (allow_tma and num_groups > 0 and head_dim == 128 and max_rows * group >= shared_node.TMA_MIN_ROWS
+              and shared_node.tma_capable(device) and shared_node.pages_contiguous(kv_indptr, kv_pages))
+    shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma)
     block_m, block_n = shared_config[:2]
     m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)
     live_tiles = min(num_groups * m_tiles, triton.cdiv(len(rows_host) * group, block_m) + num_groups)
-    slots = 2 * num_sms(device)
+    slots = shared_node.programs_per_sm(shared_config) * num_sms(device)
     if shared_splits is None:
         shared_splits, shared_chunk = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
     else:
@@ -147,6 +156,7 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
         torch.tensor(indptr, dtype=torch.int32, device=device), torch.tensor(ids, dtype=torch.int32, device=device),
         page_size, head_dim, group, m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config,
+        kv_tma,
     )
 
 
@@ -183,7 +193,8 @@ def cascade_decode_attention(q, k_cache, v_cache, plan: CascadePlan, sm_scale=No
                                       plan.kv_indptr, plan.kv_pages, plan.kv_lens, sm_scale,
                                       o_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads, head_dim),
                                       lse_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads),
-                                      group, plan.m_tiles, plan.shared_chunk, plan.shared_config)
+                                      group, plan.m_tiles, plan.shared_chunk, plan.shared_config,
+                                      plan.kv_tma)
     paged_decode.launch_splits(q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end,
                                sm_scale, o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),
                                lse_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads), group,

@@ -15,6 +15,10 @@ API::
     kv_lens:   [G] int32
     max_q_rows, max_kv_len: optional host ints >= max over groups of the row count / of kv_lens; they
                size the launch grid. Left out, they are read from the tensors (one device sync).
+    kv_contiguous: the caller promises that each group's pages are consecutive page ids (check with
+               ``pages_contiguous``); with >= TMA_MIN_ROWS folded rows (max_q_rows x GQA group) on Hopper
+               (sm_90+, 16-bit, head dim 128), K/V tiles then come by TMA, 1.6x faster at 256 x 16K on an H100.
+               Ignored where TMA does not apply (CPU interpreter, older GPUs, fewer rows).
     out:       optional preallocated (o [R, Hq, D] dtype of q, contiguous D; lse [R, Hq] float32)
     returns    o [R, Hq, D] dtype of q and lse [R, Hq] float32 natural log, row i for q_rows[i]; a group
                with kv_lens[g] = 0 gives o = 0, lse = -inf
@@ -25,6 +29,12 @@ BLOCK_M / group requests and both products run on the tensor cores (tl.dot). Til
 (group, split, head) are adjacent in the grid, so their shared KV chunk is served from L2. When the
 query tiles are too few to fill the GPU the node's KV length is split and the fp32 partials are
 merged by ``merge_splits``.
+
+The K/V tiles are gathered slot by slot (16-byte loads through the page list). Where a group's pages
+are consecutive ids the node is one strided block of the cache and, on Hopper, the full tiles come by
+TMA instead (``KV_TMA``): at 256 x 16K on an H100 the kernel goes from about 300 to 500 TFLOP/s, the
+gather being bound by the L2-to-SM traffic of 16 query tiles re-reading each KV tile
+(benchmarks/results/attention.md, v6).
 """
 
 from __future__ import annotations
@@ -39,17 +49,27 @@ from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_in
 from radixrelay.kernels.merge import merge_splits
 
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the gather path only
+    TensorDescriptor = None
+
+
 @triton.jit
 def shared_node_program(
     m_tile, g, split, kv_head,
-    q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
+    q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
     qk_scale, chunk, group,
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     """Query tile ``m_tile`` of group ``g`` against KV split ``split`` of the group's node, one KV head.
+
+    With ``KV_TMA`` every group's pages are consecutive page ids, so token t of the node lives in slot
+    first_page * PAGE_SIZE + t: the full K/V tiles come by TMA boxes [BLOCK_N, HEAD_DIM] of the cache
+    viewed as [num_slots, Hkv * HEAD_DIM] (``k_desc``, ``v_desc``); the last partial tile is gathered.
 
     Writes o[row, split, head, :] and lse[row, split, head] for the tile's rows (nothing if the tile is
     past the group's rows); a split past the node's end writes o = 0, lse = -inf.
@@ -75,11 +95,19 @@ def shared_node_program(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for n0 in range(lo, full_hi, BLOCK_N):
-            pos = n0 + offs_n
-            k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
-                                stride_kv_h, offs_d)
-            m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
+        if KV_TMA:
+            first_slot = tl.load(pages, mask=lo < hi, other=0) * PAGE_SIZE
+            col = kv_head * HEAD_DIM
+            for n0 in range(lo, full_hi, BLOCK_N):
+                k = k_desc.load([first_slot + n0, col])
+                v = v_desc.load([first_slot + n0, col])
+                m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
+        else:
+            for n0 in range(lo, full_hi, BLOCK_N):
+                pos = n0 + offs_n
+                k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
+                                    stride_kv_h, offs_d)
+                m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
         if full_hi < hi:
             pos = full_hi + offs_n
             valid = pos < hi
@@ -97,54 +125,108 @@ def shared_node_program(
 
 @triton.jit
 def _shared_node_kernel(
-    q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
+    q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
     qk_scale, chunk, splits, group,
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     # grid: (query tiles, groups * splits, Hkv); tiles of one (group, split, head) are adjacent
     shared_node_program(
         tl.program_id(0), tl.program_id(1) // splits, tl.program_id(1) % splits, tl.program_id(2),
-        q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse, qk_scale, chunk, group,
+        q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse, qk_scale,
+        chunk, group,
         stride_q_b, stride_q_h, stride_slot, stride_kv_h,
         stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
-        PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, KV_TMA,
     )
 
 
-def tile_config(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group (H200 sweep)."""
+# Fewest folded query rows per group (max_q_rows x GQA group) for which consecutive node pages are loaded
+# by TMA: at 64 rows (batch 16, GQA 4) it tied or lost up to 3% on the H100 (attention.md, v6).
+TMA_MIN_ROWS = 128
+
+
+def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group.
+
+    Gathered K/V: BLOCK_M <= 64, 4 warps (H200 sweep). K/V by TMA (used only with >= TMA_MIN_ROWS rows):
+    128 x 64 tiles, 8 warps (H100 sweep, benchmarks/results/attention.md v6: at 256 x 16K x 256 the
+    cascade takes 0.208 ms with it, 0.236 with 64 x 64 tiles by TMA, 0.258 gathered; it won at all 9
+    grid points measured with >= 128 rows)."""
+    if kv_tma:
+        return 128, 64, 8, 3
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
 
 
+def tma_capable(device: torch.device) -> bool:
+    """A GPU whose copy engine takes tensor descriptors (Hopper or newer) and a triton that has them."""
+    return (TensorDescriptor is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def tma_usable(q, k_cache, v_cache) -> bool:
+    """The K/V TMA path applies to these tensors: 16-bit, head dim 128 (the one measured; its tiles fit in
+    shared memory), each slot's [Hkv, D] contiguous, 16-byte aligned."""
+    return (tma_capable(q.device) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] == 128
+            and all(c.stride(1) == c.shape[2] and c.stride(2) == 1 and (c.stride(0) * c.element_size()) % 16 == 0
+                    and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)))
+
+
+def pages_contiguous(kv_indptr: torch.Tensor, kv_pages: torch.Tensor) -> bool:
+    """Whether every group's page run is consecutive page ids (one device sync)."""
+    if kv_pages.numel() < 2:
+        return True
+    ok = (kv_pages[1:] - kv_pages[:-1]) == 1
+    starts = kv_indptr[1:-1].long() - 1                     # a group's first page may jump from the last one
+    starts = starts[(starts >= 0) & (starts < ok.numel())]
+    ok[starts] = True
+    return bool(ok.all())
+
+
+def programs_per_sm(config: tuple[int, int, int, int]) -> int:
+    """Programs of ``config`` that run at once on one multiprocessor, for the split-count model: two
+    of 4 warps (registers allow it), one of 8 warps."""
+    return 2 if config[2] <= 4 else 1
+
+
 def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
-                  lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int]):
+                  lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
+                  kv_tma: bool = False):
     """Launch into o_dst [R, S, Hq, D], lse_dst [R, S, Hq]: split s covers node tokens [s * chunk, +chunk);
     ``m_tiles`` query tiles of BLOCK_M rows per group, ``config`` = (BLOCK_M, BLOCK_N, warps, stages).
-    Returns the compiled kernel (its resource report)."""
+    ``kv_tma``: the caller promises that every group's pages are consecutive ids; full K/V tiles are then
+    loaded by TMA where ``tma_usable`` (else the page gather runs). Returns the compiled kernel."""
     block_m, block_n, num_warps, num_stages = config
     splits = o_dst.shape[1]
+    kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
+    k_desc, v_desc = k_cache, v_cache                                   # unused by the gather path
+    if kv_tma:
+        slots, width = k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2]
+        k_desc, v_desc = (TensorDescriptor(c.view(slots, width), [slots, width], [c.stride(0), 1],
+                                           [block_n, c.shape[2]]) for c in (k_cache, v_cache))
     return _shared_node_kernel[(m_tiles, (q_indptr.numel() - 1) * splits, k_cache.shape[1])](
-        q, k_cache, v_cache, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o_dst, lse_dst,
+        q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o_dst, lse_dst,
         sm_scale * LOG2E, chunk, splits, group,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1), lse_dst.stride(2),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma, num_warps=num_warps, num_stages=num_stages,
     )
 
 
 def _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
-            group: int, max_q_rows: int, max_kv_len: int, config=None, slots_per_sm: int = 2,
-            overhead: int = 256) -> None:
+            group: int, max_q_rows: int, max_kv_len: int, config=None, slots_per_sm: int | None = None,
+            overhead: int = 256, kv_contiguous: bool = False) -> None:
     num_groups = q_indptr.numel() - 1
     num_rows, num_q_heads, head_dim = o.shape
     if num_rows == 0 or num_groups == 0:
         return
-    config = config or tile_config(max_q_rows * group)
+    kv_tma = kv_contiguous and max_q_rows * group >= TMA_MIN_ROWS and tma_usable(q, k_cache, v_cache)
+    config = config or tile_config(max_q_rows * group, kv_tma)
     block_m, block_n = config[:2]
+    slots_per_sm = programs_per_sm(config) if slots_per_sm is None else slots_per_sm
     m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)
     live_tiles = min(num_groups * m_tiles, triton.cdiv(num_rows * group, block_m) + num_groups)
     splits, chunk = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
@@ -155,13 +237,14 @@ def _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_page
         o_dst = torch.empty((num_rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
         lse_dst = torch.empty((num_rows, splits, num_q_heads), dtype=torch.float32, device=q.device)
     launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
-                  lse_dst, group, m_tiles, chunk, config)
+                  lse_dst, group, m_tiles, chunk, config, kv_tma)
     if splits > 1:
         merge_splits(o_dst, lse_dst, o, lse)
 
 
 def shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
-                          sm_scale=None, *, max_q_rows: int | None = None, max_kv_len: int | None = None, out=None):
+                          sm_scale=None, *, max_q_rows: int | None = None, max_kv_len: int | None = None, out=None,
+                          kv_contiguous: bool = False):
     group = check_qkv(q, k_cache, v_cache, page_size)
     device = q.device
     check_index("q_indptr", q_indptr, device)
@@ -178,7 +261,7 @@ def shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_i
         max_kv_len = int(kv_lens.max()) if num_groups else 0
     sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
     _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
-            group, int(max_q_rows), int(max_kv_len))
+            group, int(max_q_rows), int(max_kv_len), kv_contiguous=kv_contiguous)
     return o, lse
 
 

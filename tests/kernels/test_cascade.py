@@ -8,14 +8,20 @@ from tests.kernels.helpers import DEVICE, assert_close_attention, int32, make_ca
 
 
 def run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed,
-             side_stream=None, **splits):
-    """Requests own disjoint pages for their own ranges; nodes are separate page runs."""
+             side_stream=None, contiguous=False, **splits):
+    """Requests own disjoint pages for their own ranges; nodes are separate page runs (with ``contiguous``
+    each node's run is consecutive page ids). Returns the plan."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     ends = [e for _, e in own_ranges]
     lists = page_lists(node_lens + ends, page_size, sum(-(-n // page_size) for n in node_lens + ends) + 2, gen)
     num_pages = sum(len(p) for p in lists) + 2
     k_cache, v_cache = make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
     runs, own = lists[: len(node_lens)], lists[len(node_lens):]
+    if contiguous:   # node runs become consecutive ids 0.., the own lists a permutation of the rest
+        n_node = sum(len(r) for r in runs)
+        rest = n_node + torch.randperm(num_pages - n_node, generator=gen, device=DEVICE).to(torch.int32)
+        runs = list(torch.arange(n_node, dtype=torch.int32, device=DEVICE).split([len(r) for r in runs]))
+        own = list(rest[: sum(len(p) for p in own)].split([len(p) for p in own]))
     index = (
         int32([0] + torch.tensor([len(r) for r in group_rows], dtype=torch.long).cumsum(0).tolist()),
         int32([b for rows in group_rows for b in rows]),
@@ -32,6 +38,7 @@ def run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_
     o, lse = cascade_decode_attention(q, k_cache, v_cache, plan, side_stream=side_stream)
     o_ref, lse_ref = cascade_decode_attention_reference(q, k_cache, v_cache, page_size, *index)
     assert_close_attention(o, lse, o_ref, lse_ref, dtype)
+    return plan
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, page_size", [(8, 2, 64, 16), (4, 4, 32, 4)])
@@ -58,3 +65,22 @@ def test_cascade_real_size_gpu(overlap):
     own = [(0, int(n)) for n in torch.randint(0, 700, (batch,), generator=torch.Generator().manual_seed(5))]
     side = torch.cuda.Stream() if overlap else None
     run_case(group_rows, [8192, 1024, 4000], own, 32, 8, 128, 16, torch.bfloat16, seed=6, side_stream=side)
+
+
+def test_cascade_contiguous_nodes():
+    """Nodes on consecutive pages but few rows (12 < TMA_MIN_ROWS): the gather path everywhere."""
+    plan = run_case([[0, 1, 2], [1, 2]], [40, 20], [(0, 5), (0, 0), (2, 30)], 8, 2, 32, 16, torch.float32, seed=4,
+                    contiguous=True)
+    assert not plan.kv_tma
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cascade_contiguous_real_size_gpu(overlap):
+    batch = 256
+    group_rows = [list(range(batch)), list(range(0, batch, 2))]
+    own = [(0, int(n)) for n in torch.randint(0, 300, (batch,), generator=torch.Generator().manual_seed(7))]
+    side = torch.cuda.Stream() if overlap else None
+    plan = run_case(group_rows, [16384, 1000], own, 32, 8, 128, 16, torch.bfloat16, seed=8, side_stream=side,
+                    contiguous=True)
+    assert plan.kv_tma == (torch.cuda.get_device_capability()[0] >= 9)

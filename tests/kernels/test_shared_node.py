@@ -11,9 +11,16 @@ from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_c
                                    poisoned)
 
 
-def build_groups(group_rows: list[list[int]], kv_lens: list[int], page_size: int, num_pages: int, gen):
-    """Index tensors of shared_node_attention for groups of request indices over random page runs."""
+def build_groups(group_rows: list[list[int]], kv_lens: list[int], page_size: int, num_pages: int, gen,
+                 contiguous: bool = False):
+    """Index tensors of shared_node_attention for groups of request indices over random page runs (with
+    ``contiguous``: each run is consecutive page ids, runs in random order with a gap page between)."""
     runs = page_lists(kv_lens, page_size, num_pages, gen)
+    if contiguous:
+        at = 1
+        for i in torch.randperm(len(runs), generator=torch.Generator().manual_seed(len(runs))).tolist():
+            runs[i] = torch.arange(at, at + len(runs[i]), dtype=torch.int32, device=DEVICE)
+            at += len(runs[i]) + 1
     q_indptr = int32([0] + torch.tensor([len(r) for r in group_rows]).cumsum(0).tolist())
     kv_indptr = int32([0] + torch.tensor([len(r) for r in runs]).cumsum(0).tolist())
     q_rows = int32([i for rows in group_rows for i in rows])
@@ -21,19 +28,24 @@ def build_groups(group_rows: list[list[int]], kv_lens: list[int], page_size: int
     return q_indptr, q_rows, kv_indptr, kv_pages, int32(kv_lens)
 
 
-def run_case(batch, group_rows, kv_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed, **launch):
+def run_case(batch, group_rows, kv_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed,
+             contiguous=False, **launch):
     gen = torch.Generator(DEVICE).manual_seed(seed)
-    num_pages = sum(-(-n // page_size) for n in kv_lens) + 2
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + len(kv_lens) + 2
     k_cache, v_cache = make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
-    index = build_groups(group_rows, kv_lens, page_size, num_pages, gen)
+    index = build_groups(group_rows, kv_lens, page_size, num_pages, gen, contiguous)
+    if contiguous:
+        assert shared_mod.pages_contiguous(index[2], index[3])
+        launch["kv_contiguous"] = True
     q = torch.randn((batch, num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
     out = poisoned((index[1].numel(), num_q_heads, head_dim), dtype)
-    if launch:   # drive the launcher directly to pin tiles and split count
+    if launch.get("config"):   # drive the launcher directly to pin tiles and split count
         shared_mod._launch(q, k_cache, v_cache, page_size, *index, head_dim**-0.5, *out,
                            num_q_heads // num_kv_heads, max(map(len, group_rows)), max(kv_lens), **launch)
         o, lse = out
     else:
-        o, lse = shared_node_attention(q, k_cache, v_cache, page_size, *index, out=out)
+        o, lse = shared_node_attention(q, k_cache, v_cache, page_size, *index, out=out,
+                                       kv_contiguous=launch.get("kv_contiguous", False))
     o_ref, lse_ref = shared_node_attention_reference(q, k_cache, v_cache, page_size, *index)
     assert_close_attention(o, lse, o_ref, lse_ref, dtype)
 
@@ -108,3 +120,40 @@ def test_shared_node_real_size_gpu(batch, prefix_len):
 def test_cascade_real_size_gpu():
     suffixes = torch.randint(0, 600, (128,), generator=torch.Generator().manual_seed(8)).tolist()
     run_cascade(128, 8192, suffixes, 32, 8, 128, 16, torch.bfloat16, seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(64, 128, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
+                                    (128, 128, 8, 3)])
+def test_shared_node_tile_configs_gpu(config):
+    """The tile configs the H100 sweep tried (benchmarks/sweep_shared_node.py), bf16 at real sizes, with a
+    partial last tile and a second group."""
+    group_rows = [list(range(256)), list(range(0, 256, 3))]
+    run_case(256, group_rows, [4096 + 24, 1000], 32, 8, 128, 16, torch.bfloat16, seed=11, config=config)
+
+
+def test_pages_contiguous():
+    ok = shared_mod.pages_contiguous
+    assert ok(int32([0, 3, 3, 5]), int32([7, 8, 9, 2, 3]))           # runs 7-9 and 2-3, an empty group
+    assert not ok(int32([0, 3, 5]), int32([7, 8, 10, 2, 3]))
+    assert not ok(int32([0, 2]), int32([4, 3]))
+    assert ok(int32([0, 0]), int32([])) and ok(int32([0, 1]), int32([5]))
+
+
+def test_shared_node_contiguous_falls_back():
+    """kv_contiguous on a machine without TMA (CPU interpreter here) runs the gather path, same results."""
+    group_rows = [[0, 1, 2, 3, 4], [1, 3], [2]]
+    run_case(5, group_rows, [70, 13, 0], 8, 2, 32, 16, torch.float32, seed=12, contiguous=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3),
+                                    (64, 128, 4, 2)])
+def test_shared_node_tma_gpu(config):
+    """Consecutive page runs: full K/V tiles by TMA on Hopper (the gather elsewhere), bf16 at real sizes;
+    partial last tiles, an empty node, a one-token node, runs not starting at page 0."""
+    assert shared_mod.tma_capable(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    group_rows = [list(range(256)), list(range(0, 256, 3)), [7], [3, 9]]
+    launch = {"config": config} if config else {}
+    run_case(256, group_rows, [8192 + 40, 1000, 0, 1], 32, 8, 128, 16, torch.bfloat16, seed=13, contiguous=True,
+             **launch)
