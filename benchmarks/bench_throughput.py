@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--cascade", default="auto", choices=("auto", "on"), help="planner mode of the cascade rows")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every mode, interleaved (mode order rotates); the median run is reported")
     ap.add_argument("--only", default="", help="workload letters to run, e.g. 'bc' (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -227,7 +229,7 @@ def main() -> None:
     header = (f"# Decode throughput, shared prefixes ({device})\n\n"
               f"{'tiny fp32 model' if args.smoke else f'Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights'}, "
               f"cascade planner {args.cascade}, {args.output} output tokens per "
-              f"request ({args.warmup} untimed), page {PAGE}, CUDA graphs {'off' if args.no_graphs else 'on'}; "
+              f"request ({args.warmup} untimed), median of {args.repeats} interleaved runs per mode, page {PAGE}, CUDA graphs {'off' if args.no_graphs else 'on'}; "
               f"torch {torch.__version__}. Command: `python benchmarks/bench_throughput.py "
               f"{' '.join(sys.argv[1:])}`.\n\n"
               "| workload | requests | mode | tok/s | ms/step | attention share | vs ceiling | cascade vs flat |"
@@ -240,10 +242,26 @@ def main() -> None:
         for w in workloads(args.quick, args.smoke):
             if args.only and w.name[1] not in args.only:
                 continue
-            res = {m: run(model, w, m, args.output, args.warmup, not args.no_graphs, args.cascade) for m in modes}
+            res = run_interleaved(model, w, modes, args)
             for m in modes:
                 emit(f, row(w, m, res) + "\n")
     print(f"wrote {path}")
+
+
+def run_interleaved(model, w: Workload, modes: list[str], args: argparse.Namespace) -> dict[str, Result | None]:
+    """Every mode ``args.repeats`` times, rounds interleaved and rotated so that drifting clocks or a
+    noisy host weigh on all modes alike; per mode the run with the median throughput."""
+    runs: dict[str, list[Result | None]] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for m in order:
+            runs[m].append(run(model, w, m, args.output, args.warmup, not args.no_graphs, args.cascade))
+
+    def median(results: list[Result | None]) -> Result | None:
+        done = sorted((x for x in results if x is not None), key=lambda x: x.tokens_per_s)
+        return done[len(done) // 2] if done else None
+
+    return {m: median(rs) for m, rs in runs.items()}
 
 
 def emit(f, text: str) -> None:
