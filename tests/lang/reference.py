@@ -48,7 +48,10 @@ def token_logprobs(ids: list[int]) -> list[float | None]:
     return [None] + [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
-def choice_scores(prefix: str, choices: list[str]) -> list[float]:
+def choice_scores(prefix: str, choices: list[str], logprobs_of=None) -> list[float]:
+    """Mean logprob of each choice's tokens after ``prefix``; ``logprobs_of(ids)`` gives the
+    per-token logprobs (default: transformers' forward pass, ``token_logprobs``)."""
+    logprobs_of = logprobs_of or token_logprobs
     prefix_ids = tokenizer().encode(prefix)
     scores = []
     for choice in choices:
@@ -56,6 +59,6 @@ def choice_scores(prefix: str, choices: list[str]) -> list[float]:
         common = 0
         while common < min(len(ids), len(prefix_ids)) and ids[common] == prefix_ids[common]:
             common += 1
-        values = token_logprobs(ids)[common:]
+        values = logprobs_of(ids)[common:]
         scores.append(sum(values) / len(values))
     return scores
