@@ -1,18 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test, then the end-to-end throughput benchmark, in one call on a CUDA machine.
 #   bash benchmarks/gpu_all.sh [bench_throughput.py arguments]
-# Packages a bare GPU image lacks (msgspec, pyzmq, gguf) are installed from carried wheels in .whl/.
+# Carry .whl/ (see gpu_env.sh).
 # Results go to $OUT if set (the device tool), else benchmarks/results/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-dest="${OUT:-benchmarks/results}"
-mkdir -p "$dest"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-nvidia-smi --query-gpu=name,driver_version --format=csv
+source "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/cascade/test_gpu.py \
     tests/model/test_cuda.py tests/worker/test_sampling.py tests/engine/test_engine_gpu.py 2>&1 \
     | tee "$dest/gpu_tests.log"

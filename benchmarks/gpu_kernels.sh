@@ -5,17 +5,7 @@
 #   2. benchmarks/bench_attention.py (arguments passed through, e.g. --quick, --sweep).
 # Results (pytest log, markdown table) go to $OUT if set (device tool), else benchmarks/results/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-dest="${OUT:-benchmarks/results}"
-mkdir -p "$dest"
-export PYTHONUNBUFFERED=1
-# radixrelay/__init__ imports msgspec; a bare GPU image may lack it: install a carried wheel (.whl/)
-if ! python3 -c 'import msgspec' 2>/dev/null && ls .whl/msgspec-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/msgspec-*.whl
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+source "$(dirname "$0")/gpu_env.sh"
 
 python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$dest/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
