@@ -2,7 +2,7 @@
 # Every GPU test, then the end-to-end throughput benchmark, in one call on a CUDA machine.
 #   bash benchmarks/gpu_all.sh [bench_throughput.py arguments]
 # Carry .whl/ (see gpu_env.sh).
-# Results go to $OUT if set (the device tool), else benchmarks/results/.
+# Results go to the folder named by $OUT if set (remote runs), else benchmarks/results/.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/cascade/test_gpu.py \

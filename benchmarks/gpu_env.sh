@@ -1,6 +1,6 @@
 # Sourced by the GPU scripts: results folder, carried wheels, device report.
 # A bare GPU image lacks some of radixrelay's dependencies (msgspec, pyzmq, gguf): wheels carried in
-# .whl/ (README of the device tool: `pip download --python-version 3.12 ...`) are installed first.
+# .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl NAME`) are installed first.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 dest="${OUT:-benchmarks/results}"
 mkdir -p "$dest"

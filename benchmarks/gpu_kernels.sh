@@ -3,7 +3,7 @@
 #   1. every kernel test in tests/kernels, compiled (fp32 shapes) and the @pytest.mark.gpu ones at real
 #      sizes in bf16;
 #   2. benchmarks/bench_attention.py (arguments passed through, e.g. --quick, --sweep).
-# Results (pytest log, markdown table) go to $OUT if set (device tool), else benchmarks/results/.
+# Results (pytest log, markdown table) go to the folder named by $OUT if set (remote runs), else benchmarks/results/.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 
