@@ -67,6 +67,28 @@ class CacheManager:
             self.allocator.free(self.tree.evict(short))
         return self.allocator.alloc(n)
 
+    def share_computed_prefix(self, req: Request) -> None:
+        """After ``req``'s prefill: hand its computed whole pages to the tree and lock the deeper
+        path, so that requests arriving while it decodes reuse them (and the cascade planner sees
+        them share its node). Skipped when the tree already holds other pages past ``req``'s
+        match (a copy computed concurrently): ``req`` then keeps its pages private until it leaves.
+        """
+        ps = self.page_size
+        num_full = req.kv_len // ps
+        if self.config.disable_radix_cache or num_full <= req.num_shared_pages:
+            return
+        tokens = req.token_ids[: num_full * ps]
+        _, cached = self.tree.peek_prefix(tokens, req.salt)
+        if cached != req.num_shared_pages * ps:
+            return
+        self.tree.insert(tokens, req.pages[:num_full], req.salt)
+        node = self.tree.match_prefix(tokens, req.salt).node
+        self.tree.lock(node)                    # the new path contains the old one: lock first
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        req.lock_node = node
+        req.num_shared_pages = num_full
+
     def release(self, req: Request, keep_cache: bool) -> None:
         """Give back everything ``req`` holds; with ``keep_cache`` its computed whole pages stay
         in the tree. Afterwards ``req`` holds no pages and no lock (kv_len resets to 0)."""

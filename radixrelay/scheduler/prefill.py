@@ -55,12 +55,17 @@ class PrefillManager:
         if budget <= 0 or not waiting or len(running) >= self.config.max_running_requests:
             return out
         reserved = sum(self.reserve_pages(r) for r in running)
+        computing = {self._next_page_key(r, r.num_shared_pages * self.config.page_size)
+                     for r in running if r.in_prefill}
         for req in order_waiting(waiting, self.cache.tree, self.config):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
+            if self._waits_for_shared_prefill(req, computing):
+                continue
             if not self._admit(req, reserved if running or out.admitted else None):
                 break
             out.admitted.append(req)
+            computing.add(self._next_page_key(req, req.kv_len))
             reserved += self.reserve_pages(req)
             budget -= self._extend(out, req, budget)
         self._remove(waiting, out.admitted)
@@ -77,6 +82,25 @@ class PrefillManager:
         kept = [r for r in waiting if id(r) not in chosen]
         waiting.clear()
         waiting.extend(kept)
+
+    def _next_page_key(self, req: Request, cached: int) -> tuple:
+        """What identifies the first page ``req`` computes past its ``cached`` prefix: requests
+        with the same key would compute the same KV."""
+        ps = self.config.page_size
+        return req.salt, cached, tuple(req.token_ids[cached:cached + ps])
+
+    def _waits_for_shared_prefill(self, req: Request, computing: set[tuple]) -> bool:
+        """True when a running request is computing the page ``req`` would compute next: ``req``
+        then waits in the queue, and once that prefill ends (``CacheManager.share_computed_prefix``)
+        it is admitted with the shared prefix cached instead of computing a second copy."""
+        if self.config.disable_radix_cache:
+            return False
+        ps = self.config.page_size
+        _, cached = self.cache.tree.peek_prefix(req.token_ids[:req.reusable_prefix], req.salt)
+        cached -= cached % ps
+        if req.reusable_prefix - cached < ps:
+            return False                      # less than a page left to share
+        return self._next_page_key(req, cached) in computing
 
     def _admit(self, req: Request, reserved: int | None) -> bool:
         """Match, lock and allocate for ``req``; False (holding nothing) when it does not fit."""

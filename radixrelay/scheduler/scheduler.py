@@ -162,6 +162,8 @@ class Scheduler:
             first, owed = extended.owed_prompt_logprobs(n)
             extended.prompt_logprob_pos = max(extended.prompt_logprob_pos, first + owed)
             extended.kv_len += n
+            if not extended.in_prefill and self._running.get(extended.rid) is extended:
+                self.cache.share_computed_prefix(extended)
         for decoded in step.decodes:
             decoded.kv_len += 1
         updates = []

@@ -174,3 +174,22 @@ def test_cascade_on_gives_identical_greedy_outputs(engine):
     assert [o.token_ids for o in outs] == [o.token_ids for o in flat]
     assert stats["cascade_steps"] > 0 and stats["cascade_groups"] > 0
     assert stats["cascade_tokens_read_once"] >= 4 * 160 * stats["cascade_steps"] // 2
+
+
+def test_concurrent_requests_compute_a_new_shared_prefix_once(engine):
+    """Requests that arrive together with a prefix nobody cached yet: the first computes it, the
+    others wait for its prefill and reuse it (and their outputs do not change)."""
+    shared = "Context: " + " ".join(f"fact{i}" for i in range(100))
+    prompts = [f"{shared} Question {q}?" for q in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prefix = len(engine.tokenizer.encode(shared))
+    assert prefix >= 150
+    before = engine.computed_tokens
+    outs = engine.generate(prompts, params)
+    computed = engine.computed_tokens - before
+    assert outs[0].cached_tokens == 0
+    assert all(o.cached_tokens >= prefix - 16 for o in outs[1:])
+    uncached = sum(o.prompt_tokens - o.cached_tokens for o in outs)
+    assert computed == uncached + sum(o.completion_tokens - 1 for o in outs)
+    singles = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in singles]

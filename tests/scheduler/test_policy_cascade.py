@@ -76,9 +76,11 @@ def test_cascade_hook_sees_shared_radix_nodes():
     plan = sched.schedule()
     assert plan is not None and plan.cascade == {"rows": 2}
     rows = {r.rid: r for r in seen[-1]}
-    (n0, n1), (m0,) = rows[1].path, rows[2].path
-    # request 2 matched 6 tokens: the system prompt node was split there and both share it
+    (n0, n1, n2), (m0,) = rows[1].path, rows[2].path
+    # request 2 matched 6 tokens: the system prompt node was split there and both share it;
+    # request 1's own whole prompt pages entered the tree when its prefill ended
     assert m0 == n0 and (n0.start, n0.num_tokens) == (0, 6) and (n1.start, n1.num_tokens) == (6, 4)
+    assert (n2.start, n2.num_tokens) == (10, 2)
     assert rows[1].seq_len == 13 and rows[2].seq_len == 8
     sched.process_output(worker.step(plan))
     drive(sched, worker)

@@ -6,7 +6,7 @@ import pytest
 
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from tests.scheduler.fake_worker import FakeWorker, default_token_fn, drive
+from tests.scheduler.fake_worker import FakeWorker, Run, collect, default_token_fn, drive
 
 
 def make(page_size=4, kv_tokens=256, **kw):
@@ -186,16 +186,23 @@ def test_no_gpu_imports():
                     assert stdlib or name.startswith(allowed), f"{path.name} imports {name}"
 
 
-def test_concurrent_duplicates_are_freed_at_finish():
+def test_concurrent_identical_prompts_compute_the_prefix_once():
     sched, worker = make(page_size=2, kv_tokens=40)
     prompt = list(range(9))
-    sched.add_request(1, prompt, SamplingParams(max_tokens=1))
-    sched.add_request(2, prompt, SamplingParams(max_tokens=1))
+    sched.add_request(1, prompt, SamplingParams(max_tokens=3))
+    sched.add_request(2, prompt, SamplingParams(max_tokens=3))
     plan = sched.schedule()
-    assert plan is not None
-    assert [a.pages for a in plan.admitted] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    # rid 2 would compute the same pages as rid 1: it waits for rid 1's prefill
+    assert plan is not None and [a.rid for a in plan.admitted] == [1]
+    assert [a.pages for a in plan.admitted] == [[0, 1, 2, 3, 4]]
     sched.process_output(worker.step(plan))
     sched.check_integrity()
-    # rid 1 cached its 4 whole pages and freed its partial one; rid 2's copies were duplicates
+    # rid 1's 4 whole prompt pages entered the tree when its prefill ended; its partial page is its own
     assert sorted(p for n in sched.cache.tree.nodes() for p in n.pages) == [0, 1, 2, 3]
-    assert sched.cache.allocator.free_pages()[-6:] == [4, 5, 6, 7, 8, 9]
+    plan = sched.schedule()
+    assert plan is not None and [a.rid for a in plan.admitted] == [2]
+    assert plan.admitted[0].pages[:4] == [0, 1, 2, 3]          # the same KV, shared
+    run = Run()
+    collect(run, sched.process_output(worker.step(plan)))
+    drive(sched, worker, run)
+    assert run.finals[2].cached_tokens == 8 and run.finals[2].finish_reason == "length"
