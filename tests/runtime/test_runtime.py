@@ -77,7 +77,8 @@ async def _end_to_end(tmp_path: Path) -> None:
             async for _ in client.generate([1] * 400, SamplingParams(max_tokens=200)):
                 pass
 
-        # Closing a stream early aborts it: its KV is freed (nothing cached, nothing running).
+        # Closing a stream early aborts it: its KV is freed. What stays is cache: the whole pages
+        # of its prompt entered the radix tree when its prefill ended; unlocked, they are evictable.
         assert await client.flush_cache()
         stream = client.generate(list(range(50, 90)), SamplingParams(max_tokens=200, ignore_eos=True))
         await anext(stream)
@@ -86,10 +87,12 @@ async def _end_to_end(tmp_path: Path) -> None:
         deadline = time.monotonic() + 5
         while True:
             sched = (await client.stats()).scheduler
-            if sched.num_running == 0 and sched.kv_used_pages == 0 or time.monotonic() > deadline:
+            if sched.num_running == 0 and sched.locked_tokens == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
-        assert sched.num_running == 0 and sched.kv_used_pages == 0
+        page_size = client.info.kv_cache_tokens // sched.kv_total_pages
+        assert sched.num_running == 0 and sched.locked_tokens == 0
+        assert sched.kv_used_pages * page_size == sched.cached_tokens == sched.evictable_tokens == 32
 
         # An idle runtime sleeps in poll: over 2 s the scheduler and worker use a small fraction of
         # a core (a spinning loop would use all of it). The settle time lets the aborted request's
