@@ -93,12 +93,16 @@ class CascadePlan:
         return self.page_table.shape[0]
 
 
-def _merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_splits: int):
-    """Parts of request b: every (shared row i with q_rows[i] == b, split), then its own splits."""
-    rows_of = [[] for _ in range(num_requests)]
+def merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_splits: int,
+                rows_cap: int | None = None) -> tuple[list[int], list[int]]:
+    """The parts layout of ``cascade_decode_attention``: shared row i, split s is part
+    ``i * shared_splits + s`` (``rows_cap`` rows reserved, default ``len(q_rows)``; CUDA graphs pad),
+    then request b's own split s is part ``rows_cap * shared_splits + b * own_splits + s``. Returns the
+    merge's (indptr, part ids): request b merges every split of its shared rows, then its own."""
+    rows_of: list[list[int]] = [[] for _ in range(num_requests)]
     for i, b in enumerate(q_rows):
         rows_of[b].append(i)
-    base = len(q_rows) * shared_splits
+    base = (len(q_rows) if rows_cap is None else rows_cap) * shared_splits
     indptr, ids = [0], []
     for b in range(num_requests):
         for i in rows_of[b]:
@@ -151,7 +155,7 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
         own_splits, own_chunk = pick_splits(num_requests * num_kv_heads, max_own, OWN_ALIGN, 4 * slots, 256)
     else:
         own_chunk = triton.cdiv(triton.cdiv(max(max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
-    indptr, ids = _merge_index(rows_host, num_requests, shared_splits, own_splits)
+    indptr, ids = merge_index(rows_host, num_requests, shared_splits, own_splits)
     return CascadePlan(
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
         torch.tensor(indptr, dtype=torch.int32, device=device), torch.tensor(ids, dtype=torch.int32, device=device),
@@ -213,7 +217,7 @@ def cascade_decode_attention_reference(q, k_cache, v_cache, page_size, q_indptr,
                                                    kv_pages, kv_lens, sm_scale, dtype)
     o_own, lse_own = paged_decode_attention_reference(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end,
                                                       sm_scale, dtype)
-    indptr, ids = _merge_index(q_rows.tolist(), q.shape[0], 1, 1)
+    indptr, ids = merge_index(q_rows.tolist(), q.shape[0], 1, 1)
     as_index = lambda x: torch.tensor(x, dtype=torch.int32, device=q.device)  # noqa: E731
     return merge_attention_states_reference(torch.cat([o_sh, o_own]), torch.cat([lse_sh, lse_own]),
                                             as_index(indptr), as_index(ids), dtype)

@@ -28,6 +28,7 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
+from radixrelay.kernels.cascade import merge_index
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -165,8 +166,8 @@ class DecodeGraphs:
         p.kv_lens[num_groups:].zero_()                     # ... and no KV
         p.q_rows[:rows].copy_(q_rows)
         p.kv_pages[:kv_pages.numel()].copy_(kv_pages)
-        indptr, part_ids = _merge_index(q_rows.tolist(), g.batch.num_requests, p.q_rows.numel(),
-                                        p.shared_splits, p.own_splits)
+        indptr, part_ids = merge_index(q_rows.tolist(), g.batch.num_requests, p.shared_splits,
+                                       p.own_splits, rows_cap=p.q_rows.numel())
         p.merge_indptr.copy_(torch.tensor(indptr, dtype=torch.int32).to(self.device, non_blocking=True))
         p.merge_part_ids[:len(part_ids)].copy_(torch.tensor(part_ids, dtype=torch.int32).to(self.device,
                                                                                             non_blocking=True))
@@ -216,21 +217,3 @@ def _launch_shape(plan: CascadePlan) -> _LaunchShape:
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
-
-
-def _merge_index(q_rows: list[int], bs: int, rows_cap: int, shared_splits: int,
-                 own_splits: int) -> tuple[list[int], list[int]]:
-    """The cascade kernel's parts layout over padded sizes: shared row i, split s is part
-    i * shared_splits + s (rows_cap rows), then request b's own split s is part
-    rows_cap * shared_splits + b * own_splits + s; request b merges its shared rows' parts, then its own."""
-    rows_of: list[list[int]] = [[] for _ in range(bs)]
-    for i, b in enumerate(q_rows):
-        rows_of[b].append(i)
-    base = rows_cap * shared_splits
-    indptr, ids = [0], []
-    for b in range(bs):
-        for i in rows_of[b]:
-            ids.extend(range(i * shared_splits, (i + 1) * shared_splits))
-        ids.extend(range(base + b * own_splits, base + (b + 1) * own_splits))
-        indptr.append(len(ids))
-    return indptr, ids
