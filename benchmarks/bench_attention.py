@@ -278,6 +278,39 @@ def resource_report(jit_fn) -> list[str]:
         return [f"- {jit_fn.__name__}: no report ({type(exc).__name__}: {exc})"]
 
 
+def bench_page_layouts(log, batch: int = 256, prefix: int = 16384, suffix: int = 256, pieces: int = 4) -> None:
+    """The cascade at one point with the shared prefix's pages laid out several ways (the same KV set,
+    so the same output): one run of consecutive ids (TMA on Hopper), ``pieces`` runs in one group
+    (gathered), the same runs split into one group each (``cascade.batch.split_at_page_breaks``; TMA
+    per piece), a random permutation (gathered)."""
+    case = Case(batch, prefix, suffix)
+    pp = prefix // PAGE
+    run = pp // pieces
+    dev = dict(dtype=torch.int32, device="cuda")
+    in_runs = torch.cat([torch.arange(i * run, (i + 1) * run, **dev) for i in reversed(range(pieces))])
+    scattered = torch.randperm(pp, generator=torch.Generator().manual_seed(0)).to(**dev)
+    rows = torch.arange(batch, **dev)
+    layouts = [
+        ("one run of consecutive pages", case.q_indptr, rows, case.kv_indptr, case.prefix_pages, case.kv_lens, True),
+        (f"{pieces} runs, one group (gathered)", case.q_indptr, rows, case.kv_indptr, in_runs, case.kv_lens, False),
+        (f"{pieces} runs, split into {pieces} groups", i32([g * batch for g in range(pieces + 1)]),
+         rows.repeat(pieces), i32([g * run for g in range(pieces + 1)]), in_runs, i32([run * PAGE] * pieces), True),
+        ("random page order (gathered)", case.q_indptr, rows, case.kv_indptr, scattered, case.kv_lens, False),
+    ]
+    log(f"\n## Page layout of the shared prefix, {batch} x {prefix} x {suffix}\n")
+    log("| layout | node loads | ms | rel diff vs one run |\n|---|---|---|---|")
+    ref = None
+    for name, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, contiguous in layouts:
+        plan = plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, case.page_table, case.prefix_start,
+                            case.ends, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
+                            kv_contiguous=contiguous)
+        fn = lambda: cascade_decode_attention(case.q, case.k_cache, case.v_cache, plan, side_stream=case.side)  # noqa: E731,B023
+        out = fn()[0].float()
+        ref = out if ref is None else ref
+        diff = float((out - ref).norm() / ref.norm())
+        log(f"| {name} | {'TMA' if plan.kv_tma else 'gather'} | {time_graph(fn):.4f} | {diff:.1e} |")
+
+
 def sweep(log, copy_gbs: float) -> None:
     """Tile configurations of each kernel at the points that matter (for choosing the defaults)."""
     log("\n## Sweep: cascade, shared-node split count (ms; auto count in parentheses)\n")
@@ -350,6 +383,7 @@ def main() -> None:
     ms, tf = bench_extend()
     log(f"- extend, 8 x 4K new over 4K cached prefix: {ms:.3f} ms, {tf:.0f} TFLOP/s on the causal work "
         "(target >= 250)")
+    bench_page_layouts(log)
     if args.sweep:
         sweep(log, copy_gbs)
     if not args.no_grid:

@@ -36,6 +36,11 @@ class AttentionBackend(ABC):
         """Like ``forward`` but also returns ``lse: [T, Hq]`` float32, natural log."""
         raise NotImplementedError(f"{type(self).__name__} does not return the LSE")
 
+    def splits_shared_pages(self, device: torch.device) -> bool:
+        """Whether shared runs should be split at page-id breaks (``cascade.batch.split_at_page_breaks``):
+        only worth it where consecutive pages load faster than gathered ones."""
+        return False
+
 
 def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """``triton`` (the kernels: CUDA, or the CPU under TRITON_INTERPRET=1) or ``torch`` (reference)."""

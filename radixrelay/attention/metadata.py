@@ -56,6 +56,7 @@ class SharedRuns:
     max_rows: int             # host maxima: rows of a group, tokens of a run
     max_kv_len: int
     max_pages: int
+    contiguous: bool = False  # host: every run's pages are consecutive ids (the node kernel's TMA path)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,13 @@ def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> 
         max_rows=max(len(r.rows) for r in runs),
         max_kv_len=max(r.num_tokens for r in runs),
         max_pages=max(len(r.pages) for r in runs),
+        contiguous=all(consecutive(r.pages) for r in runs),
     )
+
+
+def consecutive(pages: Sequence[int]) -> bool:
+    """Whether ``pages`` are consecutive page ids (one strided block of the KV cache)."""
+    return all(b == a + 1 for a, b in zip(pages, pages[1:]))
 
 
 class DevicePageTable:

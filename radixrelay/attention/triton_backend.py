@@ -24,6 +24,7 @@ from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.reference import merge_states
 from radixrelay.kernels import (CascadePlan, cascade_decode_attention, extend_attention, paged_decode_attention,
                                 plan_cascade, shared_node_attention)
+from radixrelay.kernels.shared_node import tma_capable
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class TritonBackend(AttentionBackend):
                 runs.q_indptr, runs.q_rows, runs.kv_indptr, runs.kv_pages, runs.kv_lens,
                 batch.page_table[first:], kv_start[first:], batch.seq_lens[first:],
                 num_q_heads=q.shape[1], num_kv_heads=kv_cache.k[0].shape[1], head_dim=q.shape[2],
-                page_size=batch.page_size)
+                page_size=batch.page_size, kv_contiguous=runs.contiguous)
         self._step = _Step(batch.num_tokens - batch.num_decodes, kv_start, decode_plan)
         self._batch = batch
         return self._step
@@ -99,11 +100,15 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
 
+    def splits_shared_pages(self, device: torch.device) -> bool:
+        return tma_capable(torch.device(device))
+
     def _merge_prefill(self, q, k, v, page_size: int, runs: SharedRuns, o, lse) -> None:
         """Each extend token of a shared run has two parts: the run (shared) and its own window."""
         o_sh, lse_sh = shared_node_attention(q, k, v, page_size, runs.q_indptr, runs.q_rows, runs.kv_indptr,
                                              runs.kv_pages, runs.kv_lens, self.sm_scale,
-                                             max_q_rows=runs.max_rows, max_kv_len=runs.max_kv_len)
+                                             max_q_rows=runs.max_rows, max_kv_len=runs.max_kv_len,
+                                             kv_contiguous=runs.contiguous)
         rows = runs.q_rows.long()
         o[rows], lse[rows] = merge_states(o[rows], lse[rows], o_sh, lse_sh)
 

@@ -6,6 +6,12 @@ the first member's page list. The device tensors are kept while the plan and the
 (steady decode: the plan object is reused by the planner), so the per-step cost is then one
 comparison.
 
+With ``split_pages`` (a backend whose shared-node kernel loads consecutive pages by TMA), a group
+whose pages are a few long runs of consecutive ids becomes one run per piece, with the same rows:
+exact (the merge takes any number of parts per row), and every piece is then one strided block of the
+cache. A node's pages are one run when one prompt allocated them (``PageAllocator``); a chain of nodes
+cached by different requests is several.
+
 Prefill (RelayAttention's prompt phase): extend rows whose cached prefixes begin with the same pages
 share those pages' KV; the longest common run of cached pages of each such set becomes one shared run
 attended once for all their new tokens, if the cost model accepts it (per run, then all runs
@@ -23,10 +29,33 @@ from radixrelay.cascade.plan import CascadePlan
 
 PagesOf = Callable[[int], Sequence[int]]   # rid -> its page list
 
+# A group is split at its page-id breaks only into pieces of at least MIN_PIECE_PAGES pages, at most
+# MAX_PIECES of them: each piece adds a partial tail tile (gathered) and one merge part per row
+# (16 KB per row at 32 heads x 128 dims), small next to the TMA path's gain on a long node (256 x 16K,
+# H100: 0.26 -> 0.18 ms) but not on many short pieces.
+MIN_PIECE_PAGES = 32
+MAX_PIECES = 8
+
+
+def split_at_page_breaks(run: SharedRun, page_size: int, min_pages: int = MIN_PIECE_PAGES,
+                         max_pieces: int = MAX_PIECES) -> list[SharedRun]:
+    """``run`` as pieces of consecutive page ids (the same rows each), or ``[run]`` when it is one
+    piece already or the pieces are too short or too many."""
+    pages = list(run.pages)
+    breaks = [i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1]
+    if not breaks or len(breaks) + 1 > max_pieces:
+        return [run]
+    bounds = [0, *breaks, len(pages)]
+    if any(hi - lo < min_pages for lo, hi in zip(bounds, bounds[1:])):
+        return [run]
+    return [SharedRun(run.rows, pages[lo:hi], min(hi * page_size, run.num_tokens) - lo * page_size)
+            for lo, hi in zip(bounds, bounds[1:])]
+
 
 def decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf,
-                page_size: int) -> list[SharedRun]:
-    """One run per group, rows = indices into ``decode_rids``; checks that members hold the run's pages."""
+                page_size: int, split_pages: bool = False, min_piece_pages: int = MIN_PIECE_PAGES) -> list[SharedRun]:
+    """One run per group (with ``split_pages``: per piece of consecutive pages, see above), rows =
+    indices into ``decode_rids``; checks that members hold the run's pages."""
     index = {rid: i for i, rid in enumerate(decode_rids)}
     runs = []
     for g in plan.groups:
@@ -37,7 +66,8 @@ def decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf
         for rid in g.rids[1:]:
             if pages_of(rid)[lo:hi] != pages:
                 raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
-        runs.append(SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens))
+        run = SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens)
+        runs.extend(split_at_page_breaks(run, page_size, min_piece_pages) if split_pages else [run])
     return runs
 
 
@@ -82,15 +112,17 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 class DecodeRunsCache:
     """Device tensors of the last decode plan, reused while (plan, decode order) repeat."""
 
-    def __init__(self, page_size: int, device) -> None:
+    def __init__(self, page_size: int, device, split_pages: bool = False) -> None:
         self.page_size = page_size
         self.device = device
+        self.split_pages = split_pages
         self._key: tuple[CascadePlan, tuple[int, ...]] | None = None
         self._runs: SharedRuns | None = None
 
     def get(self, plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf) -> SharedRuns | None:
         key = (plan, tuple(decode_rids))
         if key != self._key:
-            self._runs = build_shared_runs(decode_runs(plan, decode_rids, pages_of, self.page_size), self.device)
+            runs = decode_runs(plan, decode_rids, pages_of, self.page_size, self.split_pages)
+            self._runs = build_shared_runs(runs, self.device)
             self._key = key
         return self._runs

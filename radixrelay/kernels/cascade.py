@@ -21,9 +21,10 @@ levels (the standalone kernels would each merge their own splits first: five lau
 ``side_stream``, the tensor-core-bound shared node runs beside the memory-bound own-KV decode. The
 plan (split counts and the merge index; one device-to-host copy of the small index tensors) serves
 every layer of the step. ``worth_cascading`` is the measured rule for when a node earns its level.
-Where every node's pages are consecutive page ids and the groups have >= 128 folded query rows, the
-plan (one more device sync, Hopper only) has the shared-node kernel load K/V by TMA (``plan.kv_tma``;
-H100, 256 x 16K x 256: 0.258 -> 0.208 ms; shared_node.py).
+Where every node's pages are consecutive page ids (``kv_contiguous``: the caller knows, else one more
+device sync) and the groups have >= 128 folded query rows, on Hopper, the plan has the shared-node
+kernel load K/V by TMA (``plan.kv_tma``; H100, 256 x 16K x 256: 0.258 -> 0.181 ms with the launch
+options below; shared_node.py).
 
 A version that interleaved both kinds of programs in ONE kernel measured 1.5x slower at batch 256 x 16K
 on an H200 (255 registers for every program) and was dropped; see benchmarks/results/attention.md.
@@ -50,11 +51,13 @@ from radixrelay.kernels.shared_node import shared_node_attention_reference
 MIN_SAVED_TOKENS = 32768
 
 # Own-KV decode launch options: alone it has the GPU and takes 128-token tiles; beside the shared node
-# (side stream) it takes 64-token tiles and at most 128 registers, so that one of its programs fits on a
-# multiprocessor next to two shared-node programs (H200: 0.314 -> 0.252 ms at batch 256 x 16K).
+# (side stream) it takes 64-token tiles, 2 stages and at most 96 registers (38 KB of shared memory), so
+# that its programs fit on a multiprocessor next to the node's: one beside two gathered-node programs
+# of 4 warps (v5, H200: 0.314 -> 0.252 ms at batch 256 x 16K), two beside one TMA-node program of 8
+# warps at 152 registers (v7, H100: 0.209 -> 0.181 ms).
 OWN_ALIGN = 128
 OWN_ALONE = dict(block_n=128)
-OWN_BESIDE = dict(block_n=64, maxnreg=128)
+OWN_BESIDE = dict(block_n=64, num_stages=2, maxnreg=96)
 
 
 def worth_cascading(num_requests: int, node_tokens: int) -> bool:
@@ -115,7 +118,8 @@ def merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_sp
 def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  shared_splits: int | None = None, own_splits: int | None = None,
-                 shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True) -> CascadePlan:
+                 shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
+                 kv_contiguous: bool | None = None) -> CascadePlan:
     device = page_table.device
     check(num_q_heads % num_kv_heads == 0, f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads")
     check_index("q_indptr", q_indptr, device)
@@ -138,10 +142,11 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     max_own = max((kv_end - kv_start).tolist(), default=0)
 
     group = num_q_heads // num_kv_heads
-    # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows; one more sync)
-    # (a 32-bit cache then still runs the gather, with the TMA path's 128-row tiles)
+    # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows; ``kv_contiguous``
+    # None: checked here, one more sync); a 32-bit cache then still runs the gather, with 128-row tiles
     kv_tma = (allow_tma and num_groups > 0 and head_dim == 128 and max_rows * group >= shared_node.TMA_MIN_ROWS
-              and shared_node.tma_capable(device) and shared_node.pages_contiguous(kv_indptr, kv_pages))
+              and shared_node.tma_capable(device)
+              and (shared_node.pages_contiguous(kv_indptr, kv_pages) if kv_contiguous is None else kv_contiguous))
     shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma)
     block_m, block_n = shared_config[:2]
     m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)

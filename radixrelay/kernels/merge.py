@@ -75,16 +75,18 @@ def _merge_kernel(
     tl.store(lse_out + row * stride_l_n + offs_h * stride_l_h, lse, mask=h_ok)
 
 
-def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int) -> None:
+def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
+                 num_warps: int = 4) -> None:
     """Merge into preallocated (o, lse) of any dtype; ``indptr=None``: row n merges parts n*S..n*S+S-1."""
     num_rows, num_heads, head_dim = o.shape
     if num_rows == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // block_d))
-    # few rows: split the heads finer, so that enough programs hide the latency of the loop over parts
-    while block_h > 1 and num_rows * triton.cdiv(num_heads, block_h) < 4 * num_sms(o.device):
-        block_h //= 2
+    if block_h is None:
+        block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // block_d))
+        # few rows: split the heads finer, so that enough programs hide the latency of the loop over parts
+        while block_h > 1 and num_rows * triton.cdiv(num_heads, block_h) < 4 * num_sms(o.device):
+            block_h //= 2
     grid = (num_rows, triton.cdiv(num_heads, block_h))
     indexed = indptr is not None
     _merge_kernel[grid](
@@ -92,7 +94,7 @@ def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: in
         parts_per_row, num_heads, head_dim,
         o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), lse_parts.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )
 
 

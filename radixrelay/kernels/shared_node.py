@@ -160,6 +160,17 @@ def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
 
 
+# Register cap of the TMA config's programs: 152 (not the 188 it takes unbounded) is faster alone (H100,
+# 256 x 16K: 0.141 -> 0.134 ms) and leaves room for two own-KV decode programs of 4 warps at 96 registers
+# on the same multiprocessor (cascade 0.209 -> 0.181 ms; attention.md v7).
+TMA_MAXNREG = 152
+
+
+def max_registers(config: tuple[int, int, int, int], kv_tma: bool) -> int | None:
+    """Registers per thread for a launch of ``config`` (None: as the compiler likes)."""
+    return TMA_MAXNREG if kv_tma and config[2] == 8 else None
+
+
 def tma_capable(device: torch.device) -> bool:
     """A GPU whose copy engine takes tensor descriptors (Hopper or newer) and a triton that has them."""
     return (TensorDescriptor is not None and device.type == "cuda"
@@ -193,14 +204,16 @@ def programs_per_sm(config: tuple[int, int, int, int]) -> int:
 
 def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
                   lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
-                  kv_tma: bool = False):
+                  kv_tma: bool = False, maxnreg: int | None = None):
     """Launch into o_dst [R, S, Hq, D], lse_dst [R, S, Hq]: split s covers node tokens [s * chunk, +chunk);
     ``m_tiles`` query tiles of BLOCK_M rows per group, ``config`` = (BLOCK_M, BLOCK_N, warps, stages).
     ``kv_tma``: the caller promises that every group's pages are consecutive ids; full K/V tiles are then
-    loaded by TMA where ``tma_usable`` (else the page gather runs). Returns the compiled kernel."""
+    loaded by TMA where ``tma_usable`` (else the page gather runs); ``maxnreg`` caps registers per thread
+    (default ``max_registers``). Returns the compiled kernel."""
     block_m, block_n, num_warps, num_stages = config
     splits = o_dst.shape[1]
     kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
+    maxnreg = max_registers(config, kv_tma) if maxnreg is None else maxnreg
     k_desc, v_desc = k_cache, v_cache                                   # unused by the gather path
     if kv_tma:
         slots, width = k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2]
@@ -213,6 +226,7 @@ def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, k
         o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1), lse_dst.stride(2),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
         DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma, num_warps=num_warps, num_stages=num_stages,
+        maxnreg=maxnreg,
     )
 
 

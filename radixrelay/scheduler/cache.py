@@ -58,14 +58,15 @@ class CacheManager:
             self.tree.unlock(req.lock_node)
         req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
 
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them."""
+    def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
+        """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
+        ``one_run``: pages of one request, consecutive ids where possible (``PageAllocator.alloc``)."""
         short = n - self.allocator.num_free
         if short > 0:
             if short > self.tree.evictable_pages:
                 return None
             self.allocator.free(self.tree.evict(short))
-        return self.allocator.alloc(n)
+        return self.allocator.alloc(n, one_run=one_run)
 
     def share_computed_prefix(self, req: Request) -> None:
         """After ``req``'s prefill: hand its computed whole pages to the tree and lock the deeper

@@ -41,7 +41,7 @@ class DecodeManager:
             self._retract(victim)
             out.retracted.append(victim)
             grow = [r for r in grow if r is not victim]
-        pages = self.cache.alloc(len(grow))    # one eviction pass for the whole batch
+        pages = self.cache.alloc(len(grow), one_run=False)    # one eviction pass; one page per request
         assert pages is not None  # len(grow) <= available_pages
         for req, page in zip(grow, pages, strict=True):
             req.pages.append(page)

@@ -84,8 +84,9 @@ class DecodeGraphs:
         kv_start = cascade.kv_start if cascade is not None else self._zero_rows[:num]
         own_len = cascade.max_own_len if cascade is not None else batch.max_seq_len
         groups = _groups(runs, self.device) if runs is not None else self._no_groups
+        contiguous = runs is not None and runs.contiguous          # the graph bakes in the TMA choice
         shape_key = (bs, groups[4].numel(), groups[1].numel(), 0 if runs is None else runs.max_rows,
-                     0 if runs is None else runs.max_kv_len, _pow2(own_len))
+                     0 if runs is None else runs.max_kv_len, contiguous, _pow2(own_len))
         shape = self._shapes.get(shape_key)
         if shape is None:       # the kernels' launch choice for this size class (device syncs: only here)
             if len(self._shapes) > 256:
@@ -94,7 +95,7 @@ class DecodeGraphs:
             own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
             shape = self._shapes[shape_key] = plan_cascade(
                 *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
-                **self.heads)
+                kv_contiguous=contiguous, **self.heads)
         caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -212,7 +213,7 @@ def _groups(runs, device) -> tuple[torch.Tensor, ...]:
 
 def _launch_shape(plan: CascadePlan) -> _LaunchShape:
     return (plan.m_tiles, plan.shared_splits, plan.shared_chunk, plan.own_splits, plan.own_chunk,
-            plan.shared_config)
+            plan.shared_config, plan.kv_tma)
 
 
 def _pow2(n: int) -> int:

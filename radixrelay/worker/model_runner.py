@@ -60,7 +60,7 @@ class ModelRunner:
         self._table: dict[int, _Resident] = {}
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
         self.prefill_cost = prefill_cost
-        self._decode_runs = DecodeRunsCache(self.page_size, self.device)
+        self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
 
     @property

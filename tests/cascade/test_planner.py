@@ -130,3 +130,21 @@ def test_plan_travels_in_the_step_plan():
     step = StepPlan(step_id=3, decodes=[0, 1, 2, 3, 9, 8], cascade=plan)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(step), type=StepPlan)
     assert decoded == step and isinstance(decoded.cascade.groups[0], CascadeGroup)
+
+
+def test_split_at_page_breaks():
+    from radixrelay.attention.metadata import SharedRun, build_shared_runs
+    from radixrelay.cascade.batch import split_at_page_breaks
+
+    run = SharedRun([0, 3], [10, 11, 12, 40, 41, 7], 16 * 6 - 5)     # 3 pieces, the last page partial
+    pieces = split_at_page_breaks(run, 16, min_pages=1)
+    assert [(p.pages, p.num_tokens) for p in pieces] == [([10, 11, 12], 48), ([40, 41], 32), ([7], 11)]
+    assert all(p.rows == [0, 3] for p in pieces)
+    assert sum(p.num_tokens for p in pieces) == run.num_tokens
+    assert build_shared_runs(pieces, "cpu").contiguous and not build_shared_runs([run], "cpu").contiguous
+    assert split_at_page_breaks(run, 16, min_pages=2) == [run]             # a piece is too short
+    assert split_at_page_breaks(run, 16, min_pages=1, max_pieces=2) == [run]   # too many pieces
+    whole = SharedRun([1, 2], list(range(5, 69)), 64 * 16)
+    assert split_at_page_breaks(whole, 16) == [whole]                       # one piece already
+    two = SharedRun([1, 2], list(range(100, 140)) + list(range(0, 40)), 80 * 16)
+    assert [len(p.pages) for p in split_at_page_breaks(two, 16)] == [40, 40]   # default: >= 32 pages each

@@ -38,14 +38,24 @@ class Scenario:
 
 def random_scenario(rng: random.Random, *, page_size: int, num_extends: int, num_decodes: int,
                     heads: tuple[int, int] = (4, 2), head_dim: int = 16, dtype=torch.float64,
-                    cost: CostModel = ALWAYS) -> Scenario:
+                    cost: CostModel = ALWAYS, runs_of_pages: bool = False, split_pages: bool = False) -> Scenario:
+    """``runs_of_pages``: each node's pages are one or two runs of consecutive ids (as the allocator
+    hands out a prompt's pages) instead of random ids; ``split_pages``: decode groups are split at
+    page-id breaks (every piece, however short) as on a TMA-capable GPU."""
     free = list(range(1, 400))
     rng.shuffle(free)
     nodes: list[Node] = []
+    next_run = 400                     # consecutive runs come from ids past the shuffled ones
     for node_id in range(rng.randint(1, 7)):
         parent = rng.choice([None, *nodes]) if nodes else None
         num_pages = rng.randint(1, 3)
-        nodes.append(Node(node_id, parent, num_pages * page_size, [free.pop() for _ in range(num_pages)]))
+        if runs_of_pages:
+            cut = rng.randint(1, num_pages)
+            pages = list(range(next_run, next_run + cut)) + list(range(next_run + cut + 1, next_run + num_pages + 1))
+            next_run += num_pages + 2
+        else:
+            pages = [free.pop() for _ in range(num_pages)]
+        nodes.append(Node(node_id, parent, num_pages * page_size, pages))
 
     def request(num_new: int) -> tuple[BatchRequest, list[Node]]:
         path = rng.choice(nodes).path() if rng.random() < 0.9 else []
@@ -72,12 +82,13 @@ def random_scenario(rng: random.Random, *, page_size: int, num_extends: int, num
     dec_runs, num_groups = None, len(ext_runs)
     kv_start += [0] * num_decodes
     if plan is not None:
-        runs = decode_runs(plan, range(num_decodes), lambda i: decodes[i][0].pages, page_size)
+        runs = decode_runs(plan, range(num_decodes), lambda i: decodes[i][0].pages, page_size, split_pages,
+                           min_piece_pages=1)
         dec_runs, num_groups = build_shared_runs(runs, "cpu"), num_groups + len(runs)
         kv_start[num_extends:] = [plan.own_start.get(i, 0) for i in range(num_decodes)]
     cascaded = build_forward_batch(work, page_size, "cpu", num_decodes=num_decodes, kv_start=kv_start,
                                    decode_runs=dec_runs, prefill_runs=build_shared_runs(ext_runs, "cpu"))
-    cache = KVCache(num_layers=1, num_pages=400, page_size=page_size, num_kv_heads=heads[1], head_dim=head_dim,
+    cache = KVCache(num_layers=1, num_pages=next_run, page_size=page_size, num_kv_heads=heads[1], head_dim=head_dim,
                     dtype=dtype, device="cpu")
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen, dtype=torch.float64) * 2)
