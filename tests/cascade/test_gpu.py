@@ -125,9 +125,20 @@ def test_tma_node_path_in_serving_eager_and_graphs(llama_bf16_d128, monkeypatch)
                                   backend=make_backend("triton", "cuda"), graph_max_batch=graphs)
         if mode == "on":    # every launch for the 40 samples' group used TMA (a graph also launches on
             big = [x for x in launches if x[2][0] >= 40]           # an empty padded group when no rows share)
-            assert big and all(x[0] for x in big), (name, launches)
+            missed = [(i, x) for i, x in enumerate(launches) if x[2][0] >= 40 and not x[0]]
+            assert big and not missed, f"{name}: {len(big)} launches, without TMA: {missed[:6]}"
     assert runs["graphs"].graphs.captures >= 1
+    flat = runs["flat"]
     for name in ("eager", "graphs"):
-        for a, b in zip(runs["flat"].logits, runs[name].logits):
+        seen: dict[int, int] = {}
+        compared = 0
+        for a, b in zip(flat.logits, runs[name].logits, strict=True):
             for rid in a:
-                torch.testing.assert_close(b[rid].float(), a[rid].float(), rtol=0.05, atol=0.05)
+                n = seen.get(rid, 0)
+                seen[rid] = n + 1
+                if flat.tokens[rid][:n] != runs[name].tokens[rid][:n]:
+                    continue          # a bf16 near-tie sampled differently earlier: other inputs now
+                err = ((b[rid].float() - a[rid].float()).norm() / a[rid].float().norm()).item()
+                assert err < 2e-2, (name, rid, n, err)
+                compared += 1
+        assert compared >= 80, (name, compared)
