@@ -1,0 +1,115 @@
+"""End to end through the Engine (scheduler, worker and tokenizer processes, radix cache, planner,
+allocator, CUDA graphs): a document asked many questions, cascade off against auto.
+
+Llama-3-8B shapes with dummy bf16 weights and a word-level tokenizer written here (no model files).
+Per mode, one Engine: the document is read once (the first question: its prefill caches it), then
+all questions arrive together; timed: that second phase, prefill of the questions included.
+
+    python benchmarks/bench_engine.py [--layers 32] [--doc 16384] [--questions 256] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from radixrelay import Engine, SamplingParams  # noqa: E402
+
+VOCAB = 128256
+
+
+def model_dir(path: str, layers: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>", "bos_token": None}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+                   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                   "rope_theta": 500000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                   "eos_token_id": 1}, f)
+    return path
+
+
+def run(path: str, mode: str, doc: list[int], questions: list[list[int]], max_tokens: int,
+        kv_tokens: int, device: str) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    with Engine(model=path, load_format="dummy", device=device, cascade=mode, kv_cache_tokens=kv_tokens) as engine:
+        engine.generate([doc + questions[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        before = engine.stats()
+        t0 = time.perf_counter()
+        outs = engine.generate([doc + q for q in questions], params)
+        wall = time.perf_counter() - t0
+        after = engine.stats()
+    assert all(o.error is None and len(o.token_ids) == max_tokens for o in outs)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"mode": mode, "wall_s": wall, "tok_s": tokens / wall,
+            "cached": sum(o.cached_tokens for o in outs) / len(outs),
+            "computed": after["computed_tokens"] - before["computed_tokens"],
+            "steps": after["steps"] - before["steps"],
+            "cascade_steps": after["cascade_steps"] - before["cascade_steps"],
+            "read_once": after["cascade_tokens_read_once"] - before["cascade_tokens_read_once"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--doc", type=int, default=16384)
+    ap.add_argument("--questions", type=int, default=256)
+    ap.add_argument("--question-len", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="off,auto")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run only (use tiny sizes)")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+
+    import torch
+
+    rng = random.Random(0)
+    doc = [rng.randrange(2, VOCAB) for _ in range(args.doc)]
+    questions = [[rng.randrange(2, VOCAB) for _ in range(args.question_len)] for _ in range(args.questions)]
+    kv_tokens = args.doc + args.questions * (args.question_len + args.max_tokens + 32) + 4096
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(tmp, args.layers)
+        for mode in args.modes.split(","):
+            rows.append(run(path, mode, doc, questions, args.max_tokens, kv_tokens, args.device))
+            print(rows[-1], flush=True)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    lines = [f"# Engine end to end: one document, many questions ({name})", "",
+             f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
+             f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
+             f"{args.max_tokens} output tokens each (greedy, EOS ignored); timed: the questions from submission to "
+             f"the last token, their prefill included. torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `python benchmarks/bench_engine.py "
+             f"{' '.join(sys.argv[1:])}`.", "",
+             "| cascade | wall s | output tok/s | vs off | cached tokens / request | computed tokens | steps | "
+             "cascade steps | KV tokens read once |", "|---|---|---|---|---|---|---|---|---|"]
+    base = rows[0]["tok_s"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['wall_s']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | "
+                     f"{r['cached']:,.0f} | {r['computed']:,} | {r['steps']} | {r['cascade_steps']} | "
+                     f"{r['read_once']:,} |")
+    os.makedirs(args.out_dir, exist_ok=True)
+    tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
+    out = os.path.join(args.out_dir, f"engine_{tag}.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
