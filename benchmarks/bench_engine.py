@@ -2,8 +2,10 @@
 allocator, CUDA graphs): a document asked many questions, cascade off against auto.
 
 Llama-3-8B shapes with dummy bf16 weights and a word-level tokenizer written here (no model files).
-Per mode, one Engine: the document is read once (the first question: its prefill caches it), then
-all questions arrive together; timed: that second phase, prefill of the questions included.
+Per mode, one Engine: the document is read once (the first question: its prefill caches it); a
+warm-up round of as many other questions (untimed: kernels compile, CUDA graphs are captured, as a
+server does in its first minutes); then the questions arrive together; timed: that round, prefill
+of the questions included.
 
     python benchmarks/bench_engine.py [--layers 32] [--doc 16384] [--questions 256] [--out-dir DIR]
 """
@@ -44,11 +46,12 @@ def model_dir(path: str, layers: int) -> str:
     return path
 
 
-def run(path: str, mode: str, doc: list[int], questions: list[list[int]], max_tokens: int,
-        kv_tokens: int, device: str) -> dict:
+def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions: list[list[int]],
+        max_tokens: int, kv_tokens: int, device: str) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     with Engine(model=path, load_format="dummy", device=device, cascade=mode, kv_cache_tokens=kv_tokens) as engine:
         engine.generate([doc + questions[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.generate([doc + q for q in warmup], params)
         before = engine.stats()
         t0 = time.perf_counter()
         outs = engine.generate([doc + q for q in questions], params)
@@ -80,20 +83,21 @@ def main() -> None:
 
     rng = random.Random(0)
     doc = [rng.randrange(2, VOCAB) for _ in range(args.doc)]
-    questions = [[rng.randrange(2, VOCAB) for _ in range(args.question_len)] for _ in range(args.questions)]
-    kv_tokens = args.doc + args.questions * (args.question_len + args.max_tokens + 32) + 4096
+    warmup, questions = ([[rng.randrange(2, VOCAB) for _ in range(args.question_len)] for _ in range(args.questions)]
+                         for _ in range(2))
+    kv_tokens = args.doc + 2 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(tmp, args.layers)
         for mode in args.modes.split(","):
-            rows.append(run(path, mode, doc, questions, args.max_tokens, kv_tokens, args.device))
+            rows.append(run(path, mode, doc, warmup, questions, args.max_tokens, kv_tokens, args.device))
             print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
              f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
              f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
-             f"{args.max_tokens} output tokens each (greedy, EOS ignored); timed: the questions from submission to "
-             f"the last token, their prefill included. torch {torch.__version__}, "
+             f"{args.max_tokens} output tokens each (greedy, EOS ignored), after an untimed warm-up round of as many "
+             f"other questions; timed: the questions from submission to the last token, their prefill included. torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `python benchmarks/bench_engine.py "
              f"{' '.join(sys.argv[1:])}`.", "",
              "| cascade | wall s | output tok/s | vs off | cached tokens / request | computed tokens | steps | "
