@@ -154,7 +154,7 @@ def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     Gathered K/V: BLOCK_M <= 64, 4 warps (H200 sweep). K/V by TMA (used only with >= TMA_MIN_ROWS rows):
     128 x 64 tiles, 8 warps (H100 sweep, benchmarks/results/attention.md v6: at 256 x 16K x 256 the
     cascade takes 0.208 ms with it, 0.236 with 64 x 64 tiles by TMA, 0.258 gathered; it won at all 9
-    grid points measured with >= 128 rows)."""
+    grid points measured with >= 128 rows; v7, with ``TMA_MAXNREG`` and the decode beside it capped: 0.181)."""
     if kv_tma:
         return 128, 64, 8, 3
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
