@@ -64,7 +64,8 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions
             "computed": after["computed_tokens"] - before["computed_tokens"],
             "steps": after["steps"] - before["steps"],
             "cascade_steps": after["cascade_steps"] - before["cascade_steps"],
-            "read_once": after["cascade_tokens_read_once"] - before["cascade_tokens_read_once"]}
+            "read_once": after["cascade_tokens_read_once"] - before["cascade_tokens_read_once"],
+            **{k: after[k] - before[k] for k in ("worker_busy_s", "worker_launch_s", "scheduler_busy_s")}}
 
 
 def main() -> None:
@@ -102,11 +103,20 @@ def main() -> None:
              f"{' '.join(sys.argv[1:])}`.", "",
              "| cascade | wall s | output tok/s | vs off | cached tokens / request | computed tokens | steps | "
              "cascade steps | KV tokens read once |", "|---|---|---|---|---|---|---|---|---|"]
+    timing = ["", "Per step (ms; the serving loop runs its parts one after the other): the worker's step (host work "
+              "until its kernels are launched, then waiting for the device and sampling), the scheduler's work, "
+              "and the rest (messages between the processes, waiting on the frontend).", "",
+              "| cascade | wall / step | worker | of which launch | scheduler | rest |", "|---|---|---|---|---|---|"]
     base = rows[0]["tok_s"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['wall_s']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | "
                      f"{r['cached']:,.0f} | {r['computed']:,} | {r['steps']} | {r['cascade_steps']} | "
                      f"{r['read_once']:,} |")
+        ms = lambda x: 1e3 * x / r["steps"]  # noqa: E731
+        rest = r["wall_s"] - r["worker_busy_s"] - r["scheduler_busy_s"]
+        timing.append(f"| {r['mode']} | {ms(r['wall_s']):.1f} | {ms(r['worker_busy_s']):.1f} | "
+                      f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} | {ms(rest):.1f} |")
+    lines += timing
     os.makedirs(args.out_dir, exist_ok=True)
     tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
     out = os.path.join(args.out_dir, f"engine_{tag}.md")

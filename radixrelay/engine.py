@@ -90,7 +90,9 @@ class Engine:
                 "steps": stats.steps, "computed_tokens": stats.computed_tokens,
                 "decode_steps": stats.decode_steps, "cascade_steps": stats.cascade_steps,
                 "cascade_groups": stats.cascade_groups, "cascade_levels": stats.cascade_levels,
-                "cascade_tokens_read_once": stats.cascade_tokens_read_once}
+                "cascade_tokens_read_once": stats.cascade_tokens_read_once,
+                "worker_busy_s": stats.worker_busy_s, "worker_launch_s": stats.worker_launch_s,
+                "scheduler_busy_s": stats.scheduler_busy_s}
 
     @property
     def computed_tokens(self) -> int:

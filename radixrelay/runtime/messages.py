@@ -87,6 +87,10 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     cascade_groups: int = 0           # cascade groups summed over steps
     cascade_levels: int = 0           # cascade levels summed over steps
     cascade_tokens_read_once: int = 0  # KV token reads saved: (members - 1) * tokens, per group and step
+    # Where the serving loop's time goes (seconds, summed over steps; steps run one after the other):
+    worker_busy_s: float = 0.0        # in the worker's step (host work + waiting for the device)
+    worker_launch_s: float = 0.0      # of which host work before the model's kernels were all launched
+    scheduler_busy_s: float = 0.0     # scheduling steps and processing their outputs
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -130,6 +134,8 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
 
 class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     output: StepOutput
+    busy_s: float = 0.0               # wall time of the step in the worker, host work and device wait
+    launch_s: float = 0.0             # of which: host work until the model's kernels were launched
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

@@ -16,6 +16,7 @@ Loop (``SchedulerLoop.run``), with at most one step in flight as the Scheduler A
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -57,6 +58,7 @@ class SchedulerLoop:
         self._in_flight = False
         self._stopping = False
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
+        self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = 0.0
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -77,6 +79,13 @@ class SchedulerLoop:
     # -- steps ----------------------------------------------------------------------------------
 
     def _start_step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._schedule_step()
+        finally:
+            self._scheduler_busy_s += time.perf_counter() - start
+
+    def _schedule_step(self) -> None:
         plan = self.scheduler.schedule()
         if plan is None:
             if self.scheduler.has_work():   # admission guarantees progress; never expected
@@ -94,7 +103,15 @@ class SchedulerLoop:
         if not isinstance(message, WorkerStepDone):
             raise RuntimeError(f"unexpected worker message {type(message).__name__}")
         self._in_flight = False
-        out: StepOutput = message.output
+        start = time.perf_counter()
+        self._worker_busy_s += message.busy_s
+        self._worker_launch_s += message.launch_s
+        try:
+            self._process(message.output)
+        finally:
+            self._scheduler_busy_s += time.perf_counter() - start
+
+    def _process(self, out: StepOutput) -> None:
         for chunk in out.prompt_logprobs:
             pending = self._live.get(chunk.rid)
             if pending is not None:
@@ -145,7 +162,8 @@ class SchedulerLoop:
             counters = self.planner.counters if self.planner is not None else CascadeCounters()
             stats = RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
                                  self._decode_steps, self._cascade_steps, counters.groups,
-                                 counters.levels, counters.tokens_read_once)
+                                 counters.levels, counters.tokens_read_once, self._worker_busy_s,
+                                 self._worker_launch_s, self._scheduler_busy_s)
             self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True

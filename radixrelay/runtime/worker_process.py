@@ -8,6 +8,7 @@ Start-up: load the model, size and allocate the KV cache, report ``WorkerReady``
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import torch
@@ -104,7 +105,9 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
             command = commands.decode(inbox.recv())
             if not isinstance(command, WorkerStep):
                 return 0
-            outbox.send(encode(WorkerStepDone(runner.step(command.plan))))
+            start = time.perf_counter()
+            output = runner.step(command.plan)
+            outbox.send(encode(WorkerStepDone(output, time.perf_counter() - start, runner.last_launch_s)))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class _RuntimeCollector(Collector):
         yield counter("cascade_levels", "Cascade levels, summed over steps.", s.cascade_levels)
         yield counter("cascade_tokens_read_once", "KV token reads saved by cascading: (members - 1)"
                       " x tokens per group and step.", s.cascade_tokens_read_once)
+        yield counter("worker_busy_seconds", "Time in the worker's steps (host work and device wait).",
+                      s.worker_busy_s)
+        yield counter("worker_launch_seconds", "Of the worker's step time: host work until the model's "
+                      "kernels were launched.", s.worker_launch_s)
+        yield counter("scheduler_busy_seconds", "Time spent scheduling steps and processing their outputs.",
+                      s.scheduler_busy_s)
 
 
 class ServerMetrics:

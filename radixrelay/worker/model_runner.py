@@ -15,6 +15,8 @@ cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``);
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ class ModelRunner:
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
+        self.last_launch_s = 0.0     # the last step's host time until the model's kernels were launched
 
     @property
     def num_resident(self) -> int:
@@ -70,6 +73,8 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> StepOutput:
         """Apply the plan's diff, compute its extends and decodes, sample where asked. A failure
         comes back as ``StepOutput.error`` (the request table is left as the plan made it)."""
+        self._step_start = time.perf_counter()
+        self.last_launch_s = 0.0
         try:
             self._apply_diff(plan)
             return self._compute(plan)
@@ -124,6 +129,7 @@ class ModelRunner:
             logits = self.graphs.run(ids, batch)                             # [num_rows, V]
         else:
             logits = self.model(ids, batch, self.kv_cache, self.backend)
+        self.last_launch_s = time.perf_counter() - self._step_start      # the device may still be busy
         prompt_chunks = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs])
                          for item, row in owed]
         if not samplers:

@@ -174,6 +174,8 @@ def test_cascade_on_gives_identical_greedy_outputs(engine):
     assert [o.token_ids for o in outs] == [o.token_ids for o in flat]
     assert stats["cascade_steps"] > 0 and stats["cascade_groups"] > 0
     assert stats["cascade_tokens_read_once"] >= 4 * 160 * stats["cascade_steps"] // 2
+    # where the serving loop's time went: every step spent time in the worker, launching before waiting
+    assert 0 < stats["worker_launch_s"] <= stats["worker_busy_s"] and stats["scheduler_busy_s"] > 0
 
 
 def test_concurrent_requests_compute_a_new_shared_prefix_once(engine):

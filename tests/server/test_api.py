@@ -74,7 +74,8 @@ def test_models_health_metrics(client, http):
                  "radixrelay_kv_cache_usage_ratio", "radixrelay_cache_hit_tokens_total",
                  "radixrelay_prompt_tokens_total", "radixrelay_generation_tokens_total",
                  "radixrelay_time_to_first_token_seconds_bucket",
-                 "radixrelay_inter_token_latency_seconds_bucket", "radixrelay_cascade_steps_total"):
+                 "radixrelay_inter_token_latency_seconds_bucket", "radixrelay_cascade_steps_total",
+                 "radixrelay_worker_busy_seconds_total", "radixrelay_scheduler_busy_seconds_total"):
         assert name in text, name
 
 
