@@ -54,6 +54,20 @@ def i32(x) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.int32, device="cuda")
 
 
+def file_logger(path: str | None):
+    """``log(line)`` for the sweep scripts: prints, and rewrites ``path`` (if given) with every line so
+    far, so that a run cut short still leaves its table."""
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+    return log
+
+
 def time_graph(fn) -> float:
     """Median ms of one replay of ``fn`` captured in a CUDA graph, L2 flushed before each replay."""
     stream = torch.cuda.Stream()

@@ -117,14 +117,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--suffix", type=int, default=256)
     args = parser.parse_args()
-    lines = []
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
+    log = ba.file_logger(args.out)
 
     t0 = time.time()
     log(f"# Cascade overlap sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "

@@ -76,14 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    lines = []
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
+    log = ba.file_logger(args.out)
 
     t0 = time.time()
     log(f"# Shared-node sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
