@@ -318,7 +318,8 @@ def bench_page_layouts(log, batch: int = 256, prefix: int = 16384, suffix: int =
         plan = plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, case.page_table, case.prefix_start,
                             case.ends, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
                             kv_contiguous=contiguous)
-        fn = lambda: cascade_decode_attention(case.q, case.k_cache, case.v_cache, plan, side_stream=case.side)  # noqa: E731,B023
+        def fn(plan=plan):
+            return cascade_decode_attention(case.q, case.k_cache, case.v_cache, plan, side_stream=case.side)
         out = fn()[0].float()
         ref = out if ref is None else ref
         diff = float((out - ref).norm() / ref.norm())

@@ -98,7 +98,8 @@ def main() -> None:
              f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
              f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
              f"{args.max_tokens} output tokens each (greedy, EOS ignored), after an untimed warm-up round of as many "
-             f"other questions; timed: the questions from submission to the last token, their prefill included. torch {torch.__version__}, "
+             f"other questions; timed: the questions from submission to the last token, their prefill included. "
+             f"torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `python benchmarks/bench_engine.py "
              f"{' '.join(sys.argv[1:])}`.", "",
              "| cascade | wall s | output tok/s | vs off | cached tokens / request | computed tokens | steps | "

@@ -143,7 +143,8 @@ def main() -> None:
             f"{ms:.4f} | |")
     log(f"\n({time.time() - t0:.0f} s)\n")
 
-    log("## Cascade\n\n| node loads | node (config, maxnreg) | S | decode (BLOCK_N, warps, stages, maxnreg) | order | ms | "
+    log("## Cascade\n\n| node loads | node (config, maxnreg) | S | decode (BLOCK_N, warps, stages, maxnreg) | "
+        "order | ms | "
         "rel err |\n|---|---|---|---|---|---|---|")
     results = []
     for tma, configs in ((True, NODE_TMA), (False, NODE_GATHER)):

@@ -117,7 +117,8 @@ def test_tma_node_path_in_serving_eager_and_graphs(llama_bf16_d128, monkeypatch)
     monkeypatch.setattr(cascade_mod.shared_node, "launch_splits", spy)
     rng = random.Random(7)
     prompt = [rng.randrange(CFG128.vocab_size) for _ in range(700)]
-    waves = [[(1000, prompt)], [(i, prompt + [rng.randrange(CFG128.vocab_size)] * rng.randint(1, 5)) for i in range(40)]]
+    samples = [prompt + [rng.randrange(CFG128.vocab_size)] * rng.randint(1, 5) for _ in range(40)]
+    waves = [[(1000, prompt)], list(enumerate(samples))]
     runs = {}
     for name, mode, graphs in (("flat", "off", 0), ("eager", "on", 0), ("graphs", "on", 64)):
         launches.clear()
