@@ -19,6 +19,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="default",
                    help="'default' (the embedded SmolLM2-135M-Instruct), a local HF model directory "
                         "or a .gguf file (default: %(default)s)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer to use instead of the model's own: 'default', a local HF "
+                        "directory or a .gguf file, e.g. with --load-format dummy for a directory "
+                        "holding only config.json (default: the model's)")
     g.add_argument("--device", default="auto",
                    help=f"one of {', '.join(DEVICES)} or cuda:N (default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -48,18 +52,24 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly instead of as captured CUDA graphs")
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="never reuse cached prefixes")
+    g.add_argument("--disable-overlap", action="store_true",
+                   help="run the scheduler and worker in lock step (one step in flight) instead of "
+                        "overlapping the next step's planning and launch with the device's work; "
+                        "for debugging and comparison")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+        model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+        load_format=args.load_format,
         kv_cache_tokens=args.kv_cache_tokens, kv_memory_fraction=args.kv_memory_fraction,
         page_size=args.page_size, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_tokens=args.chunked_prefill_tokens,
         attention_backend=args.attention_backend, cascade=args.cascade,
-        disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache, seed=args.seed)
+        disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
+        disable_overlap=args.disable_overlap, seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -24,6 +24,9 @@ def _bad(cls: str, field: str, why: str) -> ValueError:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"            # "default", an HF model directory, or a .gguf file
+    # Tokenizer to use instead of the model's own: "default", an HF directory or a .gguf file, as
+    # for ``model`` (e.g. dummy weights for a config.json-only directory). None: the model's own.
+    tokenizer: str | None = None
     device: str = "auto"              # auto: cuda when available, else cpu
     dtype: str = "auto"               # auto: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
@@ -40,6 +43,9 @@ class EngineConfig:
     # "off" (flat). Decode plans come from the scheduler's planner, prefill sharing from the worker.
     cascade: str = "auto"
     disable_cuda_graphs: bool = False  # CUDA + triton: decode steps run as captured graphs
+    # Run the scheduler and worker in lock step (one step in flight) instead of overlapping the
+    # next step's planning and launch with the device's work; for debugging and comparison.
+    disable_overlap: bool = False
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
     startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
 
@@ -47,6 +53,8 @@ class EngineConfig:
         def bad(field: str, why: str) -> ValueError:
             return _bad("EngineConfig", field, why)
 
+        if self.tokenizer is not None and not self.tokenizer:
+            raise bad("tokenizer", "must be non-empty when set (None: the model's own)")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise bad("device", f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:

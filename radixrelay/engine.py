@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from radixrelay.config import EngineConfig
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.outputs import RequestOutput
 from radixrelay.runtime.client import QueueFullError
 from radixrelay.runtime.messages import RequestRejected, UpdateBatch
@@ -32,10 +32,15 @@ Prompt = str | Sequence[int]
 class Engine:
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        self.tokenizer = load_tokenizer(tokenizer_path(self.config))
         self._client = SyncRuntimeClient(self.config)
         # Stops the children even if the caller never closes the engine.
         self._finalizer = weakref.finalize(self, self._client.close)
+        try:
+            check_tokenizer_vocab(self.config, self.tokenizer.vocab_size, self._client.info.vocab_size)
+        except ValueError:
+            self._finalizer()
+            raise
         self.max_context = self._client.info.max_context
         self.vocab_size = self._client.info.vocab_size
         self.kv_cache_tokens = self._client.info.kv_cache_tokens

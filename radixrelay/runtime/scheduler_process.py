@@ -24,7 +24,7 @@ import zmq
 
 from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.registry import tokenizer_path
 from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
@@ -236,7 +236,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         return 1
     cfg = args.config
     try:
-        tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+        tokenizer = load_tokenizer(tokenizer_path(cfg))
         eos = tuple(sorted(tokenizer.eos_token_ids | set(ready.eos_token_ids)))
         scheduler = Scheduler(
             SchedulerConfig(kv_cache_tokens=ready.num_pages * cfg.page_size, page_size=cfg.page_size,

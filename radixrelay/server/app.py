@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrelay.config import EngineConfig, ServerConfig
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import serving
@@ -46,7 +46,7 @@ class ServerState:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.engine_config = engine_config
         self.config = config
-        self.tokenizer = load_tokenizer(resolve_model_path(engine_config.model))
+        self.tokenizer = load_tokenizer(tokenizer_path(engine_config))
         self.chat_template = _chat_template(self.tokenizer, config.chat_template)
         self.model_name = config.served_model_name or engine_config.model
         self.metrics = ServerMetrics()
@@ -189,6 +189,12 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.client = await AsyncRuntimeClient.start(state.engine_config)
+        try:
+            check_tokenizer_vocab(state.engine_config, state.tokenizer.vocab_size,
+                                  state.client.info.vocab_size)
+        except ValueError:
+            await state.client.shutdown(0)
+            raise
         state.client.on_death.append(state.on_runtime_death)
         logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
                     state.client.info.max_context)
