@@ -25,8 +25,9 @@ def _config_only_dir(path, vocab_size: int):
 
 
 def test_tokenizer_path_defaults_to_the_model(tmp_path):
-    assert tokenizer_path(EngineConfig()) == resolve_model_path("default")
-    assert tokenizer_path(EngineConfig(model=str(tmp_path), tokenizer="default")) == resolve_model_path("default")
+    default = resolve_model_path("default")
+    assert tokenizer_path(EngineConfig()) == default
+    assert tokenizer_path(EngineConfig(model=str(tmp_path), tokenizer="default")) == default
     assert tokenizer_path(EngineConfig(model="default", tokenizer=str(tmp_path))) == tmp_path
     with pytest.raises(ValueError, match="tokenizer"):
         EngineConfig(tokenizer="")
