@@ -44,19 +44,21 @@ class CacheManager:
         else:
             matched = self.tree.match_prefix(req.token_ids[:req.reusable_prefix], req.salt)
         if matched is None or matched.node is None:
-            req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
+            req.pages, req.num_shared_pages, req.lock_node = [], 0, None
+            req.kv_len = req.kv_committed = 0
         else:
             self.tree.lock(matched.node)
             req.pages = list(matched.pages)
             req.num_shared_pages = len(matched.pages)
             req.lock_node = matched.node
-            req.kv_len = matched.num_tokens
+            req.kv_len = req.kv_committed = matched.num_tokens
 
     def unlock(self, req: Request) -> None:
         """Undo ``match_and_lock`` for a request that was not admitted after all."""
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
-        req.pages, req.num_shared_pages, req.lock_node, req.kv_len = [], 0, None, 0
+        req.pages, req.num_shared_pages, req.lock_node = [], 0, None
+        req.kv_len = req.kv_committed = 0
 
     def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
@@ -75,7 +77,7 @@ class CacheManager:
         match (a copy computed concurrently): ``req`` then keeps its pages private until it leaves.
         """
         ps = self.page_size
-        num_full = req.kv_len // ps
+        num_full = req.kv_committed // ps
         if self.config.disable_radix_cache or num_full <= req.num_shared_pages:
             return
         tokens = req.token_ids[: num_full * ps]
@@ -92,11 +94,15 @@ class CacheManager:
 
     def release(self, req: Request, keep_cache: bool) -> None:
         """Give back everything ``req`` holds; with ``keep_cache`` its computed whole pages stay
-        in the tree. Afterwards ``req`` holds no pages and no lock (kv_len resets to 0)."""
+        in the tree. Afterwards ``req`` holds no pages and no lock (kv_len resets to 0).
+
+        Only committed KV enters the tree: a step still in flight may write past it (a request found
+        finished one step late computes one extra position), into pages freed here; any later user
+        of such a page is a later step, which the device runs after the one in flight."""
         ps = self.page_size
         own_from = req.num_shared_pages
         if keep_cache and not self.config.disable_radix_cache:
-            num_full = req.kv_len // ps
+            num_full = req.kv_committed // ps
             existing = self.tree.insert(req.token_ids[: num_full * ps], req.pages[:num_full],
                                         req.salt)
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);

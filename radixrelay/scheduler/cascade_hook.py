@@ -42,5 +42,5 @@ def decode_rows(tree: RadixTree, decodes: list[Request]) -> list[DecodeRow]:
             for node in tree.path(req.lock_node):
                 path.append(PathSegment(node.node_id, start, len(node.key)))
                 start += len(node.key)
-        rows.append(DecodeRow(req.rid, path, req.kv_len + 1))
+        rows.append(DecodeRow(req.rid, path, req.kv_len + 1))   # kv_len: the position fed now
     return rows

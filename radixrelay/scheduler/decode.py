@@ -4,7 +4,12 @@ Before a request feeds position ``L - 1`` (``L = len(token_ids)``) its pages mus
 may need one new page. When free plus evictable pages cannot cover every such request, the most
 recently admitted running requests are retracted (LIFO: the least progress is lost) until they can:
 a retracted request returns to the front of the queue with its outputs and resumes later from its
-cached prefix. Retraction always terminates: a lone request fits the whole cache
+cached prefix. Retraction needs every sampled token on the host, so with a step in flight
+(``can_retract`` False) the manager plans nothing instead and the caller waits for the output.
+
+With overlap a request's newest token may still be in flight: it feeds position ``kv_len`` and
+needs pages for ``kv_len + 1`` tokens. A request whose ``max_tokens`` are all sampled or in flight
+does not decode again (``Request.can_decode``). Retraction always terminates: a lone request fits the whole cache
 (``Scheduler.add_request`` checks it), and everything it does not hold is free or evictable.
 """
 
@@ -32,10 +37,13 @@ class DecodeManager:
         self.cache = cache
         self._retract = retract    # releases the request's KV and requeues it
 
-    def schedule(self, running: list[Request]) -> DecodeSchedule:
-        """``running`` in admission order; retracted requests are removed from it."""
+    def schedule(self, running: list[Request], can_retract: bool = True) -> DecodeSchedule | None:
+        """``running`` in admission order; retracted requests are removed from it. None: pages are
+        short and ``can_retract`` is False (nothing was changed)."""
         out = DecodeSchedule()
         grow = [r for r in running if self._needs_page(r)]
+        if len(grow) > self.cache.available_pages and not can_retract:
+            return None
         while len(grow) > self.cache.available_pages:
             victim = running.pop()
             self._retract(victim)
@@ -46,8 +54,8 @@ class DecodeManager:
         for req, page in zip(grow, pages, strict=True):
             req.pages.append(page)
             out.page_appends.append((req, [page]))
-        out.decodes = [r for r in running if not r.in_prefill]
+        out.decodes = [r for r in running if r.can_decode]
         return out
 
     def _needs_page(self, req: Request) -> bool:
-        return not req.in_prefill and len(req.pages) < self.config.pages_for(len(req.token_ids))
+        return req.can_decode and len(req.pages) < self.config.pages_for(req.kv_len + 1)

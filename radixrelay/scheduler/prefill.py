@@ -39,10 +39,11 @@ class PrefillManager:
 
     def reserve_pages(self, req: Request) -> int:
         """Pages ``req`` may still need for decode growth, scaled by the reservation ratio."""
-        remaining = req.sampling.max_tokens - req.num_outputs
+        remaining = req.sampling.max_tokens - req.num_outputs - req.num_pending
         growth = math.ceil(remaining * self.config.decode_reservation_ratio)
-        known = max(len(req.pages), self.config.pages_for(len(req.token_ids)))
-        return max(0, self.config.pages_for(len(req.token_ids) + growth) - known)
+        known_tokens = len(req.token_ids) + req.num_pending
+        known = max(len(req.pages), self.config.pages_for(known_tokens))
+        return max(0, self.config.pages_for(known_tokens + growth) - known)
 
     def schedule(self, running: list[Request], waiting: deque[Request],
                  budget: int) -> PrefillSchedule:
@@ -56,7 +57,7 @@ class PrefillManager:
             return out
         reserved = sum(self.reserve_pages(r) for r in running)
         computing = {self._next_page_key(r, r.num_shared_pages * self.config.page_size)
-                     for r in running if r.in_prefill}
+                     for r in running if not r.prefill_committed}
         for req in order_waiting(waiting, self.cache.tree, self.config):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break

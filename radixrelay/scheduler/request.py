@@ -2,10 +2,15 @@
 
 Index ranges of one request (``L = len(token_ids)``):
 - ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs;
-- KV: ``[0, kv_len)`` computed; ``[0, num_shared_pages * page_size)`` of it is the tree's (the
-  locked matched prefix), the rest of ``pages`` belongs to the request alone;
+- KV: ``[0, kv_committed)`` computed by steps whose output the scheduler has seen, ``[0, kv_len)``
+  computed or in flight (the two are equal when no step is in flight);
+  ``[0, num_shared_pages * page_size)`` is the tree's (the locked matched prefix), the rest of
+  ``pages`` belongs to the request alone;
+- sampled tokens: ``token_ids`` holds those the host knows; ``num_pending`` more are sampled by
+  steps in flight (overlap scheduling: the device feeds them to the next step itself);
 - prefill phase: ``kv_len < prefill_len`` (= L at admission: prompt, plus outputs after a
-  retraction); decode phase afterwards, with ``kv_len == L - 1`` (the newest token is fed next);
+  retraction); decode phase afterwards, with ``kv_len == L - 1 + num_pending`` (the newest token,
+  known or pending, is fed next);
 - output: ``[num_prompt, num_prompt + num_emitted)`` already sent to the caller; later tokens are
   held back while they might begin a stop string;
 - prompt logprobs (when asked): the logits of positions ``[0, prompt_logprob_pos)`` have given
@@ -46,7 +51,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_shared_pages: int = 0                   # leading pages owned by the tree (locked path)
     lock_node: RadixNode | None = None          # end of the locked path, None when none matched
-    kv_len: int = 0
+    kv_len: int = 0                             # KV computed or in flight
+    kv_committed: int = 0                       # KV of steps whose output was processed
+    num_pending: int = 0                        # tokens sampled by steps in flight
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
     # -- reporting ----------------------------------------------------------------------------
@@ -59,7 +66,18 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
+        """Prefill work is left to schedule (chunks in flight count as done)."""
         return self.kv_len < self.prefill_len
+
+    @property
+    def prefill_committed(self) -> bool:
+        """Every prefill chunk's output has been processed."""
+        return self.kv_committed >= self.prefill_len
+
+    @property
+    def can_decode(self) -> bool:
+        """Past prefill and not yet at max_tokens counting the tokens in flight."""
+        return not self.in_prefill and self.num_outputs + self.num_pending < self.sampling.max_tokens
 
     @property
     def own_pages(self) -> list[int]:

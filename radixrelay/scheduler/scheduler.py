@@ -3,11 +3,14 @@
 What belongs here: the public API and the step loop glue. Policy lives in the managers
 (``prefill``, ``decode``, ``policy``), KV ownership in ``cache``, stop rules in ``stop``.
 
-Usage contract: at most one step in flight. The engine loops
-``plan = schedule(); out = worker(plan); updates = process_output(out)``; ``add_request`` and
-``abort`` may be called anywhere in between (an abort frees the request's KV at once; its tokens
-in an in-flight step are dropped, and its pages are reused only by the next plan, after the worker
-finished the in-flight one).
+Usage contract: steps are answered in order. The plain loop is
+``plan = schedule(); out = worker(plan); updates = process_output(out)``. Overlap scheduling calls
+``schedule()`` again while a step is in flight: the new plan assumes every in-flight sampler
+produces its token (the worker feeds it to the decode on the device; the host learns it from
+``process_output``), so a request found finished one step late computes one extra token, which is
+dropped (never emitted, never counted). ``add_request`` and ``abort`` may be called anywhere in
+between (an abort frees the request's KV at once; its tokens in in-flight steps are dropped, and
+its pages are reused only by later plans, which the worker runs after the in-flight ones).
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, 
 
 
 @dataclass(frozen=True)
+class _Extend:
+    req: Request
+    num_tokens: int
+    ends_prefill: bool
+    prompt_logprobs: tuple[int, int]      # (first position, count) owed by this chunk
+
+
+@dataclass(frozen=True)
 class _InFlight:
     step_id: int
-    extends: list[tuple[Request, int]]
+    extends: list[_Extend]
     decodes: list[Request]
     samplers: dict[int, Request]          # rid -> request expected to sample this step
 
@@ -45,7 +56,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}        # admission order
         self._released: list[int] = []               # rids the worker must drop next plan
-        self._inflight: _InFlight | None = None
+        self._inflight: deque[_InFlight] = deque()   # oldest first
         self._next_step = 0
         self._arrivals = 0
         self._retractions = 0
@@ -89,6 +100,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps planned whose output has not been processed yet."""
+        return len(self._inflight)
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix from the radix tree; refused (False) while requests are live."""
         if self._requests:
@@ -102,7 +118,8 @@ class Scheduler:
         self._cascade_planner = planner
 
     def schedule(self) -> StepPlan | None:
-        """Plan one step; None when there is nothing to compute.
+        """Plan one step; None when there is nothing to compute (or, with a step in flight, when
+        only a retraction would make room: call again after ``process_output``).
 
         Scheduling model: every step is one mixed batch under a token budget of
         ``chunked_prefill_tokens``. (1) Decode first: each running request past prefill computes
@@ -113,11 +130,12 @@ class Scheduler:
         (with its decode reservation) and ``max_running_requests`` allow; each admission reuses
         the longest cached prefix and locks it. (3) The plan is a diff for the worker: released
         rids, admissions with their page lists, page appends, extend chunks and decode rids.
+        Planned work counts as done for the next plan (``Request.kv_len``, ``num_pending``).
         """
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called with a step in flight; call process_output first")
         running = list(self._running.values())
-        dec = self._decode.schedule(running)      # may retract: removes from running
+        dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
+        if dec is None:
+            return None
         budget = self.config.chunked_prefill_tokens - len(dec.decodes)
         pre = self._prefill.schedule(running, self._waiting, budget)
         if not dec.decodes and not pre.extends:
@@ -128,10 +146,12 @@ class Scheduler:
                                     r.sampling) for r in pre.admitted]
         for req in pre.admitted:
             req.on_worker = True
-        extends = [ExtendItem(r.rid, r.kv_len, n, r.kv_len + n == r.prefill_len,
-                              *r.owed_prompt_logprobs(n)) for r, n in pre.extends]
+        extends = [_Extend(r, n, r.kv_len + n == r.prefill_len, r.owed_prompt_logprobs(n))
+                   for r, n in pre.extends]
+        items = [ExtendItem(e.req.rid, e.req.kv_len, e.num_tokens, e.ends_prefill, *e.prompt_logprobs)
+                 for e in extends]
         samplers = {r.rid: r for r in dec.decodes}
-        samplers.update((r.rid, r) for r, n in pre.extends if r.kv_len + n == r.prefill_len)
+        samplers.update((e.req.rid, e.req) for e in extends if e.ends_prefill)
         cascade = None
         if self._cascade_planner is not None and dec.decodes:
             cascade = self._cascade_planner(decode_rows(self.cache.tree, dec.decodes))
@@ -140,37 +160,48 @@ class Scheduler:
             released=self._released,
             admitted=admitted,
             page_appends=[PageAppend(r.rid, pages) for r, pages in dec.page_appends],
-            extends=extends,
+            extends=items,
             decodes=[r.rid for r in dec.decodes],
             cascade=cascade,
         )
+        for e in extends:
+            e.req.kv_len += e.num_tokens
+        for req in dec.decodes:
+            req.kv_len += 1
+        for req in samplers.values():
+            req.num_pending += 1
         self._released = []
-        self._inflight = _InFlight(self._next_step, pre.extends, dec.decodes, samplers)
+        self._inflight.append(_InFlight(self._next_step, extends, dec.decodes, samplers))
         self._next_step += 1
         return plan
 
     def process_output(self, out: StepOutput) -> list[RequestUpdate]:
-        step = self._inflight
-        if step is None or out.step_id != step.step_id:
-            raise ValueError(f"StepOutput {out.step_id} does not answer the step in flight")
-        self._inflight = None
+        """Apply the output of the oldest step in flight."""
+        if not self._inflight or out.step_id != self._inflight[0].step_id:
+            raise ValueError(f"StepOutput {out.step_id} does not answer the oldest step in flight")
+        step = self._inflight.popleft()
+        for req in step.samplers.values():
+            req.num_pending -= 1
         if out.error is not None:   # fail every request of the step
-            batch = {id(r): r for r in [*(r for r, _ in step.extends), *step.decodes]}
+            batch = {id(r): r for r in [*(e.req for e in step.extends), *step.decodes]}
             return [self._finish(r, "abort", error=out.error) for r in batch.values()
                     if self._running.get(r.rid) is r]
-        for extended, n in step.extends:
-            first, owed = extended.owed_prompt_logprobs(n)
-            extended.prompt_logprob_pos = max(extended.prompt_logprob_pos, first + owed)
-            extended.kv_len += n
-            if not extended.in_prefill and self._running.get(extended.rid) is extended:
-                self.cache.share_computed_prefix(extended)
+        for ext in step.extends:
+            req = ext.req
+            if self._running.get(req.rid) is not req:
+                continue                       # aborted while in flight
+            first, owed = ext.prompt_logprobs
+            req.prompt_logprob_pos = max(req.prompt_logprob_pos, first + owed)
+            req.kv_committed += ext.num_tokens
+            if ext.ends_prefill:
+                self.cache.share_computed_prefix(req)
         for decoded in step.decodes:
-            decoded.kv_len += 1
+            decoded.kv_committed += 1
         updates = []
         for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = step.samplers.get(rid)
             if req is None or self._running.get(rid) is not req:
-                continue                       # aborted while in flight
+                continue                       # aborted, or found finished one step late
             req.token_ids.append(token)
             decision = self._stop.on_token(req)
             base = req.num_prompt
@@ -197,7 +228,8 @@ class Scheduler:
         """Raise AssertionError unless KV accounting and request state agree."""
         self.cache.check_integrity(self._running.values())
         for req in self._running.values():
-            if req.phase is not Phase.RUNNING or len(req.pages) < self.config.pages_for(req.kv_len):
+            if (req.phase is not Phase.RUNNING or len(req.pages) < self.config.pages_for(req.kv_len)
+                    or req.kv_committed > req.kv_len or req.num_pending < 0):
                 raise AssertionError(f"running request {req.rid} is inconsistent")
         for req in self._waiting:
             if req.phase is not Phase.WAITING or req.pages or req.lock_node is not None:

@@ -1,18 +1,22 @@
 """Randomized workloads: arrivals, aborts at any stage, salts, EOS, tiny KV and all policies.
 
 Every step: integrity holds and the fake worker's simulated KV agrees. At the end: nothing leaked,
-and every request that was not aborted produced exactly the tokens of an unconstrained run.
+and every request that was not aborted produced exactly the tokens of an unconstrained run. With
+``depth`` 2 the scheduler plans each step before the previous one's output arrives (overlap
+scheduling): the outputs must not change.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.scheduler.config import SchedulePolicy
+from radixrelay.worker.protocol import StepOutput
 from tests.scheduler.fake_worker import FakeWorker, Run, collect
 
 EOS = 0
@@ -22,7 +26,8 @@ def token_fn(rid: int, tokens: list[int]) -> int:
     return (rid * 13 + len(tokens) * 5) % 40       # hits EOS (0) now and then
 
 
-def simulate(seed: int, policy: SchedulePolicy, page_size: int, kv_tokens: int, aborts: bool):
+def simulate(seed: int, policy: SchedulePolicy, page_size: int, kv_tokens: int, aborts: bool,
+             depth: int = 1):
     rng = random.Random(seed)
     cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size, schedule_policy=policy,
                           chunked_prefill_tokens=rng.choice([3, 8, 64]), max_running_requests=6,
@@ -35,7 +40,8 @@ def simulate(seed: int, policy: SchedulePolicy, page_size: int, kv_tokens: int, 
                 rng2.randrange(1, 12)) for rid in range(25)]
     aborted: set[int] = set()
     run = Run()
-    while pending or sched.has_work():
+    in_flight: deque[StepOutput] = deque()     # outputs computed, not yet seen by the scheduler
+    while pending or sched.has_work() or in_flight:
         if pending and rng.random() < 0.8:
             rid, salt, prompt, n = pending.pop(0)
             sched.add_request(rid, prompt, SamplingParams(max_tokens=n), cache_salt=salt)
@@ -44,9 +50,11 @@ def simulate(seed: int, policy: SchedulePolicy, page_size: int, kv_tokens: int, 
             if sched.abort(rid) is not None:
                 aborted.add(rid)
                 sched.check_integrity()
-        plan = sched.schedule()
+        plan = sched.schedule() if len(in_flight) < depth else None
         if plan is not None:
-            collect(run, sched.process_output(worker.step(plan)))
+            in_flight.append(worker.step(plan))
+        if in_flight and (plan is None or len(in_flight) >= depth):
+            collect(run, sched.process_output(in_flight.popleft()))
         sched.check_integrity()
     sched.cache.allocator.free(sched.cache.tree.evict(10**9))
     assert sched.cache.allocator.num_free == cfg.num_pages
@@ -54,12 +62,15 @@ def simulate(seed: int, policy: SchedulePolicy, page_size: int, kv_tokens: int, 
     return finished, run, aborted, sched.stats()
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_workload(seed, policy):
+def test_random_workload(seed, policy, depth):
     page_size = [1, 2, 4][seed % 3]
     reference, _, _, _ = simulate(seed, policy, page_size, 4096, aborts=False)
-    tight, run, aborted, stats = simulate(seed, policy, page_size, 28, aborts=True)
+    overlapped, _, _, _ = simulate(seed, policy, page_size, 4096, aborts=False, depth=depth)
+    assert overlapped == reference
+    tight, run, aborted, stats = simulate(seed, policy, page_size, 28, aborts=True, depth=depth)
     assert stats.num_retractions > 0
     for rid, toks in tight.items():
         assert toks == reference[rid]

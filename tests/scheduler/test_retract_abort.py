@@ -132,14 +132,20 @@ def test_abort_while_decoding_and_in_flight():
     assert worker.plans[-1].released == [1] or 1 not in worker.table
 
 
-def test_schedule_refuses_a_second_step_in_flight():
+def test_overlapped_plans_stop_at_max_tokens_and_outputs_answer_in_order():
     sched, worker = make()
     sched.add_request(1, [1, 2], SamplingParams(max_tokens=2))
-    plan = sched.schedule()
-    with pytest.raises(RuntimeError):
-        sched.schedule()
+    first = sched.schedule()
+    second = sched.schedule()                 # planned before the first output is known
+    assert second is not None and second.decodes == [1] and sched.num_in_flight == 2
+    assert sched.schedule() is None           # both max_tokens are in flight: nothing to plan
+    out1, out2 = worker.step(first), worker.step(second)
     with pytest.raises(ValueError):
-        sched.process_output(worker.step(plan).__class__(plan.step_id + 1, [], []))
+        sched.process_output(out2)            # the oldest step must be answered first
+    assert sched.process_output(out1)[0].token_ids == out1.token_ids
+    final = sched.process_output(out2)[0]
+    assert final.finished and final.finish_reason == "length" and final.completion_tokens == 2
+    sched.check_integrity()
 
 
 def _owed_positions(plans, rid):
@@ -181,3 +187,23 @@ def test_prompt_logprobs_owed_once_across_cache_hits_and_retraction(seed):
         else:
             assert _owed_positions(worker.plans, rid) == []
     assert any(run.finals[rid].cached_tokens > 0 for rid, _, _ in reqs if rid % 2 == 0)
+
+
+def test_finish_found_one_step_late_drops_the_extra_token_and_frees_its_page():
+    cfg = SchedulerConfig(kv_cache_tokens=64, page_size=4, eos_token_ids=(0,))
+    sched = Scheduler(cfg)
+    worker = FakeWorker(4, cfg.num_pages, token_fn=lambda rid, toks: 0 if len(toks) == 5 else 7)
+    sched.add_request(1, [1, 2, 3, 4], SamplingParams(max_tokens=10))
+    outs = [worker.step(sched.schedule())]              # prefill: samples 7 (position 4)
+    outs.append(worker.step(sched.schedule()))          # decode of the pending 7: samples EOS
+    updates = sched.process_output(outs.pop(0))
+    assert updates[0].token_ids == [7]
+    third = sched.schedule()                            # planned before the EOS is known
+    assert third is not None and third.decodes == [1]
+    outs.append(worker.step(third))                     # computes one token past EOS
+    final = sched.process_output(outs.pop(0))[0]
+    assert final.finished and final.finish_reason == "stop" and final.completion_tokens == 2
+    assert sched.process_output(outs.pop(0)) == []      # the extra token is never emitted
+    sched.check_integrity()
+    # prompt + 7 committed = 5 positions: one whole page cached, the page the extra token wrote is free
+    assert sched.stats().cached_tokens == 4 and sched.cache.allocator.num_free == cfg.num_pages - 1
