@@ -34,7 +34,9 @@ from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_in
                                         softmax_step)
 
 
-@triton.jit
+# Not specialised (radixrelay.worker.warmup): the index tensors and lse (slices of the step's batch) and
+# the page table's row stride (the step's page-table width), so that no new value compiles a new variant.
+@triton.jit(do_not_specialize=["page_table", "q_indptr", "kv_start", "prefix_lens", "lse", "stride_pt_b"])
 def _extend_kernel(
     q, k_cache, v_cache, page_table, q_indptr, kv_start, prefix_lens, o, lse,
     qk_scale, group,
@@ -88,6 +90,17 @@ def _extend_kernel(
     tl.store(lse + tok * stride_l_t + head * stride_l_h, out_lse, mask=m_ok)
 
 
+def tile_rows(max_new_tokens: int, block_m: int = 128) -> int:
+    """BLOCK_M for a step whose longest extend has ``max_new_tokens`` tokens: one of ``tile_rows_choices``."""
+    return min(block_m, max(16, triton.next_power_of_2(max_new_tokens)))
+
+
+def tile_rows_choices(block_m: int = 128) -> list[int]:
+    """Every BLOCK_M ``tile_rows`` can return (the powers of two from 16 to ``block_m``; the start-up
+    warm-up compiles each)."""
+    return sorted({tile_rows(1 << i, block_m) for i in range(block_m.bit_length())})
+
+
 def _launch(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
             group: int, max_new_tokens: int, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
             num_stages: int = 2) -> None:
@@ -95,7 +108,7 @@ def _launch(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, pref
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_new_tokens == 0:
         return
-    block_m = min(block_m, max(16, triton.next_power_of_2(max_new_tokens)))
+    block_m = tile_rows(max_new_tokens, block_m)
     _extend_kernel[(triton.cdiv(max_new_tokens, block_m), batch, num_q_heads)](
         q, k_cache, v_cache, page_table, q_indptr, kv_start, prefix_lens, o, lse,
         sm_scale * LOG2E, group,

@@ -27,7 +27,9 @@ import triton.language as tl
 from radixrelay.kernels._common import FLOAT_DTYPES, check, check_index, check_out, num_sms
 
 
-@triton.jit
+# Not specialised (radixrelay.worker.warmup): the index tensors and lse_out (slices at per-step offsets:
+# their alignment varies) and the split count, so that no new value compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["indptr", "part_ids", "lse_out", "parts_per_row"])
 def _merge_kernel(
     o_parts, lse_parts, indptr, part_ids, o_out, lse_out,
     parts_per_row, num_heads, head_dim,
@@ -75,6 +77,25 @@ def _merge_kernel(
     tl.store(lse_out + row * stride_l_n + offs_h * stride_l_h, lse, mask=h_ok)
 
 
+def max_block_h(num_heads: int, head_dim: int) -> int:
+    """The largest head tile: all heads, at most 4096 elements of [BLOCK_H, BLOCK_D]."""
+    return max(1, min(triton.next_power_of_2(num_heads), 4096 // triton.next_power_of_2(head_dim)))
+
+
+def pick_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.device) -> int:
+    """BLOCK_H of a merge of ``num_rows`` rows: the largest head tile, halved while the programs are too few
+    to hide the latency of the loop over parts. One of ``block_h_choices`` (powers of two)."""
+    block_h = max_block_h(num_heads, head_dim)
+    while block_h > 1 and num_rows * triton.cdiv(num_heads, block_h) < 4 * num_sms(device):
+        block_h //= 2
+    return block_h
+
+
+def block_h_choices(num_heads: int, head_dim: int) -> list[int]:
+    """Every BLOCK_H ``pick_block_h`` can return for these heads (the start-up warm-up compiles each)."""
+    return [1 << i for i in range(max_block_h(num_heads, head_dim).bit_length())]
+
+
 def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
                  num_warps: int = 4) -> None:
     """Merge into preallocated (o, lse) of any dtype; ``indptr=None``: row n merges parts n*S..n*S+S-1."""
@@ -83,10 +104,7 @@ def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: in
         return
     block_d = triton.next_power_of_2(head_dim)
     if block_h is None:
-        block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // block_d))
-        # few rows: split the heads finer, so that enough programs hide the latency of the loop over parts
-        while block_h > 1 and num_rows * triton.cdiv(num_heads, block_h) < 4 * num_sms(o.device):
-            block_h //= 2
+        block_h = pick_block_h(num_rows, num_heads, head_dim, o.device)
     grid = (num_rows, triton.cdiv(num_heads, block_h))
     indexed = indptr is not None
     _merge_kernel[grid](

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (LOG2E, attend_reference, check_index, check_out, check_page_table,
+from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_index, check_out, check_page_table,
                                         check_qkv, dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
                                         num_sms, pick_splits, softmax_step)
 from radixrelay.kernels.merge import merge_splits
@@ -81,7 +81,14 @@ def paged_decode_program(
     tl.store(lse + b * stride_l_b + split * stride_l_s + heads * stride_l_h, out_lse, mask=g_ok)
 
 
-@triton.jit
+# Not specialised (radixrelay.worker.warmup): arguments that change from step to step, so that a new value
+# never compiles a new variant mid-serving. Index tensors are slices at per-step offsets (``[num_extends:]``:
+# their 16-byte alignment varies), the page table's row stride is the step's page-table width, the lse
+# strides carry the split count. ``chunk`` stays specialised: always a positive multiple of BLOCK_N
+# (checked in ``launch_splits``), so its key never changes; q / o / cache strides are fixed by the model or
+# multiples of D (never 1, always divisible by 16).
+@triton.jit(do_not_specialize=["page_table", "kv_start", "kv_end", "lse", "stride_pt_b", "stride_l_b",
+                               "stride_l_s"])
 def _paged_decode_kernel(
     q, k_cache, v_cache, page_table, kv_start, kv_end, o, lse,
     qk_scale, chunk, group,
@@ -106,6 +113,7 @@ def launch_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, 
     """Launch into o_dst [B, S, Hq, D], lse_dst [B, S, Hq]: split s covers ``chunk`` positions from
     kv_start + s * chunk; ``maxnreg`` caps registers per thread. Returns the compiled kernel."""
     batch, splits = o_dst.shape[:2]
+    check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
     return _paged_decode_kernel[(batch, k_cache.shape[1], splits)](
         q, k_cache, v_cache, page_table, kv_start, kv_end, o_dst, lse_dst,
         sm_scale * LOG2E, chunk, group,

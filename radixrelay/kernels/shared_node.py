@@ -123,7 +123,13 @@ def shared_node_program(
         tl.store(lse + row * stride_l_r + split * stride_l_s + head * stride_l_h, out_lse, mask=m_ok)
 
 
-@triton.jit
+# Not specialised (radixrelay.worker.warmup): per-step values, so that none compiles a new variant
+# mid-serving: the index tensors and lse (alignment of per-step slices), the split count (1 would become a
+# constant) and the lse strides that carry it. ``chunk`` stays specialised: always a positive multiple of
+# BLOCK_N (checked in ``launch_splits``), so its key never changes, and the compiler keeps knowing that each
+# split starts on a multiple of 16 tokens. q / o / cache strides are fixed by the model or multiples of D.
+@triton.jit(do_not_specialize=["q_indptr", "q_rows", "kv_indptr", "kv_pages", "kv_lens", "lse", "splits",
+                               "stride_l_r", "stride_l_s"])
 def _shared_node_kernel(
     q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
     qk_scale, chunk, splits, group,
@@ -158,6 +164,21 @@ def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     if kv_tma:
         return 128, 64, 8, 3
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
+
+
+def tile_configs(group: int, head_dim: int, device: torch.device) -> list[tuple[tuple[int, int, int, int], bool]]:
+    """Every ``(config, kv_tma)`` a launch for this model can get (the start-up warm-up compiles each): the
+    gathered configs of ``tile_config`` for folded rows ``rows x group``, rows >= 1 (BLOCK_M: the powers of two
+    from max(16, group) to 64), and the TMA config where a plan asks for it (Hopper, head dim 128; whether the
+    launch then loads by TMA is ``tma_usable``'s call, made in ``launch_splits`` as in serving)."""
+    configs = []
+    for shift in range(8):                                  # group * 128 rows reach the largest gathered tile
+        config = (tile_config(group << shift), False)
+        if config not in configs:
+            configs.append(config)
+    if head_dim == 128 and tma_capable(device):
+        configs.append((tile_config(TMA_MIN_ROWS, True), True))
+    return configs
 
 
 # Register cap of the TMA config's programs: 152 (not the 188 it takes unbounded) is faster alone (H100,
@@ -212,6 +233,7 @@ def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, k
     (default ``max_registers``). Returns the compiled kernel."""
     block_m, block_n, num_warps, num_stages = config
     splits = o_dst.shape[1]
+    check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
     kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
     maxnreg = max_registers(config, kv_tma) if maxnreg is None else maxnreg
     k_desc, v_desc = k_cache, v_cache                                   # unused by the gather path
