@@ -97,7 +97,8 @@ class Engine:
                 "cascade_groups": stats.cascade_groups, "cascade_levels": stats.cascade_levels,
                 "cascade_tokens_read_once": stats.cascade_tokens_read_once,
                 "worker_busy_s": stats.worker_busy_s, "worker_launch_s": stats.worker_launch_s,
-                "scheduler_busy_s": stats.scheduler_busy_s}
+                "scheduler_busy_s": stats.scheduler_busy_s, "worker_device_s": stats.worker_device_s,
+                "jit_after_ready": stats.jit_after_ready}
 
     @property
     def computed_tokens(self) -> int:

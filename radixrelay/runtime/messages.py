@@ -87,10 +87,13 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     cascade_groups: int = 0           # cascade groups summed over steps
     cascade_levels: int = 0           # cascade levels summed over steps
     cascade_tokens_read_once: int = 0  # KV token reads saved: (members - 1) * tokens, per group and step
-    # Where the serving loop's time goes (seconds, summed over steps; steps run one after the other):
-    worker_busy_s: float = 0.0        # in the worker's step (host work + waiting for the device)
+    # Where the serving loop's time goes (seconds, summed over steps; with overlap the worker's host
+    # work, the scheduler's and the device's run at the same time):
+    worker_busy_s: float = 0.0        # worker host time on steps (launch + waiting for and reading results)
     worker_launch_s: float = 0.0      # of which host work before the model's kernels were all launched
     scheduler_busy_s: float = 0.0     # scheduling steps and processing their outputs
+    worker_device_s: float = 0.0      # device time of the steps (device busy fraction = this / wall time)
+    jit_after_ready: int = 0          # Triton kernel variants compiled (or loaded) after ready: 0 expected
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -134,8 +137,10 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
 
 class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     output: StepOutput
-    busy_s: float = 0.0               # wall time of the step in the worker, host work and device wait
+    busy_s: float = 0.0               # worker host time on the step: launch, then waiting for and reading results
     launch_s: float = 0.0             # of which: host work until the model's kernels were launched
+    device_s: float = 0.0             # the step's time on the device (CUDA events; on the CPU: busy_s)
+    jit_after_ready: int = 0          # Triton kernel variants the worker compiled (or loaded) since ready
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

@@ -4,13 +4,18 @@ worker.
 Start-up: wait for the worker's ``WorkerReady`` (it knows how much KV memory it got), build the
 ``Scheduler``, report ``RuntimeReady`` to the frontend.
 
-Loop (``SchedulerLoop.run``), with at most one step in flight as the Scheduler API requires:
+Loop (``SchedulerLoop.run``), with up to ``depth`` steps in flight (2: overlap scheduling, the
+default; 1 with ``disable_overlap``):
 
-    schedule a step if none is in flight and there is work -> send it to the worker
+    schedule steps while fewer than depth are in flight and there is work -> send them to the worker
     block on both inboxes (never spins: an idle scheduler sleeps in poll)
     worker output   -> process_output -> token updates to the frontend
     frontend input  -> drained completely before the next schedule(), so aborts and arrivals
                        land between steps (an abort frees its KV before the next plan)
+
+With depth 2, step N+1 is planned and sent while the device computes step N; step N's output is
+processed (stop checks, streaming) while N+1 computes, and only then is N+2 planned, so every plan
+is at most one step ahead of what the host knows.
 """
 
 from __future__ import annotations
@@ -55,61 +60,75 @@ class SchedulerLoop:
         self._frontend_msgs = decoder(FrontendMessage)
         self._worker_msgs = decoder(WorkerMessage)
         self._live: dict[int, _Pending] = {}
-        self._in_flight = False
+        self.depth = 1 if args.config.disable_overlap else 2
         self._stopping = False
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
-        self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = 0.0
+        self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
+        self._jit_after_ready = 0
 
     def run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.frontend_in, zmq.POLLIN)
         poller.register(self.worker_in, zmq.POLLIN)
         while not self._stopping:
-            if not self._in_flight:
-                self._start_step()
+            while self.scheduler.num_in_flight < self.depth and self._start_step():
+                pass
             events = dict(poller.poll(POLL_MS))
             if not events and parent_gone(self.args):
                 return 1
             if self.worker_in in events:
-                self._on_worker(self._worker_msgs.decode(self.worker_in.recv()))
+                self._drain_worker()
             self._drain_frontend()
         self.worker_out.send(self._encode(WorkerStop()))
         return 0
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def _start_step(self) -> None:
+    def _start_step(self) -> bool:
+        """Plan and send one step; False when there is nothing to send now."""
         start = time.perf_counter()
         try:
-            self._schedule_step()
+            return self._schedule_step()
         finally:
             self._scheduler_busy_s += time.perf_counter() - start
 
-    def _schedule_step(self) -> None:
+    def _schedule_step(self) -> bool:
         plan = self.scheduler.schedule()
         if plan is None:
-            if self.scheduler.has_work():   # admission guarantees progress; never expected
+            # With nothing in flight, admission guarantees progress (never expected); with a step
+            # in flight the scheduler may wait for its output (e.g. before a retraction).
+            if self.scheduler.has_work() and not self.scheduler.num_in_flight:
                 self._fail_all("scheduler made no progress: no request fits the KV cache")
-            return
+            return False
         self._steps += 1
         self._computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
         if plan.decodes:
             self._decode_steps += 1
             self._cascade_steps += plan.cascade is not None
         self.worker_out.send(self._encode(WorkerStep(plan)))
-        self._in_flight = True
+        return True
 
     def _on_worker(self, message: WorkerMessage) -> None:
         if not isinstance(message, WorkerStepDone):
             raise RuntimeError(f"unexpected worker message {type(message).__name__}")
-        self._in_flight = False
         start = time.perf_counter()
         self._worker_busy_s += message.busy_s
         self._worker_launch_s += message.launch_s
+        self._device_s += message.device_s
+        self._jit_after_ready = message.jit_after_ready
         try:
             self._process(message.output)
         finally:
             self._scheduler_busy_s += time.perf_counter() - start
+
+    def _drain_worker(self) -> None:
+        """Every output that has arrived, oldest first, before the next plan."""
+        while True:
+            try:
+                raw = self.worker_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_worker(self._worker_msgs.decode(raw))
 
     def _process(self, out: StepOutput) -> None:
         for chunk in out.prompt_logprobs:
@@ -163,7 +182,8 @@ class SchedulerLoop:
             stats = RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
                                  self._decode_steps, self._cascade_steps, counters.groups,
                                  counters.levels, counters.tokens_read_once, self._worker_busy_s,
-                                 self._worker_launch_s, self._scheduler_busy_s)
+                                 self._worker_launch_s, self._scheduler_busy_s, self._device_s,
+                                 self._jit_after_ready)
             self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True

@@ -2,7 +2,11 @@
 ``StepPlan`` per ``WorkerStep`` message and answers with its ``StepOutput``.
 
 Start-up: load the model, size and allocate the KV cache, report ``WorkerReady`` (or
-``RuntimeFailed``) to the scheduler. Then: receive a plan, step, send the output; nothing else.
+``RuntimeFailed``) to the scheduler. Then (``serve_steps``): launch each plan as it arrives and send
+each step's output, in order, as soon as the device has produced it. A plan that arrives while
+earlier steps are still on the device is launched first (overlap: the device never waits for the
+host to read the previous step's tokens); with nothing new to launch, the worker waits for the
+oldest step in flight.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 
 import torch
 import zmq
@@ -24,7 +29,7 @@ from radixrelay.runtime.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, decoder,
     encoder,
 )
-from radixrelay.worker.model_runner import ModelRunner
+from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("radixrelay.worker")
 DEFAULT_CPU_KV_TOKENS = 32_768
@@ -46,6 +51,12 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
                        device=device)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)
     backend = make_backend(backend_name, device)
+    if device.type == "cuda" and backend_name == "triton":
+        from radixrelay.worker.warmup import warm_up_kernels   # imports the Triton kernels
+
+        report = warm_up_kernels(mc, kv_cache, backend)        # no kernel compiles after ready
+        if not report.complete:
+            logger.warning("kernel warm-up incomplete: skipped %s, errors %s", report.skipped, report.errors)
     graphs = None
     if device.type == "cuda" and backend_name == "triton" and not cfg.disable_cuda_graphs:
         from radixrelay.worker.cuda_graphs import DecodeGraphs   # imports the Triton kernels
@@ -97,17 +108,67 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     outbox.send(encode(ready))
     logger.info("worker ready: %d KV pages of %d tokens", ready.num_pages, args.config.page_size)
     with torch.inference_mode():
-        while True:
-            if not inbox.poll(POLL_MS):
-                if parent_gone(args):
-                    return 1
-                continue
-            command = commands.decode(inbox.recv())
-            if not isinstance(command, WorkerStep):
-                return 0
-            start = time.perf_counter()
-            output = runner.step(command.plan)
-            outbox.send(encode(WorkerStepDone(output, time.perf_counter() - start, runner.last_launch_s)))
+        return serve_steps(runner, inbox, outbox, args)
+
+
+def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs) -> int:
+    encode = encoder().encode
+    commands = decoder(WorkerCommand)
+    in_flight: deque[tuple[LaunchedStep, float]] = deque()      # (step, host seconds spent on it)
+    jit_after_ready = _jit_variants_since_now(runner)
+    jit_seen = 0
+
+    def send_oldest() -> None:
+        nonlocal jit_seen
+        step, host_s = in_flight.popleft()
+        start = time.perf_counter()
+        output = step.finish()
+        busy = host_s + time.perf_counter() - start
+        jit = jit_after_ready()
+        if jit > jit_seen:
+            logger.warning("%d Triton kernel variant(s) compiled while serving (%d since ready)",
+                           jit - jit_seen, jit)
+            jit_seen = jit
+        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit)))
+
+    while True:
+        while in_flight and in_flight[0][0].ready():
+            send_oldest()
+        # Launch what arrived first; with steps on the device, only peek (the oldest may be done soon).
+        if not inbox.poll(0 if in_flight else POLL_MS):
+            if in_flight:
+                _wait_for_either(in_flight[0][0], inbox)
+            elif parent_gone(args):
+                return 1
+            continue
+        command = commands.decode(inbox.recv())
+        if not isinstance(command, WorkerStep):
+            while in_flight:
+                send_oldest()
+            return 0
+        start = time.perf_counter()
+        launched = runner.launch(command.plan)
+        in_flight.append((launched, time.perf_counter() - start))
+
+
+def _jit_variants_since_now(runner: ModelRunner):
+    """A function giving the Triton kernel variants that entered the process since this call (always
+    0 on the CPU, where the torch backend runs)."""
+    if runner.device.type != "cuda":
+        return lambda: 0
+    from radixrelay.kernels import jit_counter     # imports the Triton kernels
+
+    jit_counter.install()
+    at = jit_counter.counts()
+    return lambda: (jit_counter.counts() - at).variants
+
+
+def _wait_for_either(step: LaunchedStep, inbox: zmq.Socket) -> None:
+    """Until the step's results are in or a new plan arrives (whichever is first): the next plan
+    usually arrives while the device works, and launching it at once keeps the device fed. Spins
+    (both checks are cheap and the wait is at most one step of device time)."""
+    while not step.ready() and not inbox.poll(0):
+        pass
 
 
 if __name__ == "__main__":

@@ -60,12 +60,17 @@ class _RuntimeCollector(Collector):
         yield counter("cascade_levels", "Cascade levels, summed over steps.", s.cascade_levels)
         yield counter("cascade_tokens_read_once", "KV token reads saved by cascading: (members - 1)"
                       " x tokens per group and step.", s.cascade_tokens_read_once)
-        yield counter("worker_busy_seconds", "Time in the worker's steps (host work and device wait).",
-                      s.worker_busy_s)
+        yield counter("worker_busy_seconds", "Worker host time on steps (launch, then waiting for and "
+                      "reading results).", s.worker_busy_s)
         yield counter("worker_launch_seconds", "Of the worker's step time: host work until the model's "
                       "kernels were launched.", s.worker_launch_s)
         yield counter("scheduler_busy_seconds", "Time spent scheduling steps and processing their outputs.",
                       s.scheduler_busy_s)
+        yield counter("worker_device_seconds", "Device time of the worker's steps (CUDA events; on the "
+                      "CPU the worker's busy time): its rate is the device's busy fraction.", s.worker_device_s)
+        yield gauge("jit_compilations_after_ready", "Triton kernel variants the worker compiled or loaded "
+                    "after it was ready (0 in steady serving: the warm-up covers every variant).",
+                    s.jit_after_ready)
 
 
 class ServerMetrics:

@@ -3,11 +3,18 @@
 HOT FILE: only what runs every step belongs here (apply the plan diff, pack the batch, forward,
 sample). Loading lives in ``radixrelay.model.loader``, batch packing in
 ``radixrelay.attention.metadata``, sampling in ``radixrelay.worker.sampling``, prompt logprobs in
-``radixrelay.worker.prompt_logprobs``.
+``radixrelay.worker.prompt_logprobs``, device-resident token state in ``radixrelay.worker.step_state``.
+
+A step is launched, then finished: ``launch(plan)`` applies the diff, queues the forward pass and the
+sampling on the device and starts copying the results to the host, without waiting for the device;
+``LaunchedStep.finish()`` waits for those copies and returns the ``StepOutput``. Overlap scheduling
+launches step N+1 before finishing step N: a decode feeds its request's newest token from the device
+(``ResidentTokens``), so the host never needs step N's tokens to launch N+1. ``step(plan)`` does both.
 
 The request table mirrors the scheduler's view (``protocol.py`` states the invariants): for every
-resident request, its tokens (prompt + everything sampled so far) and its page list. A decode
-computes the request's last known token, whose position is ``len(tokens) - 1``.
+resident request, its tokens known at admission (extend inputs), how many it has sampled since (on
+the device), and its page list. A decode computes the request's newest token, whose position is
+``num_tokens - 1``.
 
 Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
@@ -29,9 +36,10 @@ from radixrelay.cascade.batch import DecodeRunsCache, prefill_runs
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.prompt_logprobs import num_logits_rows, prompt_logprobs_chunk
-from radixrelay.worker.protocol import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan
-from radixrelay.worker.sampling import Sampler, SamplingTensors
+from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
+from radixrelay.worker.protocol import ExtendItem, StepOutput, StepPlan
+from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensors
+from radixrelay.worker.step_state import ResidentTokens
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
     from radixrelay.worker.cuda_graphs import DecodeGraphs
@@ -39,10 +47,45 @@ if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worke
 
 @dataclass
 class _Resident:
-    token_ids: list[int]
+    token_ids: list[int]       # known at admission: [0, num_prompt_tokens) prompt, then outputs
     num_prompt_tokens: int
+    num_tokens: int            # len(token_ids) + tokens sampled since (their values on the device)
     pages: list[int]
     sampling: SamplingParams
+
+
+class LaunchedStep:
+    """A step queued on the device; ``finish()`` waits for its results (once)."""
+
+    def __init__(self, step_id: int, *, rids: list[int] | None = None, tokens: torch.Tensor | None = None,
+                 logprobs: LogprobsTensors | None = None, num_logprobs: tuple[int | None, ...] = (),
+                 prompt: list[PendingPromptLogprobs] | None = None, error: str | None = None,
+                 launch_s: float = 0.0, events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        self.step_id = step_id
+        self.rids = rids or []
+        self._tokens, self._logprobs, self._num_logprobs = tokens, logprobs, num_logprobs   # host copies
+        self._prompt = prompt or []
+        self._error = error
+        self.launch_s = launch_s       # host time until the model's kernels were launched
+        self._events = events          # CUDA: (start, done) around the step's device work
+        self.device_s = 0.0            # device time of the step (CUDA), known after finish()
+
+    def ready(self) -> bool:
+        """Whether ``finish()`` would return without waiting for the device."""
+        return self._events is None or self._events[1].query()
+
+    def finish(self) -> StepOutput:
+        if self._error is not None:
+            return StepOutput(self.step_id, [], [], error=self._error)
+        try:
+            if self._events is not None:
+                self._events[1].synchronize()
+                self.device_s = self._events[0].elapsed_time(self._events[1]) / 1e3
+            token_ids = [] if self._tokens is None else self._tokens.tolist()
+            logprobs = None if self._logprobs is None else self._logprobs.to_protocol(self._num_logprobs)
+            return StepOutput(self.step_id, self.rids, token_ids, logprobs, [p.chunk() for p in self._prompt])
+        except Exception as exc:  # noqa: BLE001 - a device fault fails the step, not the process
+            return StepOutput(self.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
 
 
 class ModelRunner:
@@ -61,39 +104,46 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self._table: dict[int, _Resident] = {}
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
+        self._tokens = ResidentTokens(self.device, self.vocab_size)
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
-        self.last_launch_s = 0.0     # the last step's host time until the model's kernels were launched
+        self._cuda = self.device.type == "cuda"
 
     @property
     def num_resident(self) -> int:
         return len(self._table)
 
     def step(self, plan: StepPlan) -> StepOutput:
-        """Apply the plan's diff, compute its extends and decodes, sample where asked. A failure
-        comes back as ``StepOutput.error`` (the request table is left as the plan made it)."""
-        self._step_start = time.perf_counter()
-        self.last_launch_s = 0.0
+        """Launch and finish one step (no overlap)."""
+        return self.launch(plan).finish()
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply the plan's diff, queue its extends, decodes and sampling on the device. A failure
+        comes back as ``StepOutput.error`` from ``finish()`` (the request table is left as the plan
+        made it)."""
+        start = time.perf_counter()
         try:
             self._apply_diff(plan)
-            return self._compute(plan)
+            return self._launch(plan, start)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
-            return StepOutput(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
+            return LaunchedStep(plan.step_id, error=f"{type(exc).__name__}: {exc}")
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for rid in plan.released:
             if self._table.pop(rid, None) is not None:
                 self._page_table.release(rid)
+                self._tokens.release(rid)
         for req in plan.admitted:
-            self._table[req.rid] = _Resident(list(req.token_ids), req.num_prompt_tokens,
+            self._table[req.rid] = _Resident(list(req.token_ids), req.num_prompt_tokens, len(req.token_ids),
                                              list(req.pages), req.sampling)
             self._page_table.admit(req.rid, req.pages)
+            self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
         for append in plan.page_appends:
             self._table[append.rid].pages.extend(append.pages)
             self._page_table.append(append.rid, append.pages)
 
-    def _compute(self, plan: StepPlan) -> StepOutput:
+    def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
         # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
         # rows: per extend its prompt-logprobs run (if any), then its sampling row; one per decode.
         work: list[BatchRequest] = []
@@ -104,6 +154,9 @@ class ModelRunner:
         num_rows = 0
         for item in plan.extends:
             res = self._table[item.rid]
+            if item.start + item.num_tokens > len(res.token_ids):
+                raise ValueError(f"request {item.rid}: extend [{item.start}, {item.start + item.num_tokens}) "
+                                 f"past its {len(res.token_ids)} known tokens")
             input_ids.extend(res.token_ids[item.start:item.start + item.num_tokens])
             num_logits = num_logits_rows(item)
             work.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
@@ -115,45 +168,56 @@ class ModelRunner:
                 sample_rows.append(num_rows - 1)
         for rid in plan.decodes:
             res = self._table[rid]
-            input_ids.append(res.token_ids[-1])
-            work.append(BatchRequest(res.pages, len(res.token_ids) - 1, 1))
+            work.append(BatchRequest(res.pages, res.num_tokens - 1, 1))
             samplers.append(rid)
             sample_rows.append(num_rows)
             num_rows += 1
         if not work:
-            return StepOutput(plan.step_id, [], [])
+            return LaunchedStep(plan.step_id)
 
         batch = self._batch(plan, work)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if plan.decodes:                                  # decodes feed their newest token from the device
+            ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
+        events = None
+        if self._cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(ids, batch)                             # [num_rows, V]
         else:
             logits = self.model(ids, batch, self.kv_cache, self.backend)
-        self.last_launch_s = time.perf_counter() - self._step_start      # the device may still be busy
-        prompt_chunks = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs])
-                         for item, row in owed]
-        if not samplers:
-            return StepOutput(plan.step_id, [], [], prompt_logprobs=prompt_chunks)
-        if owed:                                                             # -> [len(samplers), V]
-            logits = logits.index_select(0, torch.tensor(sample_rows).to(self.device, non_blocking=True))
+        launch_s = time.perf_counter() - start                               # the device may still be busy
+        prompt = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs]).to_host()
+                  for item, row in owed]
+        tokens = logprobs = None
+        num_logprobs: tuple[int | None, ...] = ()
+        if samplers:
+            if owed:                                                         # -> [len(samplers), V]
+                logits = logits.index_select(0, torch.tensor(sample_rows).to(self.device, non_blocking=True))
+            residents = [self._table[rid] for rid in samplers]
+            params = [r.sampling for r in residents]
+            tensors = SamplingTensors.from_rows(
+                params, [r.num_tokens - r.num_prompt_tokens for r in residents],
+                self._tokens.penalties(samplers, params), vocab_size=logits.shape[-1], device=self.device)
+            out = self.sampler(logits.float(), tensors)
+            self._tokens.record(samplers, out.token_ids)
+            for res in residents:
+                res.num_tokens += 1
+            tokens = out.token_ids.to("cpu", non_blocking=True)
+            logprobs = None if out.logprobs is None else out.logprobs.to_host()
+            num_logprobs = tensors.num_logprobs
+        if events is not None:
+            events[1].record()
+        return LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
+                            num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
 
-        residents = [self._table[rid] for rid in samplers]
-        tensors = SamplingTensors.build(
-            [r.sampling for r in residents], [r.token_ids for r in residents],
-            [r.num_prompt_tokens for r in residents], vocab_size=logits.shape[-1], device=self.device)
-        out = self.sampler(logits.float(), tensors)
-        token_ids = out.token_ids.tolist()
-        for res, token in zip(residents, token_ids):
-            res.token_ids.append(token)
-        logprobs = None if out.logprobs is None else out.logprobs.to_protocol(tensors.num_logprobs)
-        return StepOutput(plan.step_id, samplers, token_ids, logprobs, prompt_chunks)
-
-    def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PromptLogprobsChunk:
+    def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PendingPromptLogprobs:
         res = self._table[item.rid]
         k = res.sampling.prompt_logprobs
         if k is None:
             raise ValueError(f"request {item.rid}: prompt logprobs owed but not requested")
-        return prompt_logprobs_chunk(item, logits, res.token_ids, k)
+        return PendingPromptLogprobs.compute(item, logits, res.token_ids, k)
 
     def _batch(self, plan: StepPlan, work: list[BatchRequest]) -> ForwardBatch:
         num_extends = len(plan.extends)

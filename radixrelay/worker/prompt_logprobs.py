@@ -33,12 +33,39 @@ def prompt_logprobs_chunk(item: ExtendItem, logits: torch.Tensor, token_ids: Seq
                           k: int) -> PromptLogprobsChunk:
     """``logits``: [num_prompt_logprobs, V], the rows of positions [first, first + n);
     ``token_ids``: the request's tokens (the prompt tokens first + 1 .. first + n are the targets)."""
-    first, n = item.prompt_logprobs_start, item.num_prompt_logprobs
-    logprobs = logits.float().log_softmax(dim=-1)                                  # [n, V] natural log
-    targets = torch.tensor(token_ids[first + 1:first + n + 1], dtype=torch.int64)
-    targets = targets.to(logits.device, non_blocking=True)                         # [n]
-    chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                # [n]
-    top = logprobs.topk(k, dim=-1)                                                 # [n, k], best first
-    entries = [TokenLogprobs(value, list(zip(ids, values))) for value, ids, values
-               in zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())]
-    return PromptLogprobsChunk(item.rid, first + 1, entries)
+    return PendingPromptLogprobs.compute(item, logits, token_ids, k).to_host().chunk()
+
+
+class PendingPromptLogprobs:
+    """One chunk's prompt logprobs as tensors: computed on the device when the step launches,
+    copied to the host without waiting (``to_host``), turned into the protocol value once the step's
+    results are in (``chunk``)."""
+
+    def __init__(self, rid: int, first: int, chosen: torch.Tensor, top_ids: torch.Tensor,
+                 top_values: torch.Tensor) -> None:
+        self.rid, self.first = rid, first
+        self.chosen, self.top_ids, self.top_values = chosen, top_ids, top_values   # [n], [n, k], [n, k]
+
+    @classmethod
+    def compute(cls, item: ExtendItem, logits: torch.Tensor, token_ids: Sequence[int],
+                k: int) -> PendingPromptLogprobs:
+        first, n = item.prompt_logprobs_start, item.num_prompt_logprobs
+        logprobs = logits.float().log_softmax(dim=-1)                              # [n, V] natural log
+        targets = torch.tensor(token_ids[first + 1:first + n + 1], dtype=torch.int64)
+        targets = targets.to(logits.device, non_blocking=True)                     # [n]
+        chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)            # [n]
+        top = logprobs.topk(k, dim=-1)                                             # [n, k], best first
+        return cls(item.rid, first, chosen, top.indices, top.values)
+
+    def to_host(self) -> PendingPromptLogprobs:
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True)
+
+        return PendingPromptLogprobs(self.rid, self.first, host(self.chosen), host(self.top_ids),
+                                     host(self.top_values))
+
+    def chunk(self) -> PromptLogprobsChunk:
+        """Call once the copies of ``to_host`` are complete."""
+        entries = [TokenLogprobs(value, list(zip(ids, values))) for value, ids, values
+                   in zip(self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist())]
+        return PromptLogprobsChunk(self.rid, self.first + 1, entries)

@@ -85,6 +85,26 @@ class SamplingTensors:
         rows with penalties only, O(their tokens)."""
         if not len(params) == len(token_ids) == len(num_prompt_tokens):
             raise ValueError("build: params, token_ids and num_prompt_tokens differ in length")
+        return cls.from_rows(
+            params, [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens)],
+            _build_penalties(params, token_ids, num_prompt_tokens, vocab_size, device),
+            vocab_size=vocab_size, device=device)
+
+    @classmethod
+    def from_rows(
+        cls,
+        params: Sequence[SamplingParams],
+        num_outputs: Sequence[int],
+        penalties: PenaltyTensors | None,
+        *,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """``num_outputs[i]``: tokens row i has sampled before this step (its seeded stream's
+        position); ``penalties``: the rows' penalty state, kept on the device by the caller. O(batch),
+        no device sync."""
+        if len(params) != len(num_outputs):
+            raise ValueError("from_rows: params and num_outputs differ in length")
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
@@ -98,11 +118,9 @@ class SamplingTensors:
             top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
             top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
-            penalties=_build_penalties(params, token_ids, num_prompt_tokens, vocab_size, device),
-            step_seeds=tuple(
-                None if p.seed is None or p.greedy else step_seed(p.seed, len(ids) - n)
-                for p, ids, n in zip(params, token_ids, num_prompt_tokens)
-            ),
+            penalties=penalties,
+            step_seeds=tuple(None if p.seed is None or p.greedy else step_seed(p.seed, n)
+                             for p, n in zip(params, num_outputs)),
             num_logprobs=tuple(p.logprobs for p in params),
         )
 
@@ -182,6 +200,11 @@ class LogprobsTensors:
     sampled: torch.Tensor       # [B] fp32: raw log-softmax of the sampled token
     top_ids: torch.Tensor       # [B, K] int64, best first; K = the batch's largest request
     top_logprobs: torch.Tensor  # [B, K] fp32
+
+    def to_host(self) -> LogprobsTensors:
+        """Copies on the host, started without waiting for the device (read them once it is done)."""
+        return LogprobsTensors(*(t.to("cpu", non_blocking=True)
+                                 for t in (self.sampled, self.top_ids, self.top_logprobs)))
 
     def to_protocol(self, num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None]:
         """Per row: None where logprobs were not requested, else the row's k alternatives."""
