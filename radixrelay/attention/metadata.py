@@ -57,6 +57,10 @@ class SharedRuns:
     max_kv_len: int
     max_pages: int
     contiguous: bool = False  # host: every run's pages are consecutive ids (the node kernel's TMA path)
+    # Host copies of q_rows, q_indptr and kv_lens: planning reads them without a device sync.
+    host_rows: tuple[int, ...] = ()
+    host_indptr: tuple[int, ...] = (0,)
+    host_kv_lens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> 
         max_kv_len=max(r.num_tokens for r in runs),
         max_pages=max(len(r.pages) for r in runs),
         contiguous=all(consecutive(r.pages) for r in runs),
+        host_rows=tuple(q_rows), host_indptr=tuple(q_indptr), host_kv_lens=tuple(r.num_tokens for r in runs),
     )
 
 

@@ -24,6 +24,7 @@ from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.reference import merge_states
 from radixrelay.kernels import (CascadePlan, cascade_decode_attention, extend_attention, paged_decode_attention,
                                 plan_cascade, shared_node_attention)
+from radixrelay.kernels.cascade import CascadeHost
 from radixrelay.kernels.shared_node import tma_capable
 
 
@@ -64,7 +65,8 @@ class TritonBackend(AttentionBackend):
                 runs.q_indptr, runs.q_rows, runs.kv_indptr, runs.kv_pages, runs.kv_lens,
                 batch.page_table[first:], kv_start[first:], batch.seq_lens[first:],
                 num_q_heads=q.shape[1], num_kv_heads=kv_cache.k[0].shape[1], head_dim=q.shape[2],
-                page_size=batch.page_size, kv_contiguous=runs.contiguous)
+                page_size=batch.page_size, kv_contiguous=runs.contiguous,
+                host=CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, cascade.max_own_len))
         self._step = _Step(batch.num_tokens - batch.num_decodes, kv_start, decode_plan)
         self._batch = batch
         return self._step

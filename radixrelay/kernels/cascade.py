@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -115,11 +116,22 @@ def merge_index(q_rows: list[int], num_requests: int, shared_splits: int, own_sp
     return indptr, ids
 
 
+class CascadeHost(NamedTuple):
+    """What ``plan_cascade`` needs to know on the host about its index tensors."""
+
+    rows: tuple[int, ...]        # q_rows
+    indptr: tuple[int, ...]      # q_indptr
+    kv_lens: tuple[int, ...]     # kv_lens
+    max_own: int                 # max over requests of kv_end - kv_start
+
+
 def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  shared_splits: int | None = None, own_splits: int | None = None,
                  shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
-                 kv_contiguous: bool | None = None) -> CascadePlan:
+                 kv_contiguous: bool | None = None, host: CascadeHost | None = None) -> CascadePlan:
+    """``host``: the host's copies of (q_rows, q_indptr, kv_lens) and max(kv_end - kv_start); without
+    it they are read from the device (a sync: avoid it on the serving path)."""
     device = page_table.device
     check(num_q_heads % num_kv_heads == 0, f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads")
     check_index("q_indptr", q_indptr, device)
@@ -134,12 +146,16 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     check_index("kv_lens", kv_lens, device, num_groups)
     check_index("kv_start", kv_start, device, num_requests)
     check_index("kv_end", kv_end, device, num_requests)
-    rows_host = q_rows.tolist()
+    if host is None:
+        host = CascadeHost(tuple(q_rows.tolist()), tuple(q_indptr.tolist()), tuple(kv_lens.tolist()),
+                           max((kv_end - kv_start).tolist(), default=0))
+    rows_host, indptr_host = host.rows, host.indptr
+    check(len(rows_host) == q_rows.numel() and len(indptr_host) == num_groups + 1
+          and len(host.kv_lens) == num_groups, "host copies disagree with the plan's tensors")
     check(all(0 <= b < num_requests for b in rows_host), f"q_rows must index the {num_requests} requests")
-    indptr_host = q_indptr.tolist()
     max_rows = max((indptr_host[g + 1] - indptr_host[g] for g in range(num_groups)), default=0)
-    max_kv = max(kv_lens.tolist(), default=0)
-    max_own = max((kv_end - kv_start).tolist(), default=0)
+    max_kv = max(host.kv_lens, default=0)
+    max_own = host.max_own
 
     group = num_q_heads // num_kv_heads
     # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows; ``kv_contiguous``
@@ -163,7 +179,8 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     indptr, ids = merge_index(rows_host, num_requests, shared_splits, own_splits)
     return CascadePlan(
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
-        torch.tensor(indptr, dtype=torch.int32, device=device), torch.tensor(ids, dtype=torch.int32, device=device),
+        torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
+        torch.tensor(ids, dtype=torch.int32).to(device, non_blocking=True),
         page_size, head_dim, group, m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config,
         kv_tma,
     )

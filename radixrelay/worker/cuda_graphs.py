@@ -28,7 +28,7 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
-from radixrelay.kernels.cascade import merge_index
+from radixrelay.kernels.cascade import CascadeHost, merge_index
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -93,9 +93,11 @@ class DecodeGraphs:
                 self._shapes.clear()
             # own KV length rounded up to a power of two, so that a growing suffix rarely changes the key
             own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
+            host = (CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, shape_key[-1]) if runs is not None
+                    else CascadeHost((), (0,), (), shape_key[-1]))
             shape = self._shapes[shape_key] = plan_cascade(
                 *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
-                kv_contiguous=contiguous, **self.heads)
+                kv_contiguous=contiguous, host=host, **self.heads)
         caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -104,7 +106,7 @@ class DecodeGraphs:
             g = self._buffers(bs, caps, shape)
         self._fill_rows(g, ids, batch, kv_start)
         if g.runs is not runs or g.num != num or fresh:
-            self._fill_groups(g, groups, num)
+            self._fill_groups(g, groups, runs.host_rows if runs is not None else (), num)
             g.runs = runs
         if fresh:
             self._capture(g)
@@ -154,7 +156,8 @@ class DecodeGraphs:
         sb.page_table[:num, :width].copy_(batch.page_table)
         g.kv_start[:num].copy_(kv_start)
 
-    def _fill_groups(self, g: _Graph, groups: tuple[torch.Tensor, ...], num: int) -> None:
+    def _fill_groups(self, g: _Graph, groups: tuple[torch.Tensor, ...], host_rows: tuple[int, ...],
+                     num: int) -> None:
         """The shared runs and the merge index: only when the step's runs or batch size changed."""
         p = g.plan
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens = groups
@@ -167,7 +170,7 @@ class DecodeGraphs:
         p.kv_lens[num_groups:].zero_()                     # ... and no KV
         p.q_rows[:rows].copy_(q_rows)
         p.kv_pages[:kv_pages.numel()].copy_(kv_pages)
-        indptr, part_ids = merge_index(q_rows.tolist(), g.batch.num_requests, p.shared_splits,
+        indptr, part_ids = merge_index(list(host_rows), g.batch.num_requests, p.shared_splits,
                                        p.own_splits, rows_cap=p.q_rows.numel())
         p.merge_indptr.copy_(torch.tensor(indptr, dtype=torch.int32).to(self.device, non_blocking=True))
         p.merge_part_ids[:len(part_ids)].copy_(torch.tensor(part_ids, dtype=torch.int32).to(self.device,
