@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from radixrelay.env import profile_dir
 from radixrelay.runtime.messages import ChildArgs
 
 POLL_MS = 500                         # longest a child blocks before checking on its parent
@@ -29,10 +30,31 @@ def run_child(name: str, body: Callable[[ChildArgs, zmq.Context], int]) -> None:
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
-        code = body(args, ctx)
+        code = _profiled(name, body, args, ctx) if profile_dir() else body(args, ctx)
     finally:
         ctx.destroy(linger=0)
     sys.exit(code)
+
+
+def _profiled(name: str, body: Callable[[ChildArgs, zmq.Context], int], args: ChildArgs,
+              ctx: zmq.Context) -> int:
+    """``body`` under cProfile; the profile and a text summary go to ``RADIXRELAY_PROFILE_DIR``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    code = profiler.runcall(body, args, ctx)
+    out = profile_dir()
+    os.makedirs(out, exist_ok=True)
+    profiler.dump_stats(os.path.join(out, f"{name}.prof"))
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    with open(os.path.join(out, f"{name}.txt"), "w") as f:
+        f.write(text.getvalue())
+    return code
 
 
 def parent_gone(args: ChildArgs) -> bool:
