@@ -91,22 +91,25 @@ class RadixTree:
 
     # -- lookups -----------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], salt: str | None = None,
+                     start: tuple[RadixNode, int] | None = None) -> MatchResult:
         """Longest cached whole-page prefix of ``token_ids``; splits a node the match ends inside
         (on a page boundary) so that the result is exactly a root-to-node path. Marks the path
-        used."""
-        node, num_tokens, pages = self._walk(token_ids, salt, split=True)
+        used. ``start`` = (node, its end position): a node whose root path spells
+        ``token_ids[:position]`` (e.g. a locked one); the walk begins there, and the result's pages
+        are only those below it."""
+        node, num_tokens, pages = self._walk(token_ids, salt, split=True, start=start)
         if node is None or node.parent is None:
             return MatchResult(None, [], 0)
         self._touch(node)
         return MatchResult(node, pages, num_tokens)
 
-    def peek_prefix(self, token_ids: list[int],
-                    salt: str | None = None) -> tuple[RadixNode | None, int]:
+    def peek_prefix(self, token_ids: list[int], salt: str | None = None,
+                    start: tuple[RadixNode, int] | None = None) -> tuple[RadixNode | None, int]:
         """Read-only match for scheduling policies: the deepest fully matched node (None for an
         unknown salt, the root when nothing matched) and the matched length, which may end inside
-        one of its children. Changes neither structure nor LRU."""
-        node, num_tokens, _ = self._walk(token_ids, salt, split=False)
+        one of its children. Changes neither structure nor LRU. ``start``: as for ``match_prefix``."""
+        node, num_tokens, _ = self._walk(token_ids, salt, split=False, start=start)
         return node, num_tokens
 
     def path(self, node: RadixNode) -> list[RadixNode]:
@@ -123,12 +126,14 @@ class RadixTree:
 
     # -- updates -----------------------------------------------------------------------------
 
-    def insert(self, token_ids: list[int], pages: list[int], salt: str | None = None) -> int:
+    def insert(self, token_ids: list[int], pages: list[int], salt: str | None = None,
+               start: tuple[RadixNode, int] | None = None) -> int:
         """Cache ``token_ids`` (a whole number of pages) with KV in ``pages``.
 
         Returns the length of the prefix that was already cached. The tree adopts
         ``pages[existing // page_size:]``; the caller still owns ``pages[:existing // page_size]``
-        and must free those that are not the tree's own (its duplicates).
+        and must free those that are not the tree's own (its duplicates). ``start``: as for
+        ``match_prefix`` (the walk, and its cost, begins below that node).
         """
         ps = self.page_size
         if len(token_ids) % ps or len(pages) * ps != len(token_ids):
@@ -136,7 +141,7 @@ class RadixTree:
                              f"are not whole pages of size {ps}")
         if not token_ids:
             return 0
-        node, existing, _ = self._walk(token_ids, salt, split=True)
+        node, existing, _ = self._walk(token_ids, salt, split=True, start=start)
         if node is None:
             node = self._roots[salt] = RadixNode(next(self._ids), [], [], None, salt)
         if existing < len(token_ids):
@@ -239,9 +244,10 @@ class RadixTree:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _walk(self, token_ids: list[int], salt: str | None,
-              split: bool) -> tuple[RadixNode | None, int, list[int]]:
-        """Follow whole pages of ``token_ids`` down from the salt's root.
+    def _walk(self, token_ids: list[int], salt: str | None, split: bool,
+              start: tuple[RadixNode, int] | None = None) -> tuple[RadixNode | None, int, list[int]]:
+        """Follow whole pages of ``token_ids`` down from the salt's root (or from ``start``: a node
+        and the position it ends at; the pages returned are then those below it).
 
         Returns (deepest node on the match, matched tokens, matched pages); the node is None when
         the salt has no namespace yet (roots are created by ``insert`` only). With ``split`` a match
@@ -250,11 +256,10 @@ class RadixTree:
         """
         ps = self.page_size
         end = len(token_ids) - len(token_ids) % ps
-        node = self._roots.get(salt)
+        node, pos = start if start is not None else (self._roots.get(salt), 0)
         pages: list[int] = []
         if node is None:
             return None, 0, pages
-        pos = 0
         while pos < end:
             child = node.children.get(tuple(token_ids[pos:pos + ps]))
             if child is None:

@@ -81,16 +81,24 @@ class CacheManager:
         if self.config.disable_radix_cache or num_full <= req.num_shared_pages:
             return
         tokens = req.token_ids[: num_full * ps]
-        _, cached = self.tree.peek_prefix(tokens, req.salt)
+        start = self._locked_start(req)          # walks cover only the pages below the lock
+        _, cached = self.tree.peek_prefix(tokens, req.salt, start)
         if cached != req.num_shared_pages * ps:
             return
-        self.tree.insert(tokens, req.pages[:num_full], req.salt)
-        node = self.tree.match_prefix(tokens, req.salt).node
+        self.tree.insert(tokens, req.pages[:num_full], req.salt, start)
+        node = self.tree.match_prefix(tokens, req.salt, start).node
         self.tree.lock(node)                    # the new path contains the old one: lock first
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
         req.lock_node = node
         req.num_shared_pages = num_full
+
+    def _locked_start(self, req: Request):
+        """Where a walk for ``req``'s tokens may begin: its locked node (which the lock keeps, ending
+        at the same position even if the tree splits it), or None (from the root)."""
+        if req.lock_node is None:
+            return None
+        return req.lock_node, req.num_shared_pages * self.page_size
 
     def release(self, req: Request, keep_cache: bool) -> None:
         """Give back everything ``req`` holds; with ``keep_cache`` its computed whole pages stay
@@ -104,7 +112,7 @@ class CacheManager:
         if keep_cache and not self.config.disable_radix_cache:
             num_full = req.kv_committed // ps
             existing = self.tree.insert(req.token_ids[: num_full * ps], req.pages[:num_full],
-                                        req.salt)
+                                        req.salt, self._locked_start(req))
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
             # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
             # pages[existing // ps:num_full] now belong to the tree.
