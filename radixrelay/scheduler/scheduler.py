@@ -26,7 +26,8 @@ from radixrelay.scheduler.decode import DecodeManager
 from radixrelay.scheduler.prefill import PrefillManager
 from radixrelay.scheduler.request import FinishReason, Phase, Request, RequestUpdate, SchedulerStats
 from radixrelay.scheduler.stop import Detokenize, StopChecker
-from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan
+from radixrelay.worker.protocol import (AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan,
+                                       needs_all_tokens)
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,7 @@ class Scheduler:
             return None
         for req in pre.admitted:
             self._running[req.rid] = req
-        admitted = [AdmittedRequest(r.rid, list(r.token_ids), r.num_prompt, list(r.pages),
-                                    r.sampling) for r in pre.admitted]
+        admitted = [self._admission(r) for r in pre.admitted]
         for req in pre.admitted:
             req.on_worker = True
         extends = [_Extend(r, n, r.kv_len + n == r.prefill_len, r.owed_prompt_logprobs(n))
@@ -238,6 +238,13 @@ class Scheduler:
             raise AssertionError("request table disagrees with the queue and the running set")
 
     # -- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _admission(req: Request) -> AdmittedRequest:
+        """The worker needs the tokens it will compute, not the cached prefix (O(new tokens))."""
+        offset = 0 if needs_all_tokens(req.sampling) else req.kv_len
+        return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.pages), req.sampling,
+                               offset)
 
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]

@@ -47,7 +47,8 @@ if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worke
 
 @dataclass
 class _Resident:
-    token_ids: list[int]       # known at admission: [0, num_prompt_tokens) prompt, then outputs
+    token_ids: list[int]       # tokens [token_offset, ...) known at admission (prompt, then outputs)
+    token_offset: int          # leading tokens not sent (cached; never computed here)
     num_prompt_tokens: int
     num_tokens: int            # len(token_ids) + tokens sampled since (their values on the device)
     pages: list[int]
@@ -135,8 +136,8 @@ class ModelRunner:
                 self._page_table.release(rid)
                 self._tokens.release(rid)
         for req in plan.admitted:
-            self._table[req.rid] = _Resident(list(req.token_ids), req.num_prompt_tokens, len(req.token_ids),
-                                             list(req.pages), req.sampling)
+            self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
+                                             req.token_offset + len(req.token_ids), list(req.pages), req.sampling)
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
         for append in plan.page_appends:
@@ -154,10 +155,11 @@ class ModelRunner:
         num_rows = 0
         for item in plan.extends:
             res = self._table[item.rid]
-            if item.start + item.num_tokens > len(res.token_ids):
-                raise ValueError(f"request {item.rid}: extend [{item.start}, {item.start + item.num_tokens}) "
-                                 f"past its {len(res.token_ids)} known tokens")
-            input_ids.extend(res.token_ids[item.start:item.start + item.num_tokens])
+            lo = item.start - res.token_offset
+            if lo < 0 or lo + item.num_tokens > len(res.token_ids):
+                raise ValueError(f"request {item.rid}: extend [{item.start}, {item.start + item.num_tokens}) outside "
+                                 f"the tokens sent [{res.token_offset}, {res.token_offset + len(res.token_ids)})")
+            input_ids.extend(res.token_ids[lo:lo + item.num_tokens])
             num_logits = num_logits_rows(item)
             work.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
             if item.num_prompt_logprobs:

@@ -27,10 +27,20 @@ from radixrelay.sampling_params import SamplingParams
 
 class AdmittedRequest(msgspec.Struct, frozen=True):
     rid: int
-    token_ids: list[int]       # prompt + outputs so far (outputs are non-empty after a retraction)
-    num_prompt_tokens: int     # [0, num_prompt_tokens) prompt, [num_prompt_tokens, len) outputs
+    token_ids: list[int]       # tokens [token_offset, L) of prompt + outputs so far (outputs are
+                               # non-empty after a retraction)
+    num_prompt_tokens: int     # [0, num_prompt_tokens) prompt, [num_prompt_tokens, L) outputs
     pages: list[int]           # initial page list (cached prefix pages + pages for new tokens)
     sampling: SamplingParams
+    token_offset: int = 0      # leading tokens left out: cached, never computed in this residency
+                               # (0 when the worker needs them all: ``needs_all_tokens``)
+
+
+def needs_all_tokens(sampling: SamplingParams) -> bool:
+    """Penalties count every prompt token and prompt logprobs read them as targets: such requests'
+    admissions carry the cached prefix's tokens too."""
+    return (sampling.prompt_logprobs is not None or sampling.repetition_penalty != 1
+            or sampling.frequency_penalty != 0 or sampling.presence_penalty != 0)
 
 
 class PageAppend(msgspec.Struct, frozen=True):

@@ -5,7 +5,9 @@ position t of a request writes a hash of ``token_ids[: t + 1]`` (what real KV de
 ``pages[t // ps] * ps + t % ps``; before computing it checks that every earlier position's slot
 holds exactly that request's prefix hash, so a wrong page list, a page reused too early or a
 cached prefix that is not what it claims to be fails the test. Sampled tokens come from
-``token_fn(rid, tokens_so_far)``.
+``token_fn(rid, tokens_so_far)``. An admission leaves out its cached prefix's tokens
+(``token_offset``): they are read back from the slots of the request's first pages, where each
+computed position also records its token.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class FakeWorker:
     error_at_step: int | None = None
     table: dict[int, _Row] = field(default_factory=dict)
     kv: dict[int, int] = field(default_factory=dict)   # slot -> prefix hash
+    slot_tokens: dict[int, int] = field(default_factory=dict)   # slot -> token computed there
     plans: list[StepPlan] = field(default_factory=list)
 
     def step(self, plan: StepPlan) -> StepOutput:
@@ -52,7 +55,10 @@ class FakeWorker:
             del self.table[rid]
         for adm in plan.admitted:
             assert adm.rid not in self.table
-            self.table[adm.rid] = _Row(list(adm.token_ids), list(adm.pages))
+            row = _Row([], list(adm.pages))
+            row.tokens = [self.slot_tokens[self._slot(row, t)] for t in range(adm.token_offset)]
+            row.tokens += adm.token_ids
+            self.table[adm.rid] = row
         for app in plan.page_appends:
             self.table[app.rid].pages.extend(app.pages)
         if plan.step_id == self.error_at_step:
@@ -86,6 +92,7 @@ class FakeWorker:
             assert self.kv.get(self._slot(row, t)) == row.prefix_hash(t), f"stale KV at {t}"
         for t in range(start, end):
             self.kv[self._slot(row, t)] = row.prefix_hash(t)
+            self.slot_tokens[self._slot(row, t)] = row.tokens[t]
 
 
 @dataclass
