@@ -66,6 +66,7 @@ class RadixTree:
         self.page_size = page_size
         self._ids = itertools.count()
         self._clock = itertools.count(1)
+        self.splits = 0                 # nodes split so far: paths above a split get new node ids
         self._roots: dict[str | None, RadixNode] = {}
         self._evictable_leaves: set[RadixNode] = set()
         self._cached_tokens = 0
@@ -300,6 +301,7 @@ class RadixTree:
         ps = self.page_size
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key) and at % ps == 0
+        self.splits += 1
         upper = RadixNode(next(self._ids), node.key[:at], node.pages[: at // ps], parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access

@@ -34,13 +34,22 @@ CascadePlanner = Callable[[list[DecodeRow]], object]
 
 
 def decode_rows(tree: RadixTree, decodes: list[Request]) -> list[DecodeRow]:
+    """O(rows) per step: a request's path is rebuilt only when its lock moved or the tree split a
+    node (which renumbers the upper part); otherwise the last one is reused."""
     rows = []
     for req in decodes:
-        path: list[PathSegment] = []
-        start = 0
-        if req.lock_node is not None:
-            for node in tree.path(req.lock_node):
-                path.append(PathSegment(node.node_id, start, len(node.key)))
-                start += len(node.key)
-        rows.append(DecodeRow(req.rid, path, req.kv_len + 1))   # kv_len: the position fed now
+        key = (req.lock_node, tree.splits)
+        if req.path_key != key:
+            req.path_key, req.path = key, _path(tree, req)
+        rows.append(DecodeRow(req.rid, req.path, req.kv_len + 1))   # kv_len: the position fed now
     return rows
+
+
+def _path(tree: RadixTree, req: Request) -> list[PathSegment]:
+    path: list[PathSegment] = []
+    start = 0
+    if req.lock_node is not None:
+        for node in tree.path(req.lock_node):
+            path.append(PathSegment(node.node_id, start, len(node.key)))
+            start += len(node.key)
+    return path

@@ -56,6 +56,9 @@ class Request:
     num_pending: int = 0                        # tokens sampled by steps in flight
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
+    # -- cascade: the locked path as the planner sees it, valid while path_key holds -------------
+    path_key: tuple[object, int] | None = None      # (lock_node, the tree's split count)
+    path: list = field(default_factory=list)        # list[PathSegment], root first
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     num_emitted: int = 0                        # output tokens already handed to the caller
