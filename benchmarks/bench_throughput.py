@@ -140,6 +140,13 @@ class Result:
     groups: int = 0
     levels: int = 0
     captures: int = 0
+    launch_ms: float = 0.0      # host time of ModelRunner.launch per step (plan diff, batch, replay, sampling)
+
+
+def _finished(launched) -> None:
+    out = launched.finish()
+    if out.error:
+        raise RuntimeError(out.error)
 
 
 def kv_bytes(cfg: ModelConfig, num_pages: int) -> int:
@@ -176,22 +183,33 @@ def run(model, w: Workload, mode: str, output: int, warmup: int, graphs: bool,
                                 prompt_len, pages, params) for rid, pages in enumerate(lay.pages)]
     rids = list(range(w.num_requests))
     t0 = None
+    launch_s = 0.0
+    previous = None     # overlap, as the worker serves: step N+1 is launched before N's tokens are read
     for step in range(output):
         if step == warmup:
+            if previous is not None:
+                _finished(previous)
+                previous = None
             sync(device)
             t0 = time.perf_counter()
         cascade = None
         if planner is not None:
             cascade = planner([DecodeRow(rid, lay.paths[rid], prompt_len + step) for rid in rids])
-        out = runner.step(StepPlan(step, admitted=admitted if step == 0 else [], decodes=rids, cascade=cascade))
-        if out.error:
-            raise RuntimeError(out.error)
+        start = time.perf_counter()
+        launched = runner.launch(StepPlan(step, admitted=admitted if step == 0 else [], decodes=rids,
+                                          cascade=cascade))
+        if step >= warmup:
+            launch_s += time.perf_counter() - start
+        if previous is not None:
+            _finished(previous)
+        previous = launched
+    _finished(previous)
     sync(device)
     elapsed = time.perf_counter() - t0
     steps = output - warmup
     counters = planner.counters if planner is not None else None
     result = Result(w.num_requests * steps / elapsed, 1e3 * elapsed / steps,
-                    captures=decode_graphs.captures if decode_graphs else 0)
+                    captures=decode_graphs.captures if decode_graphs else 0, launch_ms=1e3 * launch_s / steps)
     if counters is not None and counters.cascade_steps:
         result.groups = counters.groups // counters.cascade_steps
         result.levels = counters.max_levels
@@ -233,7 +251,7 @@ def main() -> None:
               f"torch {torch.__version__}. Command: `python benchmarks/bench_throughput.py "
               f"{' '.join(sys.argv[1:])}`.\n\n"
               "| workload | requests | mode | tok/s | ms/step | attention share | vs ceiling | cascade vs flat |"
-              " groups/levels | graphs |\n|---|---|---|---|---|---|---|---|---|---|\n")
+              " groups/levels | graphs | launch ms/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     os.makedirs(args.out_dir, exist_ok=True)
     slug = device.lower().replace("nvidia ", "").replace(" ", "_").replace("(", "").replace(")", "")
     path = os.path.join(args.out_dir, f"throughput_{slug}.md")
@@ -273,13 +291,13 @@ def emit(f, text: str) -> None:
 def row(w: Workload, mode: str, res: dict[str, Result | None]) -> str:
     r, ceiling, flat = res[mode], res.get("no-attn"), res.get("flat")
     if r is None:
-        return f"| {w.name} | {w.num_requests} | {mode} | KV does not fit | | | | | | |"
+        return f"| {w.name} | {w.num_requests} | {mode} | KV does not fit | | | | | | | |"
     share = f"{100 * (1 - ceiling.ms_per_step / r.ms_per_step):.0f}%" if ceiling and mode != "no-attn" else ""
     frac = f"{r.tokens_per_s / ceiling.tokens_per_s:.2f}" if ceiling else ""
     vs_flat = f"{r.tokens_per_s / flat.tokens_per_s:.2f}x" if mode == "cascade" and flat else ""
     levels = f"{r.groups}/{r.levels}" if r.levels else ""
     return (f"| {w.name} | {w.num_requests} | {mode} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | {share} | "
-            f"{frac} | {vs_flat} | {levels} | {r.captures} |")
+            f"{frac} | {vs_flat} | {levels} | {r.captures} | {r.launch_ms:.2f} |")
 
 
 if __name__ == "__main__":

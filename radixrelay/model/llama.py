@@ -48,12 +48,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         # x: [T, hidden]
+        q = self.before_attention(x, cos, sin, batch.out_slots, kv_cache)
+        o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
+                         kv_cache: KVCache) -> torch.Tensor:
+        """x: [T, hidden] -> q: [T, Hq, D], with the new K/V written at ``out_slots`` (int64 [T])."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)     # [T, Hq, D]
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        kv_cache.store(self.layer_id, batch.out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        kv_cache.store(self.layer_id, out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return q
 
 
 class MLP(nn.Module):
@@ -79,6 +85,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    # The same layer in two halves around attention (piecewise CUDA graphs capture the halves and
+    # launch attention between them): forward(x) == after_attention(x, attention(before_attention(x))).
+
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
+                         kv_cache: KVCache) -> torch.Tensor:
+        """x: [T, hidden] (the layer's input) -> q: [T, Hq, D]; writes the new K/V."""
+        return self.self_attn.before_attention(self.input_layernorm(x), cos, sin, out_slots, kv_cache)
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: the layer's input [T, hidden]; o: attention output [T, Hq, D] -> the layer's output."""
+        x = x + self.self_attn.o_proj(o.reshape(-1, self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,7 +131,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)                                  # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv_cache, backend)
-        x = self.model.norm(x[batch.logits_indices])                            # [R, hidden]
+        return self.logits(x[batch.logits_indices])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [R, hidden] (last layer's output rows) -> logits [R, vocab], float32 (float64 for a
+        float64 model)."""
+        x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
 
