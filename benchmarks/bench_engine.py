@@ -68,7 +68,8 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions
             "cascade_steps": after["cascade_steps"] - before["cascade_steps"],
             "read_once": after["cascade_tokens_read_once"] - before["cascade_tokens_read_once"],
             **{k: after[k] - before[k] for k in ("worker_busy_s", "worker_launch_s", "scheduler_busy_s",
-                                                 "worker_device_s")}}
+                                                 "worker_device_s", "graph_captures", "graph_replays",
+                                                 "eager_steps")}}
 
 
 def main() -> None:
@@ -111,8 +112,8 @@ def main() -> None:
     timing = ["", "Per step (ms): wall time, the device's time (CUDA events) and its share of wall time, the worker's "
               "host time (launch, then waiting for and reading results) and of it the launch, the scheduler's work. "
               "With overlap the host parts run while the device computes the previous step.", "",
-              "| mode | wall / step | device | device busy | worker | of which launch | scheduler |",
-              "|---|---|---|---|---|---|---|"]
+              "| mode | wall / step | device | device busy | worker | of which launch | scheduler | "
+              "graph replays / captures / eager steps |", "|---|---|---|---|---|---|---|---|"]
     base = rows[0]["tok_s"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['wall_s']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | "
@@ -121,7 +122,8 @@ def main() -> None:
         ms = lambda x: 1e3 * x / r["steps"]  # noqa: E731
         timing.append(f"| {r['mode']} | {ms(r['wall_s']):.1f} | {ms(r['worker_device_s']):.1f} | "
                       f"{r['worker_device_s'] / r['wall_s']:.0%} | {ms(r['worker_busy_s']):.1f} | "
-                      f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} |")
+                      f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} | "
+                      f"{r['graph_replays']} / {r['graph_captures']} / {r['eager_steps']} |")
     lines += timing
     os.makedirs(args.out_dir, exist_ok=True)
     tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()

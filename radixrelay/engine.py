@@ -98,7 +98,8 @@ class Engine:
                 "cascade_tokens_read_once": stats.cascade_tokens_read_once,
                 "worker_busy_s": stats.worker_busy_s, "worker_launch_s": stats.worker_launch_s,
                 "scheduler_busy_s": stats.scheduler_busy_s, "worker_device_s": stats.worker_device_s,
-                "jit_after_ready": stats.jit_after_ready}
+                "jit_after_ready": stats.jit_after_ready, "graph_captures": stats.graph_captures,
+                "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps}
 
     @property
     def computed_tokens(self) -> int:

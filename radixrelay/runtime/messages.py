@@ -94,6 +94,9 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     scheduler_busy_s: float = 0.0     # scheduling steps and processing their outputs
     worker_device_s: float = 0.0      # device time of the steps (device busy fraction = this / wall time)
     jit_after_ready: int = 0          # Triton kernel variants compiled (or loaded) after ready: 0 expected
+    graph_captures: int = 0           # CUDA graphs captured (start-up included)
+    graph_replays: int = 0            # steps that replayed a CUDA graph
+    eager_steps: int = 0              # steps whose forward ran eagerly
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -141,6 +144,9 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     launch_s: float = 0.0             # of which: host work until the model's kernels were launched
     device_s: float = 0.0             # the step's time on the device (CUDA events; on the CPU: busy_s)
     jit_after_ready: int = 0          # Triton kernel variants the worker compiled (or loaded) since ready
+    graph_captures: int = 0           # cumulative since start: CUDA graphs captured ...
+    graph_replays: int = 0            # ... steps that replayed one ...
+    eager_steps: int = 0              # ... and steps run eagerly
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

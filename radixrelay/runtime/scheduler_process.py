@@ -65,6 +65,7 @@ class SchedulerLoop:
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
+        self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -116,6 +117,7 @@ class SchedulerLoop:
         self._worker_launch_s += message.launch_s
         self._device_s += message.device_s
         self._jit_after_ready = message.jit_after_ready
+        self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
         try:
             self._process(message.output)
         finally:
@@ -183,7 +185,7 @@ class SchedulerLoop:
                                  self._decode_steps, self._cascade_steps, counters.groups,
                                  counters.levels, counters.tokens_read_once, self._worker_busy_s,
                                  self._worker_launch_s, self._scheduler_busy_s, self._device_s,
-                                 self._jit_after_ready)
+                                 self._jit_after_ready, *self._graphs)
             self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True

@@ -129,7 +129,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             logger.warning("%d Triton kernel variant(s) compiled while serving (%d since ready)",
                            jit - jit_seen, jit)
             jit_seen = jit
-        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit)))
+        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
+                                          runner.graph_captures, runner.graph_replays, runner.eager_steps)))
 
     while True:
         while in_flight and in_flight[0][0].ready():

@@ -71,6 +71,9 @@ class _RuntimeCollector(Collector):
         yield gauge("jit_compilations_after_ready", "Triton kernel variants the worker compiled or loaded "
                     "after it was ready (0 in steady serving: the warm-up covers every variant).",
                     s.jit_after_ready)
+        yield counter("graph_captures", "CUDA graphs captured by the worker (start-up included).", s.graph_captures)
+        yield counter("graph_replays", "Steps that replayed a captured CUDA graph.", s.graph_replays)
+        yield counter("eager_steps", "Steps whose forward pass ran eagerly.", s.eager_steps)
 
 
 class ServerMetrics:

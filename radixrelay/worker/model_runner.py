@@ -110,6 +110,12 @@ class ModelRunner:
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
         self._cuda = self.device.type == "cuda"
+        self.graph_replays = 0       # steps that replayed a captured graph
+        self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
+
+    @property
+    def graph_captures(self) -> int:
+        return self.graphs.captures if self.graphs is not None else 0
 
     @property
     def num_resident(self) -> int:
@@ -187,8 +193,10 @@ class ModelRunner:
             events[0].record()
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(ids, batch)                             # [num_rows, V]
+            self.graph_replays += 1
         else:
             logits = self.model(ids, batch, self.kv_cache, self.backend)
+            self.eager_steps += 1
         launch_s = time.perf_counter() - start                               # the device may still be busy
         prompt = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs]).to_host()
                   for item, row in owed]
