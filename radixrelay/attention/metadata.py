@@ -202,8 +202,11 @@ def build_forward_batch(
         raise ValueError("build_forward_batch: empty batch")
     if page_size < 1:
         raise ValueError(f"build_forward_batch: page_size must be >= 1, got {page_size}")
+    if not 0 <= num_decodes <= len(requests):
+        raise ValueError(f"build_forward_batch: num_decodes {num_decodes} outside [0, {len(requests)}]")
+    first = len(requests) - num_decodes
     q_indptr, prefix_lens, seq_lens, positions, out_slots, logits_rows = [0], [], [], [], [], []
-    for i, r in enumerate(requests):
+    for i, r in enumerate(requests[:first]):
         end = r.start + r.num_new
         if r.start < 0 or r.num_new < 1:
             raise ValueError(f"request {i}: need start >= 0 and num_new >= 1, got {r.start}, {r.num_new}")
@@ -220,8 +223,20 @@ def build_forward_batch(
         prefix_lens.append(r.start)
         seq_lens.append(end)
         logits_rows.extend(range(q_indptr[-1] - r.num_logits, q_indptr[-1]))
-    if not 0 <= num_decodes <= len(requests) or any(r.num_new != 1 for r in requests[len(requests) - num_decodes:]):
-        raise ValueError(f"build_forward_batch: the last {num_decodes} requests must be one-token decodes")
+    # Decodes (one token each, one logits row each): flat lists, no per-position work.
+    decodes = requests[first:]
+    if any(r.num_new != 1 or r.num_logits != 1 or r.start < 0 or len(r.pages) * page_size <= r.start
+           for r in decodes):
+        raise ValueError(f"build_forward_batch: the last {num_decodes} requests must be one-token decodes "
+                         f"(one logits row, start >= 0, pages covering it)")
+    dec_pos = [r.start for r in decodes]
+    base = q_indptr[-1]
+    positions.extend(dec_pos)
+    out_slots.extend(r.pages[p // page_size] * page_size + p % page_size for r, p in zip(decodes, dec_pos))
+    q_indptr.extend(range(base + 1, base + num_decodes + 1))
+    prefix_lens.extend(dec_pos)
+    seq_lens.extend(p + 1 for p in dec_pos)
+    logits_rows.extend(range(base, base + num_decodes))
     cascade = None
     if kv_start is not None:
         if len(kv_start) != len(requests) or any(not 0 <= s <= r.start for s, r in zip(kv_start, requests)):

@@ -110,7 +110,7 @@ class ResidentTokens:
 
     def penalties(self, keys: Sequence[int], params: Sequence[SamplingParams]) -> PenaltyTensors | None:
         """The batch's penalty tensors (rows in ``keys`` order), None when no row has penalties."""
-        if not any(has_penalties(p) for p in params):
+        if not self._pen_rows.row or not any(has_penalties(p) for p in params):
             return None
         rows = _index([self._pen_rows.row.get(k, 0) for k in keys], self.device)
 
