@@ -28,7 +28,7 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
-from radixrelay.kernels.cascade import CascadeHost, merge_index
+from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -95,9 +95,9 @@ class DecodeGraphs:
             own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
             host = (CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, shape_key[-1]) if runs is not None
                     else CascadeHost((), (0,), (), shape_key[-1]))
-            shape = self._shapes[shape_key] = plan_cascade(
+            shape = self._shapes[shape_key] = self._one_split_unbounded(plan_cascade(
                 *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
-                kv_contiguous=contiguous, host=host, **self.heads)
+                kv_contiguous=contiguous, host=host, **self.heads))
         caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -117,6 +117,19 @@ class DecodeGraphs:
             self._graphs.move_to_end(key)
             self._replay(g)
         return g.logits[:num]
+
+    def _one_split_unbounded(self, plan: CascadePlan) -> CascadePlan:
+        """A level with one split reads [start, end) whatever its chunk, as long as the chunk covers the
+        longest possible range: give it that chunk, so that growing lengths keep the launch shape (and
+        the graph) instead of changing it at every power of two."""
+        longest = self.max_pages * self.kv_cache.page_size
+        changes = {}
+        if plan.own_splits == 1:
+            changes["own_chunk"] = -(-longest // OWN_ALIGN) * OWN_ALIGN
+        if plan.shared_splits == 1:
+            block_n = plan.shared_config[1]
+            changes["shared_chunk"] = -(-longest // block_n) * block_n
+        return dataclasses.replace(plan, **changes) if changes else plan
 
     # -- buffers -----------------------------------------------------------------------------------
 
