@@ -64,8 +64,16 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
         graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests,
                               max_pages=-(-mc.max_position_embeddings // cfg.page_size),
                               scratch_slot=num_pages * cfg.page_size)
+    piecewise = None
+    if graphs is not None:
+        from radixrelay.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+
+        # Steps with extend rows: everything but attention replays per token bucket (captured now).
+        piecewise = PiecewiseGraphs(model, kv_cache, backend, scratch_slot=num_pages * cfg.page_size,
+                                    token_buckets=token_buckets(cfg.chunked_prefill_tokens + cfg.max_running_requests))
+        piecewise.capture_all()
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
-                         graphs=graphs)
+                         graphs=graphs, piecewise=piecewise)
     ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids))
     return runner, ready
 

@@ -43,6 +43,7 @@ from radixrelay.worker.step_state import ResidentTokens
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
     from radixrelay.worker.cuda_graphs import DecodeGraphs
+    from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
 
 
 @dataclass
@@ -92,9 +93,10 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  *, seed: int = 0, prefill_cost: CostModel | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None) -> None:
         """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
-        ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend)."""
+        ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend);
+        ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -109,13 +111,15 @@ class ModelRunner:
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
+        self.piecewise = piecewise
         self._cuda = self.device.type == "cuda"
         self.graph_replays = 0       # steps that replayed a captured graph
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
 
     @property
     def graph_captures(self) -> int:
-        return self.graphs.captures if self.graphs is not None else 0
+        return ((self.graphs.captures if self.graphs is not None else 0)
+                + (self.piecewise.captures if self.piecewise is not None else 0))
 
     @property
     def num_resident(self) -> int:
@@ -193,6 +197,9 @@ class ModelRunner:
             events[0].record()
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(ids, batch)                             # [num_rows, V]
+            self.graph_replays += 1
+        elif self.piecewise is not None and self.piecewise.fits(batch):
+            logits = self.piecewise.run(ids, batch)
             self.graph_replays += 1
         else:
             logits = self.model(ids, batch, self.kv_cache, self.backend)
