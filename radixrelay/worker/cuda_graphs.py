@@ -53,7 +53,7 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TritonBackend, *,
-                 max_batch: int, max_pages: int, scratch_slot: int, max_graphs: int = 16) -> None:
+                 max_batch: int, max_pages: int, scratch_slot: int, max_graphs: int = 64) -> None:
         """``max_pages``: page-table width (pages of the longest request); ``scratch_slot``: a KV slot
         outside every request's pages, written by padded rows."""
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
