@@ -36,6 +36,11 @@ class AttentionBackend(ABC):
         """Like ``forward`` but also returns ``lse: [T, Hq]`` float32, natural log."""
         raise NotImplementedError(f"{type(self).__name__} does not return the LSE")
 
+    def splits_long_prefixes(self, device: torch.device) -> bool:
+        """Whether a short extend's long cached prefix should be read as a shared run of its own
+        (``cascade.batch.long_prefix_runs``): only where shared runs are split along their length."""
+        return False
+
     def splits_shared_pages(self, device: torch.device) -> bool:
         """Whether shared runs should be split at page-id breaks (``cascade.batch.split_at_page_breaks``):
         only worth it where consecutive pages load faster than gathered ones."""
@@ -107,7 +112,12 @@ class TorchBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
     ) -> torch.Tensor:
-        return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+        plan = self._plan_for(batch)
+        if plan.shared:
+            return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+        # Flat batch: the same computation, without the LSE's fix-up and scatter.
+        return attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own, self.sm_scale,
+                              with_lse=False)[0]
 
 
 def _shared_part(runs: SharedRuns, page_size: int, row_offset: int) -> _SharedPart:

@@ -105,6 +105,9 @@ class TritonBackend(AttentionBackend):
     def splits_shared_pages(self, device: torch.device) -> bool:
         return tma_capable(torch.device(device))
 
+    def splits_long_prefixes(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda"
+
     def _merge_prefill(self, q, k, v, page_size: int, runs: SharedRuns, o, lse) -> None:
         """Each extend token of a shared run has two parts: the run (shared) and its own window."""
         o_sh, lse_sh = shared_node_attention(q, k, v, page_size, runs.q_indptr, runs.q_rows, runs.kv_indptr,

@@ -102,6 +102,30 @@ def prefill_runs(extends: Sequence[BatchRequest], cost: CostModel,
     return runs, kv_start
 
 
+# An extend that computes few new tokens after a long cached prefix (a chat turn, a question about a cached
+# document) gives the extend kernel one query tile per KV head to read the whole prefix with: a handful of
+# programs. Read as a shared run of its own instead, the prefix is split along its length over the GPU
+# (the shared-node kernel's split-K) and merged by LSE: exact, and the time to first token no longer grows
+# with the cached length. Worth it from LONG_PREFIX_TOKENS cached tokens for up to FEW_NEW_TOKENS new ones.
+LONG_PREFIX_TOKENS = 1024
+FEW_NEW_TOKENS = 256
+
+
+def long_prefix_runs(extends: Sequence[BatchRequest], kv_start: list[int], page_size: int,
+                     min_prefix: int = LONG_PREFIX_TOKENS, max_new: int = FEW_NEW_TOKENS) -> list[SharedRun]:
+    """One run per extend not already reading a shared run (``kv_start`` 0) whose cached whole pages hold at
+    least ``min_prefix`` tokens and that computes at most ``max_new``; updates ``kv_start`` for them."""
+    runs = []
+    row = 0
+    for i, r in enumerate(extends):
+        tokens = r.start // page_size * page_size
+        if kv_start[i] == 0 and tokens >= min_prefix and r.num_new <= max_new:
+            runs.append(SharedRun(list(range(row, row + r.num_new)), list(r.pages[:tokens // page_size]), tokens))
+            kv_start[i] = tokens
+        row += r.num_new
+    return runs
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
     while n < limit and a[n] == b[n]:

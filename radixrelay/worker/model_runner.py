@@ -32,7 +32,7 @@ import torch
 from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.metadata import (BatchRequest, DevicePageTable, ForwardBatch, build_forward_batch,
                                            build_shared_runs)
-from radixrelay.cascade.batch import DecodeRunsCache, prefill_runs
+from radixrelay.cascade.batch import LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
@@ -93,7 +93,8 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  *, seed: int = 0, prefill_cost: CostModel | None = None,
-                 graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None,
+                 split_long_prefixes: bool | None = None) -> None:
         """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
         ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend);
         ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them)."""
@@ -112,6 +113,11 @@ class ModelRunner:
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
         self.piecewise = piecewise
+        # Long cached prefixes of short extends read split along their length (cascade.batch): by default
+        # where the backend's kernels split them (Triton on CUDA); the torch reference gains nothing from it.
+        self._split_long_prefixes = (backend.splits_long_prefixes(self.device) if split_long_prefixes is None
+                                     else split_long_prefixes)
+        self.long_prefix_tokens = LONG_PREFIX_TOKENS
         self._cuda = self.device.type == "cuda"
         self.graph_replays = 0       # steps that replayed a captured graph
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
@@ -242,8 +248,13 @@ class ModelRunner:
         if plan.cascade is not None and plan.decodes:
             decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, lambda rid: self._table[rid].pages)
         extend_start = [0] * num_extends
+        runs = []
         if self.prefill_cost is not None and num_extends > 1:
             runs, extend_start = prefill_runs(work[:num_extends], self.prefill_cost, self.page_size)
+        if self._split_long_prefixes and num_extends:
+            runs = runs + long_prefix_runs(work[:num_extends], extend_start, self.page_size,
+                                           min_prefix=self.long_prefix_tokens)
+        if runs:
             prefill_shared = build_shared_runs(runs, self.device)
         kv_start = None
         if decode_shared is not None or prefill_shared is not None:

@@ -48,7 +48,8 @@ class Result:
 def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_tokens: int,
                  page_size: int = 4, backend: AttentionBackend | None = None,
                  prefill_cost: CostModel | None = None, kv_tokens: int = 4096,
-                 chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0) -> Result:
+                 chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0,
+                 long_prefix_tokens: int | None = None) -> Result:
     """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -69,7 +70,10 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
 
         graphs = DecodeGraphs(model, kv, backend, max_batch=graph_max_batch,
                               max_pages=sched_cfg.num_pages, scratch_slot=sched_cfg.num_pages * page_size)
-    runner = ModelRunner(model, kv, backend, prefill_cost=prefill_cost, graphs=graphs)
+    runner = ModelRunner(model, kv, backend, prefill_cost=prefill_cost, graphs=graphs,
+                         split_long_prefixes=long_prefix_tokens is not None)
+    if long_prefix_tokens is not None:           # short extends after this many cached tokens: split reads
+        runner.long_prefix_tokens = long_prefix_tokens
     runner.sampler = recorder = RecordingSampler(runner.sampler)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     result = Result(planner=planner, graphs=graphs)

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixrelay.attention.backend import make_backend
+from radixrelay.cascade.batch import long_prefix_runs
+from radixrelay.worker import model_runner
 from radixrelay.model import ModelConfig, load_model
 from tests.cascade.harness import Wave, run_workload
 
@@ -97,3 +99,26 @@ def test_decode_graph_buffers(llama32):
                            graph_max_batch=8)
         assert got.graphs.captures >= 3
         assert_same(off, got, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend_name, model, atol", [("torch", "llama64", 1e-9), ("triton", "llama32", 2e-5)])
+def test_long_cached_prefix_read_as_its_own_run_is_exact(request, monkeypatch, backend_name, model, atol):
+    """A short extend after a long cached prefix reads the prefix as a shared run of its own (split along
+    its length on the GPU): the same tokens and logits as reading it in the extend kernel."""
+    rng = random.Random(5)
+    doc = [rng.randrange(CFG.vocab_size) for _ in range(40)]
+    waves: list[Wave] = [[(1, doc)], [(10 + i, doc + [rng.randrange(CFG.vocab_size) for _ in range(3)])
+                                      for i in range(3)]]
+    kw = dict(mode="off", max_tokens=4, backend=make_backend(backend_name, "cpu"))
+    net = request.getfixturevalue(model)
+    plain = run_workload(net, waves, **kw)
+    made = []
+
+    def recording(*args, **kwargs):
+        made.extend(runs := long_prefix_runs(*args, **kwargs))
+        return runs
+
+    monkeypatch.setattr(model_runner, "long_prefix_runs", recording)
+    split = run_workload(net, waves, long_prefix_tokens=16, **kw)
+    assert_same(plain, split, atol=atol)
+    assert [run.num_tokens for run in made] == [40, 40, 40]     # each question: the document, 10 pages of 4
