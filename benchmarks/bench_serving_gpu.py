@@ -540,6 +540,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="(default: bfloat16 on CUDA, else the server's)")
     p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None,
+                   help="commit named in the results (default: git rev-parse HEAD; a copied tree may lack it)")
     p.add_argument("--out-dir", type=Path,
                    default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results"),
                    help="results folder (default: $OUT if set, else benchmarks/results)")
@@ -568,11 +570,12 @@ def _device_name(device: str) -> str:
 
 
 def _meta(args: argparse.Namespace, model_desc: str, served_model: str) -> dict[str, Any]:
+    commit = args.commit
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or "unknown"
     except OSError:
-        commit = "unknown"
+        commit = commit or "unknown"
     import torch  # the version only: importing torch does not initialise CUDA
 
     return {"device_name": _device_name(args.device), "commit": commit, "torch": torch.__version__,
