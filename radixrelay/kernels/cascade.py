@@ -40,8 +40,9 @@ import torch
 import triton
 
 from radixrelay.kernels import paged_decode, shared_node
-from radixrelay.kernels._common import check, check_index, check_page_table, check_qkv, num_sms, pick_splits
-from radixrelay.kernels.merge import launch_merge, merge_attention_states_reference
+from radixrelay.kernels._common import (check, check_index, check_out, check_page_table, check_qkv, num_sms,
+                                        pick_splits)
+from radixrelay.kernels.merge import bind_merge, merge_attention_states_reference
 from radixrelay.kernels.paged_decode import paged_decode_attention_reference
 from radixrelay.kernels.shared_node import shared_node_attention_reference
 
@@ -186,49 +187,74 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     )
 
 
-def cascade_decode_attention(q, k_cache, v_cache, plan: CascadePlan, sm_scale=None,
-                             side_stream: torch.cuda.Stream | None = None):
-    """See the module docstring. With ``side_stream`` (CUDA), the shared-node kernel runs on it, beside
-    the own-KV decode on the current stream; the merge waits for both (CUDA-graph capturable)."""
-    group = check_qkv(q, k_cache, v_cache, plan.page_size)
-    check(group == plan.group, f"q / cache heads give GQA group {group}, the plan was made for {plan.group}")
-    check(q.shape[2] == plan.head_dim, f"q has head_dim {q.shape[2]}, the plan was made for {plan.head_dim}")
-    check(q.shape[0] == plan.num_requests, f"q has {q.shape[0]} requests, the plan {plan.num_requests}")
-    check(q.device == plan.page_table.device, "q and the plan are on different devices")
-    check(side_stream is None or q.is_cuda, "side_stream needs CUDA tensors")
-    batch, num_q_heads, head_dim = q.shape
-    num_rows, num_groups = plan.q_rows.numel(), plan.q_indptr.numel() - 1
-    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    o = torch.empty_like(q)
-    lse = torch.empty((batch, num_q_heads), dtype=torch.float32, device=q.device)
-    if batch == 0:
-        return o, lse
+class CascadeDecode:
+    """``cascade_decode_attention`` bound to one step: checked, buffered and bound once; then called (every
+    layer) with ``q``, caches and outputs of the shapes, dtypes and strides given here. The parts buffer is
+    allocated here and rewritten by every call: the next call's kernels write it only after this call's
+    merge read it (the own-KV decode follows the merge on the current stream; the side stream first waits
+    for the current one, merge included)."""
 
-    # parts: [R * shared_splits + B * own_splits, Hq, D] fp32; shared rows first, then own KV
-    shared_parts = num_rows * plan.shared_splits
-    o_parts = torch.empty((shared_parts + batch * plan.own_splits, num_q_heads, head_dim), dtype=torch.float32,
-                          device=q.device)
-    lse_parts = torch.empty(o_parts.shape[:2], dtype=torch.float32, device=q.device)
-    overlap = side_stream is not None and num_groups > 0
-    if overlap:
-        main = torch.cuda.current_stream(q.device)
-        side_stream.wait_stream(main)
-    if num_groups:
-        with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
-            shared_node.launch_splits(q, k_cache, v_cache, plan.page_size, plan.q_indptr, plan.q_rows,
-                                      plan.kv_indptr, plan.kv_pages, plan.kv_lens, sm_scale,
-                                      o_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads, head_dim),
-                                      lse_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads),
-                                      group, plan.m_tiles, plan.shared_chunk, plan.shared_config,
-                                      plan.kv_tma)
-    paged_decode.launch_splits(q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end,
-                               sm_scale, o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),
-                               lse_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads), group,
-                               plan.own_chunk, **(OWN_BESIDE if overlap else OWN_ALONE))
-    if overlap:
-        main.wait_stream(side_stream)
-    launch_merge(o_parts, lse_parts, plan.merge_indptr, plan.merge_part_ids, o, lse, 0)
-    return o, lse
+    def __init__(self, q, k_cache, v_cache, plan: CascadePlan, sm_scale=None,
+                 side_stream: torch.cuda.Stream | None = None, out=None) -> None:
+        group = check_qkv(q, k_cache, v_cache, plan.page_size)
+        check(group == plan.group, f"q / cache heads give GQA group {group}, the plan was made for {plan.group}")
+        check(q.shape[2] == plan.head_dim, f"q has head_dim {q.shape[2]}, the plan was made for {plan.head_dim}")
+        check(q.shape[0] == plan.num_requests, f"q has {q.shape[0]} requests, the plan {plan.num_requests}")
+        check(q.device == plan.page_table.device, "q and the plan are on different devices")
+        check(side_stream is None or q.is_cuda, "side_stream needs CUDA tensors")
+        batch, num_q_heads, head_dim = q.shape
+        num_rows, num_groups = plan.q_rows.numel(), plan.q_indptr.numel() - 1
+        sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        self.out = o, lse = check_out(out, tuple(q.shape), q.dtype, q.device)   # the given or new outputs
+        self.batch = batch
+        if batch == 0:
+            return
+        # parts: [R * shared_splits + B * own_splits, Hq, D] fp32; shared rows first, then own KV
+        shared_parts = num_rows * plan.shared_splits
+        o_parts = torch.empty((shared_parts + batch * plan.own_splits, num_q_heads, head_dim), dtype=torch.float32,
+                              device=q.device)
+        lse_parts = torch.empty(o_parts.shape[:2], dtype=torch.float32, device=q.device)
+        self.side = side_stream if num_groups > 0 else None
+        self.shared = None
+        if num_groups:
+            self.shared = shared_node.BoundSplits(
+                q, k_cache, v_cache, plan.page_size, plan.q_indptr, plan.q_rows, plan.kv_indptr, plan.kv_pages,
+                plan.kv_lens, sm_scale,
+                o_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads, head_dim),
+                lse_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads),
+                group, plan.m_tiles, plan.shared_chunk, plan.shared_config, plan.kv_tma)
+        self.own = paged_decode.bind_splits(
+            q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end, sm_scale,
+            o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),
+            lse_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads), group, plan.own_chunk,
+            **(OWN_BESIDE if self.side is not None else OWN_ALONE))
+        self.merge = bind_merge(o_parts, lse_parts, plan.merge_indptr, plan.merge_part_ids, o, lse, 0)
+
+    def __call__(self, q, k_cache, v_cache, o, lse) -> None:
+        """q, o [B, Hq, D], lse [B, Hq] (addresses only: same layouts as at binding)."""
+        if self.batch == 0:
+            return
+        side = self.side
+        if side is not None:
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)
+        if self.shared is not None:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self.shared(q, k_cache, v_cache)
+        self.own(q=q, k_cache=k_cache, v_cache=v_cache)
+        if side is not None:
+            main.wait_stream(side)
+        self.merge(o_out=o, lse_out=lse)
+
+
+def cascade_decode_attention(q, k_cache, v_cache, plan: CascadePlan, sm_scale=None,
+                             side_stream: torch.cuda.Stream | None = None, out=None):
+    """See the module docstring. With ``side_stream`` (CUDA), the shared-node kernel runs on it, beside
+    the own-KV decode on the current stream; the merge waits for both (CUDA-graph capturable).
+    ``out``: optional preallocated (o [B, Hq, D] dtype of q, contiguous D; lse [B, Hq] float32)."""
+    run = CascadeDecode(q, k_cache, v_cache, plan, sm_scale, side_stream, out)
+    run(q, k_cache, v_cache, *run.out)
+    return run.out
 
 
 def cascade_decode_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages,

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_index, check_out, check_page_table,
-                                        check_qkv, dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
-                                        softmax_step)
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_page_table, check_qkv, dot_precision, finish_rows, gather_kv_reference,
+                                        load_kv_tile, softmax_step)
 
 
 # Not specialised (radixrelay.worker.warmup): the index tensors and lse (slices of the step's batch) and
@@ -101,41 +101,70 @@ def tile_rows_choices(block_m: int = 128) -> list[int]:
     return sorted({tile_rows(1 << i, block_m) for i in range(block_m.bit_length())})
 
 
-def _launch(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
-            group: int, max_new_tokens: int, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-            num_stages: int = 2) -> None:
+def bind(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
+         group: int, max_new_tokens: int, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+         num_stages: int = 2) -> KernelLaunch | None:
+    """The launch of ``_launch`` (None: nothing to compute), to repeat with new ``q``, ``k_cache``,
+    ``v_cache``, ``o``, ``lse`` of the same shapes and strides (``KernelLaunch``)."""
     batch = page_table.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_new_tokens == 0:
-        return
+        return None
     block_m = tile_rows(max_new_tokens, block_m)
-    _extend_kernel[(triton.cdiv(max_new_tokens, block_m), batch, num_q_heads)](
-        q, k_cache, v_cache, page_table, q_indptr, kv_start, prefix_lens, o, lse,
-        sm_scale * LOG2E, group,
-        q.stride(0), q.stride(1), page_table.stride(0), k_cache.stride(0), k_cache.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+    return KernelLaunch(_extend_kernel, (triton.cdiv(max_new_tokens, block_m), batch, num_q_heads), dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, q_indptr=q_indptr, kv_start=kv_start,
+        prefix_lens=prefix_lens, o=o, lse=lse,
+        qk_scale=sm_scale * LOG2E, group=group,
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_pt_b=page_table.stride(0),
+        stride_slot=k_cache.stride(0), stride_kv_h=k_cache.stride(1),
+        stride_o_t=o.stride(0), stride_o_h=o.stride(1), stride_l_t=lse.stride(0), stride_l_h=lse.stride(1),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-    )
+        DOT_PRECISION=dot_precision(q.dtype),
+    ), dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _launch(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
+            group: int, max_new_tokens: int, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+            num_stages: int = 2) -> None:
+    launch = bind(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
+                  group, max_new_tokens, block_m, block_n, num_warps, num_stages)
+    if launch is not None:
+        launch()
+
+
+class Extend:
+    """``extend_attention`` bound to one step: checked, sized and bound once; then called (every layer) with
+    ``q``, caches and outputs of the shapes, dtypes and strides given here."""
+
+    def __init__(self, q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale=None,
+                 *, max_new_tokens: int | None = None, out=None) -> None:
+        group = check_qkv(q, k_cache, v_cache, page_size)
+        device = q.device
+        check_index("q_indptr", q_indptr, device)
+        check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
+        batch = q_indptr.numel() - 1
+        check_page_table(page_table, batch, device)
+        check_index("kv_start", kv_start, device, batch)
+        check_index("prefix_lens", prefix_lens, device, batch)
+        self.out = o, lse = check_out(out, tuple(q.shape), q.dtype, device)     # the given or new outputs
+        if max_new_tokens is None:
+            max_new_tokens = int((q_indptr[1:] - q_indptr[:-1]).max()) if batch else 0
+        sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
+        self.kernel = bind(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o,
+                           lse, group, int(max_new_tokens))
+
+    def __call__(self, q, k_cache, v_cache, o, lse) -> None:
+        """q, o [T, Hq, D], lse [T, Hq] (a kernel reads only their addresses: same layouts as at binding)."""
+        if self.kernel is not None:
+            self.kernel(q=q, k_cache=k_cache, v_cache=v_cache, o=o, lse=lse)
 
 
 def extend_attention(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale=None,
                      *, max_new_tokens: int | None = None, out=None):
-    group = check_qkv(q, k_cache, v_cache, page_size)
-    device = q.device
-    check_index("q_indptr", q_indptr, device)
-    check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
-    batch = q_indptr.numel() - 1
-    check_page_table(page_table, batch, device)
-    check_index("kv_start", kv_start, device, batch)
-    check_index("prefix_lens", prefix_lens, device, batch)
-    o, lse = check_out(out, tuple(q.shape), q.dtype, device)
-    if max_new_tokens is None:
-        max_new_tokens = int((q_indptr[1:] - q_indptr[:-1]).max()) if batch else 0
-    sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    _launch(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale, o, lse,
-            group, int(max_new_tokens))
-    return o, lse
+    run = Extend(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens, sm_scale,
+                 max_new_tokens=max_new_tokens, out=out)
+    run(q, k_cache, v_cache, *run.out)
+    return run.out
 
 
 def extend_attention_reference(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens,

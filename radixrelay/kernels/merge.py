@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import FLOAT_DTYPES, check, check_index, check_out, num_sms
+from radixrelay.kernels._common import FLOAT_DTYPES, KernelLaunch, check, check_index, check_out, num_sms
 
 
 # Not specialised (radixrelay.worker.warmup): the index tensors and lse_out (slices at per-step offsets:
@@ -96,30 +96,48 @@ def block_h_choices(num_heads: int, head_dim: int) -> list[int]:
     return [1 << i for i in range(max_block_h(num_heads, head_dim).bit_length())]
 
 
-def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
-                 num_warps: int = 4) -> None:
-    """Merge into preallocated (o, lse) of any dtype; ``indptr=None``: row n merges parts n*S..n*S+S-1."""
+def bind_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
+               num_warps: int = 4) -> KernelLaunch | None:
+    """The launch of ``launch_merge`` (None: no rows), to repeat with new ``o_parts``, ``lse_parts``,
+    ``o_out``, ``lse_out`` of the same shapes and strides (``KernelLaunch``)."""
     num_rows, num_heads, head_dim = o.shape
     if num_rows == 0:
-        return
+        return None
     block_d = triton.next_power_of_2(head_dim)
     if block_h is None:
         block_h = pick_block_h(num_rows, num_heads, head_dim, o.device)
-    grid = (num_rows, triton.cdiv(num_heads, block_h))
     indexed = indptr is not None
-    _merge_kernel[grid](
-        o_parts, lse_parts, indptr if indexed else lse_parts, part_ids if indexed else lse_parts, o, lse,
-        parts_per_row, num_heads, head_dim,
-        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), lse_parts.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    return KernelLaunch(_merge_kernel, (num_rows, triton.cdiv(num_heads, block_h)), dict(
+        o_parts=o_parts, lse_parts=lse_parts, indptr=indptr if indexed else lse_parts,
+        part_ids=part_ids if indexed else lse_parts, o_out=o, lse_out=lse,
+        parts_per_row=parts_per_row, num_heads=num_heads, head_dim=head_dim,
+        stride_op_p=o_parts.stride(0), stride_op_h=o_parts.stride(1),
+        stride_lp_p=lse_parts.stride(0), stride_lp_h=lse_parts.stride(1),
+        stride_o_n=o.stride(0), stride_o_h=o.stride(1), stride_l_n=lse.stride(0), stride_l_h=lse.stride(1),
+        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d,
+    ), dict(num_warps=num_warps))
+
+
+def launch_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
+                 num_warps: int = 4) -> None:
+    """Merge into preallocated (o, lse) of any dtype; ``indptr=None``: row n merges parts n*S..n*S+S-1."""
+    launch = bind_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row, block_h, num_warps)
+    if launch is not None:
+        launch()
+
+
+def bind_merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor) -> KernelLaunch | None:
+    """The launch of ``merge_splits`` (None: no rows); repeat it with new tensors as ``bind_merge``'s."""
+    n, splits, h, d = o_parts.shape
+    return bind_merge(o_parts.view(n * splits, h, d), lse_parts.view(n * splits, h), None, None, o, lse, splits)
 
 
 def merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """Reduce KV splits in place into ``(o, lse)``: o_parts [N, S, H, D] fp32, lse_parts [N, S, H]."""
-    n, splits, h, d = o_parts.shape
-    launch_merge(o_parts.view(n * splits, h, d), lse_parts.view(n * splits, h), None, None, o, lse, splits)
+    launch = bind_merge_splits(o_parts, lse_parts, o, lse)
+    if launch is not None:
+        launch()
 
 
 def merge_attention_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, indptr: torch.Tensor,

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_index, check_out, check_page_table,
-                                        check_qkv, dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
-                                        num_sms, pick_splits, softmax_step)
-from radixrelay.kernels.merge import merge_splits
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_page_table, check_qkv, dot_precision, finish_rows, gather_kv_reference,
+                                        load_kv_tile, num_sms, pick_splits, softmax_step)
+from radixrelay.kernels.merge import bind_merge_splits
 
 
 @triton.jit
@@ -107,55 +107,91 @@ def _paged_decode_kernel(
     )
 
 
+def bind_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o_dst, lse_dst,
+                group: int, chunk: int, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
+                maxnreg: int | None = None) -> KernelLaunch:
+    """The launch of ``launch_splits``, to repeat with new ``q``, ``k_cache``, ``v_cache``, ``o``, ``lse`` of
+    the same shapes and strides (``KernelLaunch``)."""
+    batch, splits = o_dst.shape[:2]
+    check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
+    return KernelLaunch(_paged_decode_kernel, (batch, k_cache.shape[1], splits), dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, kv_start=kv_start, kv_end=kv_end,
+        o=o_dst, lse=lse_dst,
+        qk_scale=sm_scale * LOG2E, chunk=chunk, group=group,
+        stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_pt_b=page_table.stride(0),
+        stride_slot=k_cache.stride(0), stride_kv_h=k_cache.stride(1),
+        stride_o_b=o_dst.stride(0), stride_o_s=o_dst.stride(1), stride_o_h=o_dst.stride(2),
+        stride_l_b=lse_dst.stride(0), stride_l_s=lse_dst.stride(1), stride_l_h=lse_dst.stride(2),
+        PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=q.shape[2], DOT_PRECISION=dot_precision(q.dtype),
+    ), dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
+
+
 def launch_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o_dst, lse_dst,
                   group: int, chunk: int, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
                   maxnreg: int | None = None):
     """Launch into o_dst [B, S, Hq, D], lse_dst [B, S, Hq]: split s covers ``chunk`` positions from
     kv_start + s * chunk; ``maxnreg`` caps registers per thread. Returns the compiled kernel."""
-    batch, splits = o_dst.shape[:2]
-    check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
-    return _paged_decode_kernel[(batch, k_cache.shape[1], splits)](
-        q, k_cache, v_cache, page_table, kv_start, kv_end, o_dst, lse_dst,
-        sm_scale * LOG2E, chunk, group,
-        q.stride(0), q.stride(1), page_table.stride(0), k_cache.stride(0), k_cache.stride(1),
-        o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1), lse_dst.stride(2),
-        PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=q.shape[2], DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        maxnreg=maxnreg,
-    )
+    return bind_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o_dst, lse_dst, group,
+                       chunk, block_n, num_warps, num_stages, maxnreg)()
 
 
-def _launch(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o, lse, group,
-            max_kv_len: int, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
-            slots_per_sm: int = 8, overhead: int = 256) -> None:
-    batch, num_q_heads, head_dim = q.shape
-    if batch == 0:
-        return
-    splits, chunk = pick_splits(batch * k_cache.shape[1], max_kv_len, block_n, slots_per_sm * num_sms(q.device),
-                                overhead)
-    if splits == 1:
-        o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [B, 1, Hq, D], [B, 1, Hq]
-    else:
-        o_dst = torch.empty((batch, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-        lse_dst = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
-    launch_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o_dst, lse_dst, group,
-                  chunk, block_n, num_warps, num_stages)
-    if splits > 1:
-        merge_splits(o_dst, lse_dst, o, lse)
+class PagedDecode:
+    """``paged_decode_attention`` bound to one step: checked, split, buffered and bound once; then called
+    (every layer) with ``q``, caches and outputs of the shapes, dtypes and strides given here. The split
+    partials' buffer is allocated here and rewritten by every call (stream-ordered: one call's merge reads
+    it before the next call's kernel writes it)."""
+
+    def __init__(self, q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale=None, *,
+                 max_kv_len: int | None = None, out=None, block_n: int = 128, num_warps: int = 4,
+                 num_stages: int = 3, slots_per_sm: int = 8, overhead: int = 256) -> None:
+        group = check_qkv(q, k_cache, v_cache, page_size)
+        batch, num_q_heads, head_dim = q.shape
+        check_page_table(page_table, batch, q.device)
+        check_index("kv_start", kv_start, q.device, batch)
+        check_index("kv_end", kv_end, q.device, batch)
+        self.out = o, lse = check_out(out, tuple(q.shape), q.dtype, q.device)   # the given or new outputs
+        sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        max_kv_len = page_table.shape[1] * page_size if max_kv_len is None else int(max_kv_len)
+        self.kernel = self.merge = None
+        if batch == 0:
+            return
+        splits, chunk = pick_splits(batch * k_cache.shape[1], max_kv_len, block_n, slots_per_sm * num_sms(q.device),
+                                    overhead)
+        if splits == 1:
+            o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [B, 1, Hq, D], [B, 1, Hq]
+        else:
+            o_dst = torch.empty((batch, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+            lse_dst = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
+            self.merge = bind_merge_splits(o_dst, lse_dst, o, lse)
+        self.kernel = bind_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o_dst,
+                                  lse_dst, group, chunk, block_n, num_warps, num_stages)
+
+    def __call__(self, q, k_cache, v_cache, o, lse) -> None:
+        """q, o [B, Hq, D], lse [B, Hq] (a kernel reads only their addresses: same layouts as at binding)."""
+        if self.kernel is None:
+            return
+        if self.merge is None:
+            self.kernel(q=q, k_cache=k_cache, v_cache=v_cache, o=o, lse=lse)
+        else:
+            self.kernel(q=q, k_cache=k_cache, v_cache=v_cache)
+            self.merge(o_out=o, lse_out=lse)
+
+
+def _launch(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o, lse, group: int,
+            max_kv_len: int, **options) -> None:
+    """One launch into (o, lse) with ``PagedDecode``'s tile and split ``options`` (tests, benchmarks)."""
+    run = PagedDecode(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, max_kv_len=max_kv_len,
+                      out=(o, lse), **options)
+    run(q, k_cache, v_cache, o, lse)
 
 
 def paged_decode_attention(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale=None, *,
                            max_kv_len: int | None = None, out=None):
-    group = check_qkv(q, k_cache, v_cache, page_size)
-    batch = q.shape[0]
-    check_page_table(page_table, batch, q.device)
-    check_index("kv_start", kv_start, q.device, batch)
-    check_index("kv_end", kv_end, q.device, batch)
-    o, lse = check_out(out, tuple(q.shape), q.dtype, q.device)
-    sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    max_kv_len = page_table.shape[1] * page_size if max_kv_len is None else int(max_kv_len)
-    _launch(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, o, lse, group, max_kv_len)
-    return o, lse
+    run = PagedDecode(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale, max_kv_len=max_kv_len,
+                      out=out)
+    run(q, k_cache, v_cache, *run.out)
+    return run.out
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale=None,

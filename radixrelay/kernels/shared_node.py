@@ -43,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (LOG2E, attend_reference, check, check_index, check_out, check_qkv,
-                                        dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_qkv, dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
                                         num_sms, pick_splits, softmax_step)
-from radixrelay.kernels.merge import merge_splits
+from radixrelay.kernels.merge import bind_merge_splits
 
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -223,6 +223,51 @@ def programs_per_sm(config: tuple[int, int, int, int]) -> int:
     return 2 if config[2] <= 4 else 1
 
 
+class BoundSplits:
+    """The launch of ``launch_splits``, to repeat with new ``q``, caches, ``o``, ``lse`` of the same shapes and
+    strides: a ``KernelLaunch`` plus the caches' TMA descriptors, made again for new caches."""
+
+    def __init__(self, q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
+                 o_dst, lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
+                 kv_tma: bool = False, maxnreg: int | None = None) -> None:
+        block_m, block_n, num_warps, num_stages = config
+        splits = o_dst.shape[1]
+        check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
+        self.kv_tma = kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
+        self.block_n = block_n
+        maxnreg = max_registers(config, kv_tma) if maxnreg is None else maxnreg
+        k_desc, v_desc = self._descriptors(k_cache, v_cache)
+        grid = (m_tiles, (q_indptr.numel() - 1) * splits, k_cache.shape[1])
+        self.kernel = KernelLaunch(_shared_node_kernel, grid, dict(
+            q=q, k_cache=k_cache, v_cache=v_cache, k_desc=k_desc, v_desc=v_desc, q_indptr=q_indptr, q_rows=q_rows,
+            kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens, o=o_dst, lse=lse_dst,
+            qk_scale=sm_scale * LOG2E, chunk=chunk, splits=splits, group=group,
+            stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_slot=k_cache.stride(0),
+            stride_kv_h=k_cache.stride(1),
+            stride_o_r=o_dst.stride(0), stride_o_s=o_dst.stride(1), stride_o_h=o_dst.stride(2),
+            stride_l_r=lse_dst.stride(0), stride_l_s=lse_dst.stride(1), stride_l_h=lse_dst.stride(2),
+            PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
+            DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma,
+        ), dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
+
+    def _descriptors(self, k_cache, v_cache):
+        """TMA descriptors of the caches viewed as [num_slots, Hkv * D] (the caches themselves without TMA:
+        unused by the gather path)."""
+        if not self.kv_tma:
+            return k_cache, v_cache
+        slots, width = k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2]
+        return tuple(TensorDescriptor(c.view(slots, width), [slots, width], [c.stride(0), 1],
+                                      [self.block_n, c.shape[2]]) for c in (k_cache, v_cache))
+
+    def __call__(self, q=None, k_cache=None, v_cache=None, o=None, lse=None):
+        """Launch with the given tensors replaced (the caches together); returns the compiled kernel."""
+        new = {name: t for name, t in (("q", q), ("o", o), ("lse", lse)) if t is not None}
+        if k_cache is not None:
+            new["k_desc"], new["v_desc"] = self._descriptors(k_cache, v_cache)
+            new["k_cache"], new["v_cache"] = k_cache, v_cache
+        return self.kernel(**new)
+
+
 def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
                   lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
                   kv_tma: bool = False, maxnreg: int | None = None):
@@ -231,74 +276,82 @@ def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, k
     ``kv_tma``: the caller promises that every group's pages are consecutive ids; full K/V tiles are then
     loaded by TMA where ``tma_usable`` (else the page gather runs); ``maxnreg`` caps registers per thread
     (default ``max_registers``). Returns the compiled kernel."""
-    block_m, block_n, num_warps, num_stages = config
-    splits = o_dst.shape[1]
-    check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
-    kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
-    maxnreg = max_registers(config, kv_tma) if maxnreg is None else maxnreg
-    k_desc, v_desc = k_cache, v_cache                                   # unused by the gather path
-    if kv_tma:
-        slots, width = k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2]
-        k_desc, v_desc = (TensorDescriptor(c.view(slots, width), [slots, width], [c.stride(0), 1],
-                                           [block_n, c.shape[2]]) for c in (k_cache, v_cache))
-    return _shared_node_kernel[(m_tiles, (q_indptr.numel() - 1) * splits, k_cache.shape[1])](
-        q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o_dst, lse_dst,
-        sm_scale * LOG2E, chunk, splits, group,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1), lse_dst.stride(2),
-        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
-        DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma, num_warps=num_warps, num_stages=num_stages,
-        maxnreg=maxnreg,
-    )
+    return BoundSplits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
+                       o_dst, lse_dst, group, m_tiles, chunk, config, kv_tma, maxnreg)()
+
+
+class SharedNode:
+    """``shared_node_attention`` bound to one step: checked, tiled, split, buffered and bound once; then called
+    (every layer) with ``q``, caches and outputs of the shapes, dtypes and strides given here. The split
+    partials' buffer is allocated here and rewritten by every call (stream-ordered)."""
+
+    def __init__(self, q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale=None,
+                 *, max_q_rows: int | None = None, max_kv_len: int | None = None, out=None,
+                 kv_contiguous: bool = False, config=None, slots_per_sm: int | None = None,
+                 overhead: int = 256) -> None:
+        group = check_qkv(q, k_cache, v_cache, page_size)
+        device = q.device
+        check_index("q_indptr", q_indptr, device)
+        check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
+        num_groups = q_indptr.numel() - 1
+        check_index("q_rows", q_rows, device)
+        check_index("kv_indptr", kv_indptr, device, num_groups + 1)
+        check_index("kv_pages", kv_pages, device)
+        check_index("kv_lens", kv_lens, device, num_groups)
+        self.out = o, lse = check_out(out, (q_rows.numel(), q.shape[1], q.shape[2]), q.dtype, device)
+        if max_q_rows is None:
+            max_q_rows = int((q_indptr[1:] - q_indptr[:-1]).max()) if num_groups else 0
+        if max_kv_len is None:
+            max_kv_len = int(kv_lens.max()) if num_groups else 0
+        max_q_rows, max_kv_len = int(max_q_rows), int(max_kv_len)
+        sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
+        self.kernel = self.merge = None
+        num_rows, num_q_heads, head_dim = o.shape
+        if num_rows == 0 or num_groups == 0:
+            return
+        kv_tma = kv_contiguous and max_q_rows * group >= TMA_MIN_ROWS and tma_usable(q, k_cache, v_cache)
+        config = config or tile_config(max_q_rows * group, kv_tma)
+        block_m, block_n = config[:2]
+        slots_per_sm = programs_per_sm(config) if slots_per_sm is None else slots_per_sm
+        m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)
+        live_tiles = min(num_groups * m_tiles, triton.cdiv(num_rows * group, block_m) + num_groups)
+        splits, chunk = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
+                                    slots_per_sm * num_sms(device), overhead)
+        if splits == 1:
+            o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [R, 1, Hq, D], [R, 1, Hq]
+        else:
+            o_dst = torch.empty((num_rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=device)
+            lse_dst = torch.empty((num_rows, splits, num_q_heads), dtype=torch.float32, device=device)
+            self.merge = bind_merge_splits(o_dst, lse_dst, o, lse)
+        self.kernel = BoundSplits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
+                                  sm_scale, o_dst, lse_dst, group, m_tiles, chunk, config, kv_tma)
+
+    def __call__(self, q, k_cache, v_cache, o, lse) -> None:
+        """q [B, Hq, D]; o [R, Hq, D], lse [R, Hq] (addresses only: same layouts as at binding)."""
+        if self.kernel is None:
+            return
+        if self.merge is None:
+            self.kernel(q, k_cache, v_cache, o, lse)
+        else:
+            self.kernel(q, k_cache, v_cache)
+            self.merge(o_out=o, lse_out=lse)
 
 
 def _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
-            group: int, max_q_rows: int, max_kv_len: int, config=None, slots_per_sm: int | None = None,
-            overhead: int = 256, kv_contiguous: bool = False) -> None:
-    num_groups = q_indptr.numel() - 1
-    num_rows, num_q_heads, head_dim = o.shape
-    if num_rows == 0 or num_groups == 0:
-        return
-    kv_tma = kv_contiguous and max_q_rows * group >= TMA_MIN_ROWS and tma_usable(q, k_cache, v_cache)
-    config = config or tile_config(max_q_rows * group, kv_tma)
-    block_m, block_n = config[:2]
-    slots_per_sm = programs_per_sm(config) if slots_per_sm is None else slots_per_sm
-    m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)
-    live_tiles = min(num_groups * m_tiles, triton.cdiv(num_rows * group, block_m) + num_groups)
-    splits, chunk = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
-                                slots_per_sm * num_sms(q.device), overhead)
-    if splits == 1:
-        o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [R, 1, Hq, D], [R, 1, Hq]
-    else:
-        o_dst = torch.empty((num_rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-        lse_dst = torch.empty((num_rows, splits, num_q_heads), dtype=torch.float32, device=q.device)
-    launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
-                  lse_dst, group, m_tiles, chunk, config, kv_tma)
-    if splits > 1:
-        merge_splits(o_dst, lse_dst, o, lse)
+            group: int, max_q_rows: int, max_kv_len: int, **options) -> None:
+    """One launch into (o, lse) with ``SharedNode``'s tile and split ``options`` (tests, benchmarks)."""
+    run = SharedNode(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
+                     max_q_rows=max_q_rows, max_kv_len=max_kv_len, out=(o, lse), **options)
+    run(q, k_cache, v_cache, o, lse)
 
 
 def shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
                           sm_scale=None, *, max_q_rows: int | None = None, max_kv_len: int | None = None, out=None,
                           kv_contiguous: bool = False):
-    group = check_qkv(q, k_cache, v_cache, page_size)
-    device = q.device
-    check_index("q_indptr", q_indptr, device)
-    check(q_indptr.numel() >= 1, "q_indptr needs at least one entry")
-    num_groups = q_indptr.numel() - 1
-    check_index("q_rows", q_rows, device)
-    check_index("kv_indptr", kv_indptr, device, num_groups + 1)
-    check_index("kv_pages", kv_pages, device)
-    check_index("kv_lens", kv_lens, device, num_groups)
-    o, lse = check_out(out, (q_rows.numel(), q.shape[1], q.shape[2]), q.dtype, device)
-    if max_q_rows is None:
-        max_q_rows = int((q_indptr[1:] - q_indptr[:-1]).max()) if num_groups else 0
-    if max_kv_len is None:
-        max_kv_len = int(kv_lens.max()) if num_groups else 0
-    sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    _launch(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o, lse,
-            group, int(max_q_rows), int(max_kv_len), kv_contiguous=kv_contiguous)
-    return o, lse
+    run = SharedNode(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
+                     max_q_rows=max_q_rows, max_kv_len=max_kv_len, out=out, kv_contiguous=kv_contiguous)
+    run(q, k_cache, v_cache, *run.out)
+    return run.out
 
 
 def shared_node_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages,
