@@ -20,19 +20,23 @@ import torch
 
 from radixrelay.attention.backend import AttentionBackend
 from radixrelay.attention.kv_cache import KVCache
-from radixrelay.attention.metadata import ForwardBatch, SharedRuns
+from radixrelay.attention.metadata import ForwardBatch
 from radixrelay.attention.reference import merge_states
-from radixrelay.kernels import (CascadePlan, cascade_decode_attention, extend_attention, paged_decode_attention,
-                                plan_cascade, shared_node_attention)
-from radixrelay.kernels.cascade import CascadeHost
-from radixrelay.kernels.shared_node import tma_capable
+from radixrelay.kernels import CascadePlan, plan_cascade
+from radixrelay.kernels.cascade import CascadeDecode, CascadeHost
+from radixrelay.kernels.extend import Extend
+from radixrelay.kernels.paged_decode import PagedDecode
+from radixrelay.kernels.shared_node import SharedNode, tma_capable
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Step:
     num_extend_tokens: int
     kv_start: torch.Tensor              # int32 [B]
     decode_plan: CascadePlan | None     # cascaded decode rows, else flat
+    keep: bool = True                   # later layers reuse ``layers`` (not for bound steps: see ``bind``)
+    layers: _Layers | None = None       # built by the step's first layer
+    lse: torch.Tensor | None = None     # float32 [T, Hq]: the LSE ``forward(out=...)`` does not return
 
 
 class TritonBackend(AttentionBackend):
@@ -46,10 +50,12 @@ class TritonBackend(AttentionBackend):
 
     def bind(self, batch: ForwardBatch, kv_start: torch.Tensor, decode_plan: CascadePlan | None) -> None:
         """Use this per-step state for ``batch`` instead of planning it (CUDA graphs: a plan made
-        outside the capture, over fixed buffers). ``batch`` must have no extend rows."""
+        outside the capture, over fixed buffers). ``batch`` must have no extend rows. Every layer then
+        binds its own launches and buffers: one kept from a capture would outlive it, and its pool memory
+        could be handed to a later capture's live tensors."""
         if batch.num_extends:
             raise ValueError("TritonBackend.bind: decode-only batches")
-        self._batch, self._step = batch, _Step(0, kv_start, decode_plan)
+        self._batch, self._step = batch, _Step(0, kv_start, decode_plan, keep=False)
 
     def _step_for(self, batch: ForwardBatch, q: torch.Tensor, kv_cache: KVCache) -> _Step:
         if batch is self._batch and self._step is not None:
@@ -72,50 +78,45 @@ class TritonBackend(AttentionBackend):
         return self._step
 
     def forward_with_lse(
-        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
+        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out``: optional (o [T, Hq, D] dtype of q, contiguous D; lse [T, Hq] float32) to write into."""
         step = self._step_for(batch, q, kv_cache)
         k, v = kv_cache.k[layer_id], kv_cache.v[layer_id]
-        o = torch.empty_like(q)                                              # [T, Hq, D]
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hq]
-        ext, first = step.num_extend_tokens, batch.num_extends
-        if ext:
-            extend_attention(q[:ext], k, v, batch.page_table[:first], batch.page_size,
-                             batch.q_indptr[:first + 1], step.kv_start[:first], batch.prefix_lens[:first],
-                             self.sm_scale, max_new_tokens=batch.max_q_len, out=(o[:ext], lse[:ext]))
-            if batch.cascade is not None and batch.cascade.prefill is not None:
-                self._merge_prefill(q, k, v, batch.page_size, batch.cascade.prefill, o, lse)
-        if batch.num_decodes == 0:
-            return o, lse
-        if step.decode_plan is None:
-            paged_decode_attention(q[ext:], k, v, batch.page_table[first:], batch.page_size, step.kv_start[first:],
-                                   batch.seq_lens[first:], self.sm_scale, max_kv_len=batch.max_seq_len,
-                                   out=(o[ext:], lse[ext:]))
+        if out is None:
+            o = torch.empty_like(q)                                              # [T, Hq, D]
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hq]
         else:
-            o_dec, lse_dec = cascade_decode_attention(q[ext:], k, v, step.decode_plan, self.sm_scale,
-                                                      side_stream=self._side(q))
-            o[ext:], lse[ext:] = o_dec, lse_dec
+            o, lse = out
+        layers = step.layers
+        if layers is None or not layers.fits(q, k, v, o, lse):
+            layers = _Layers(self, batch, step, q, k, v, o, lse)                # checks, sizes, buffers, launches
+            if step.keep:
+                step.layers = layers
+        layers(q, k, v, o, lse)
         return o, lse
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
+        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+        """``out``: optional o [T, Hq, D] (dtype of q, contiguous D) to write into."""
+        if out is None:
+            return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+        step = self._step_for(batch, q, kv_cache)
+        lse = step.lse                                                  # [T, Hq] scratch: nobody reads it
+        if lse is None or lse.shape != q.shape[:2] or lse.device != q.device:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            if step.keep:
+                step.lse = lse
+        return self.forward_with_lse(q, layer_id, kv_cache, batch, out=(out, lse))[0]
 
     def splits_shared_pages(self, device: torch.device) -> bool:
         return tma_capable(torch.device(device))
 
     def splits_long_prefixes(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda"
-
-    def _merge_prefill(self, q, k, v, page_size: int, runs: SharedRuns, o, lse) -> None:
-        """Each extend token of a shared run has two parts: the run (shared) and its own window."""
-        o_sh, lse_sh = shared_node_attention(q, k, v, page_size, runs.q_indptr, runs.q_rows, runs.kv_indptr,
-                                             runs.kv_pages, runs.kv_lens, self.sm_scale,
-                                             max_q_rows=runs.max_rows, max_kv_len=runs.max_kv_len,
-                                             kv_contiguous=runs.contiguous)
-        rows = runs.q_rows.long()
-        o[rows], lse[rows] = merge_states(o[rows], lse[rows], o_sh, lse_sh)
 
     def _side(self, q: torch.Tensor) -> torch.cuda.Stream | None:
         if not (self.overlap and q.is_cuda):
@@ -124,3 +125,55 @@ class TritonBackend(AttentionBackend):
             self._side_stream = torch.cuda.Stream(q.device)
         return self._side_stream
 
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What a bound launch assumes of a tensor besides its address: shape, strides, dtype, 16-byte alignment."""
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0
+
+
+class _Layers:
+    """A step's attention for every layer: built (checked, sized, buffered, bound) on the step's first layer
+    from its tensors, then called per layer with tensors of the same layouts (``fits``)."""
+
+    def __init__(self, backend: TritonBackend, batch: ForwardBatch, step: _Step, q, k, v, o, lse) -> None:
+        self.layouts = tuple(_layout(t) for t in (q, k, v, o, lse))
+        sm_scale = backend.sm_scale
+        ext, first = step.num_extend_tokens, batch.num_extends
+        self.ext = ext
+        self.extend = self.prefill = self.decode = None
+        if ext:
+            self.extend = Extend(q[:ext], k, v, batch.page_table[:first], batch.page_size, batch.q_indptr[:first + 1],
+                                 step.kv_start[:first], batch.prefix_lens[:first], sm_scale,
+                                 max_new_tokens=batch.max_q_len, out=(o[:ext], lse[:ext]))
+            runs = None if batch.cascade is None else batch.cascade.prefill
+            if runs is not None:
+                # each extend token of a shared run has two parts: the run (shared) and its own window
+                self.prefill = SharedNode(q, k, v, batch.page_size, runs.q_indptr, runs.q_rows, runs.kv_indptr,
+                                          runs.kv_pages, runs.kv_lens, sm_scale, max_q_rows=runs.max_rows,
+                                          max_kv_len=runs.max_kv_len, kv_contiguous=runs.contiguous)
+                self.rows = runs.q_rows.long()                                # [R] flat token rows
+        if batch.num_decodes == 0:
+            return
+        q_dec, out_dec = q[ext:], (o[ext:], lse[ext:])
+        if step.decode_plan is None:
+            self.decode = PagedDecode(q_dec, k, v, batch.page_table[first:], batch.page_size, step.kv_start[first:],
+                                      batch.seq_lens[first:], sm_scale, max_kv_len=batch.max_seq_len, out=out_dec)
+        else:
+            self.decode = CascadeDecode(q_dec, k, v, step.decode_plan, sm_scale, backend._side(q), out=out_dec)
+
+    def fits(self, q, k, v, o, lse) -> bool:
+        return (_layout(q), _layout(k), _layout(v), _layout(o), _layout(lse)) == self.layouts
+
+    def __call__(self, q, k, v, o, lse) -> None:
+        ext = self.ext
+        if self.extend is not None:
+            self.extend(q, k, v, o, lse)                # rows [0, ext): same addresses as the full tensors
+            if self.prefill is not None:
+                o_sh, lse_sh = self.prefill.out
+                self.prefill(q, k, v, o_sh, lse_sh)
+                rows = self.rows
+                o[rows], lse[rows] = merge_states(o[rows], lse[rows], o_sh, lse_sh)
+        if self.decode is not None:
+            if ext:
+                q, o, lse = q[ext:], o[ext:], lse[ext:]
+            self.decode(q, k, v, o, lse)
