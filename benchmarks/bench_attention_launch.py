@@ -11,7 +11,10 @@ without a one-group decode cascade plan (every decode sharing the first --shared
 Every step is a new ``ForwardBatch`` object (per-step planning included, on the first layer).
 
 Reported per case, medians over --repeats steps after --warmup (each step timed alone: the device is
-drained before it, outside the timed region): host ms per step, of its first layer, and per later layer.
+drained before it, outside the timed region): host ms per step, of its first layer, and per later layer,
+and the device's time for the step. Keep the device time well under the host's (shorter --context /
+--prefix, fewer --decodes): when the device is the slower, launches wait for room in the launch queue and
+the host figures measure the device instead.
 
     python benchmarks/bench_attention_launch.py                   # a CUDA GPU
     PYTHONPATH=path/to/other/tree python benchmarks/bench_attention_launch.py --label before
@@ -95,16 +98,22 @@ def sync(device: str) -> None:
 
 
 def time_steps(s: Shapes, batch, kv: KVCache, mode: str, warmup: int, repeats: int):
-    """(step ms, first layer ms, later layer ms) medians; ``mode``: ``copy`` (o_buf.copy_(forward(q)))
-    or ``out`` (forward(q, out=o_buf))."""
+    """(step ms, first layer ms, later layer ms, device ms) medians; ``mode``: ``copy``
+    (o_buf.copy_(forward(q))) or ``out`` (forward(q, out=o_buf)). Device ms: from the step's first launch
+    to its last kernel's end (CUDA events; 0 on the CPU). Where it is close to the host's step ms, the
+    host was held back by the device (a full launch queue): the host figure is then an upper bound."""
     backend = TritonBackend(overlap=s.device == "cuda")
     gen = torch.Generator(s.device).manual_seed(0)
     q = torch.randn((batch.num_tokens, s.q_heads, s.head_dim), generator=gen, device=s.device).to(s.dtype)
     o_buf = torch.empty_like(q)
-    steps, firsts, laters = [], [], []
+    steps, firsts, laters, devices = [], [], [], []
+    cuda = s.device == "cuda"
     for i in range(warmup + repeats):
         step = dataclasses.replace(batch)                           # a new step: planned again
         sync(s.device)
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         t0 = time.perf_counter()
         for layer in range(s.layers):
             if mode == "out":
@@ -114,12 +123,15 @@ def time_steps(s: Shapes, batch, kv: KVCache, mode: str, warmup: int, repeats: i
             if layer == 0:
                 t1 = time.perf_counter()
         t2 = time.perf_counter()
+        if cuda:
+            end.record()
         sync(s.device)
         if i >= warmup:
             steps.append(t2 - t0)
             firsts.append(t1 - t0)
             laters.append((t2 - t1) / max(s.layers - 1, 1))
-    return tuple(1e3 * statistics.median(x) for x in (steps, firsts, laters))
+            devices.append(begin.elapsed_time(end) / 1e3 if cuda else 0.0)
+    return tuple(1e3 * statistics.median(x) for x in (steps, firsts, laters, devices))
 
 
 def main() -> None:
@@ -154,14 +166,15 @@ def main() -> None:
     print(f"{s.layers} layers, {s.q_heads}/{s.kv_heads} heads x {s.head_dim}, {s.dtype}, page {s.page_size}; "
           f"extends {extends} over {args.prefix} cached, {args.decodes} decodes over {args.context}; "
           f"median of {args.repeats} steps after {args.warmup}")
-    print(f"{'label':8} {'case':22} {'call':10} {'step ms':>9} {'layer 1 ms':>11} {'layer 2..L ms':>14}")
+    print(f"{'label':8} {'case':22} {'call':12} {'step ms':>9} {'layer 1 ms':>11} {'layer 2..L ms':>14} "
+          f"{'device ms':>10}")
     for cascade in (False, True):
         batch = make_batch(s, extends, args.prefix, args.decodes, args.context, args.shared, cascade, num_pages)
         case = "mixed + cascade 1 grp" if cascade else "mixed, flat decode"
         for mode in ("copy", "out") if has_out else ("copy",):
-            step, first, later = time_steps(s, batch, kv, mode, args.warmup, args.repeats)
+            step, first, later, device = time_steps(s, batch, kv, mode, args.warmup, args.repeats)
             call = "forward+copy" if mode == "copy" else "out=o"
-            print(f"{args.label:8} {case:22} {call:10} {step:9.3f} {first:11.3f} {later:14.4f}")
+            print(f"{args.label:8} {case:22} {call:12} {step:9.3f} {first:11.3f} {later:14.4f} {device:10.3f}")
     if args.profile:
         profile_later_layers(s, batch, kv)
 
