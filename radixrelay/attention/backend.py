@@ -26,9 +26,11 @@ from radixrelay.attention.reference import AttentionPlan, attend_planned, plan_a
 class AttentionBackend(ABC):
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
+        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> o: [T, Hq, D] in q's dtype; the new tokens' K/V are already cached."""
+        """q: [T, Hq, D] -> o: [T, Hq, D] in q's dtype; the new tokens' K/V are already cached.
+        ``out``: a tensor like o to write the result into (and return)."""
 
     def forward_with_lse(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
@@ -110,14 +112,16 @@ class TorchBackend(AttentionBackend):
         return merge_rows(parts, q.shape[0])
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
+        self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan_for(batch)
         if plan.shared:
-            return self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
-        # Flat batch: the same computation, without the LSE's fix-up and scatter.
-        return attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own, self.sm_scale,
-                              with_lse=False)[0]
+            o = self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
+        else:       # flat batch: the same computation, without the LSE's fix-up and scatter
+            o = attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own, self.sm_scale,
+                               with_lse=False)[0]
+        return o if out is None else out.copy_(o)
 
 
 def _shared_part(runs: SharedRuns, page_size: int, row_offset: int) -> _SharedPart:

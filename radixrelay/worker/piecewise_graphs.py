@@ -149,7 +149,7 @@ class PiecewiseGraphs:
             else:
                 graphs[i].replay()
             if i < len(self.layers):
-                o.copy_(self.backend.forward(q, self.layers[i].self_attn.layer_id, self.kv_cache, batch))
+                self.backend.forward(q, self.layers[i].self_attn.layer_id, self.kv_cache, batch, out=o)
         self.replays += 1
         return self.model.logits(self._x[batch.logits_indices])
 
