@@ -106,15 +106,14 @@ def test_tma_node_path_in_serving_eager_and_graphs(llama_bf16_d128, monkeypatch)
 
     if not shared_node.tma_capable(torch.device("cuda")):
         pytest.skip("needs Hopper (TMA)")
-    launches = []
-    real = shared_node.launch_splits
+    launches = []                  # one per bound shared-node launch (a step's, reused by its layers)
+    real = shared_node.BoundSplits.__init__
 
-    def spy(*args, **kwargs):
-        kv_tma = args[16] if len(args) > 16 else kwargs.get("kv_tma", False)
-        launches.append((kv_tma, tuple(args[0].shape), tuple(args[10].shape)))   # o_dst [rows, splits, Hq, D]
-        return real(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        launches.append((self.kv_tma, tuple(args[0].shape), tuple(args[10].shape)))   # o_dst [rows, splits, Hq, D]
 
-    monkeypatch.setattr(cascade_mod.shared_node, "launch_splits", spy)
+    monkeypatch.setattr(cascade_mod.shared_node.BoundSplits, "__init__", spy)
     rng = random.Random(7)
     prompt = [rng.randrange(CFG128.vocab_size) for _ in range(700)]
     samples = [prompt + [rng.randrange(CFG128.vocab_size)] * rng.randint(1, 5) for _ in range(40)]
