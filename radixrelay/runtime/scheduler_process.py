@@ -125,12 +125,7 @@ class SchedulerLoop:
 
     def _drain_worker(self) -> None:
         """Every output that has arrived, oldest first, before the next plan."""
-        while True:
-            try:
-                raw = self.worker_in.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_worker(self._worker_msgs.decode(raw))
+        _drain(self.worker_in, lambda raw: self._on_worker(self._worker_msgs.decode(raw)))
 
     def _process(self, out: StepOutput) -> None:
         for chunk in out.prompt_logprobs:
@@ -162,12 +157,7 @@ class SchedulerLoop:
     # -- frontend -------------------------------------------------------------------------------
 
     def _drain_frontend(self) -> None:
-        while True:
-            try:
-                raw = self.frontend_in.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_frontend(self._frontend_msgs.decode(raw))
+        _drain(self.frontend_in, lambda raw: self._on_frontend(self._frontend_msgs.decode(raw)))
 
     def _on_frontend(self, message: FrontendMessage) -> None:
         if isinstance(message, GenerateRequest):
@@ -204,6 +194,16 @@ class SchedulerLoop:
             return reject("invalid", str(exc))
         self._live[req.rid] = _Pending([] if req.sampling.logprobs is not None else None,
                                        [] if req.sampling.prompt_logprobs is not None else None)
+
+
+def _drain(sock: zmq.Socket, handle) -> None:
+    """Handle every message waiting on ``sock``, in order, without blocking."""
+    while True:
+        try:
+            raw = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        handle(raw)
 
 
 @dataclass
