@@ -10,25 +10,46 @@ positions ``j`` with ``kv_start[b] <= j < kv_end[b]`` and ``j <= p`` (causal). D
 ``kv_start = 0`` and ``kv_end = prefix_lens + q_len`` give ordinary extend/decode; other windows
 give the partial results that cascaded attention merges with ``merge_states``.
 
-The work is padded to ``[B, max_q_len, max_kv_len]`` and done in a few batched ops; the gather
-plan (``AttentionPlan``) depends only on the batch, so a backend builds it once per step and
+The work is padded to ``[B, max_q_len, pages * page_size]`` and done in one batched attention; the
+gather plan (``AttentionPlan``) depends only on the batch, so a backend builds it once per step and
 reuses it for every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
+    """Padded work of one batch: request b's queries are rows ``[b, :q_len]`` of a ``[B, Lq]`` grid and
+    its KV is gathered page by page into ``S = P * page_size`` positions starting at its first page."""
+
     q_rows: torch.Tensor    # int64 [B, Lq] flat row of each padded query (clamped where invalid)
     q_valid: torch.Tensor   # bool [B, Lq]
-    kv_slots: torch.Tensor  # int64 [B, S] cache slot of each padded KV position (clamped)
+    pages: torch.Tensor     # int64 [B, P] cache page of each padded page (clamped)
     mask: torch.Tensor      # bool [B, Lq, S] True where the query attends the KV position
     num_tokens: int         # T
+    page_size: int
+    dense: bool             # host: every grid cell is a row, in row order (B * Lq == T): no gather/scatter
+    rows: torch.Tensor      # int64 [T] flat row of each valid grid cell, in grid order
+    cells: torch.Tensor     # int64 [T] grid cell (b * Lq + i) of each of them
+    empty: torch.Tensor     # bool [B * Lq] the cell attends nothing (lse = -inf, o = 0)
+    # Additive masks (0 / -inf) with the GQA group folded into the query rows, per (group, dtype);
+    # built on first use, shared by every layer of the step.
+    _bias: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, group * Lq, S]: row ``g * Lq + i`` is query i's mask (for each head of the group)."""
+        key = (group, dtype)
+        if key not in self._bias:
+            batch, max_q, seq = self.mask.shape
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            bias = torch.where(self.mask, zero, float("-inf"))
+            self._bias[key] = bias[:, None].expand(batch, group, max_q, seq).reshape(batch, 1, group * max_q, seq)
+        return self._bias[key]
 
 
 def plan_attention(
@@ -49,6 +70,7 @@ def plan_attention(
     q_indptr = q_indptr.long()
     q_lens = q_indptr[1:] - q_indptr[:-1]                              # [B]
     prefix_lens = prefix_lens.long()
+    aligned = kv_start is None                                         # every window starts at page 0
     kv_start = torch.zeros_like(prefix_lens) if kv_start is None else kv_start.long()
     kv_end = prefix_lens + q_lens if kv_end is None else kv_end.long()
     if max_q_len is None:
@@ -58,20 +80,29 @@ def plan_attention(
     max_kv_len = max(max_kv_len, 1)
     if num_tokens is None:
         num_tokens = int(q_indptr[-1])
+    max_q_len = max(max_q_len, 1)
+    batch = q_lens.shape[0]
 
-    i = torch.arange(max(max_q_len, 1), device=device)
+    i = torch.arange(max_q_len, device=device)
     q_valid = i[None, :] < q_lens[:, None]                             # [B, Lq]
     q_rows = torch.where(q_valid, q_indptr[:-1, None] + i[None, :], 0)
     q_pos = prefix_lens[:, None] + i[None, :]                          # [B, Lq]
 
-    kv_pos = kv_start[:, None] + torch.arange(max_kv_len, device=device)[None, :]   # [B, S]
-    kv_valid = kv_pos < kv_end[:, None]
-    page_idx = (kv_pos // page_size).clamp(max=page_table.shape[1] - 1)
-    kv_slots = page_table.long().gather(1, page_idx) * page_size + kv_pos % page_size
+    # Whole pages from the one holding kv_start: a window of n tokens spans at most
+    # ceil((page_size - 1 + n) / page_size) pages (ceil(n / page_size) when it starts at 0).
+    num_pages = -(-(max_kv_len + (0 if aligned else page_size - 1)) // page_size)
+    first_page = kv_start // page_size                                 # [B]
+    page_idx = (first_page[:, None] + torch.arange(num_pages, device=device)).clamp(max=page_table.shape[1] - 1)
+    pages = page_table.long().gather(1, page_idx)                      # [B, P]
+    kv_pos = first_page[:, None] * page_size + torch.arange(num_pages * page_size, device=device)   # [B, S]
+    kv_valid = (kv_pos >= kv_start[:, None]) & (kv_pos < kv_end[:, None])
 
     mask = (q_valid[:, :, None] & kv_valid[:, None, :]
             & (kv_pos[:, None, :] <= q_pos[:, :, None]))               # [B, Lq, S]
-    return AttentionPlan(q_rows, q_valid, kv_slots, mask, num_tokens)
+    dense = batch * max_q_len == num_tokens
+    cells = q_valid.flatten().nonzero().flatten()                      # [T]
+    return AttentionPlan(q_rows, q_valid, pages, mask, num_tokens, page_size, dense,
+                         rows=q_rows.flatten()[cells], cells=cells, empty=~mask.any(-1).flatten())
 
 
 def attend_planned(
@@ -80,9 +111,16 @@ def attend_planned(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run attention for a plan. Returns ``o: [T, Hq, D]`` in q's dtype and ``lse: [T, Hq]``
-    (natural log, float32; float64 for float64 q)."""
+    (natural log, float32; float64 for float64 q), or None for the lse without ``with_lse``.
+
+    One batched attention over the padded grid: the G query heads that share a KV head are folded
+    into the query rows (``[B, Hkv, G * Lq, D]``), so each KV head is read once for its group; K/V
+    are gathered a page at a time and read through a transposed view (no copy). On the CPU this is
+    torch's flash-attention kernel (which returns the LSE too), elsewhere plain matmuls."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads:
@@ -94,22 +132,53 @@ def attend_planned(
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     batch, max_q = plan.q_rows.shape
-    qp = q[plan.q_rows].to(compute).view(batch, max_q, num_kv_heads, group, head_dim)
-    k = k_cache[plan.kv_slots].to(compute)                             # [B, S, Hkv, D]
-    v = v_cache[plan.kv_slots].to(compute)
-    scores = torch.einsum("bqhgd,bshd->bhgqs", qp, k) * scale          # [B, Hkv, G, Lq, S]
-    scores = scores.masked_fill(~plan.mask[:, None, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                              # [B, Hkv, G, Lq]
-    # Rows that attend nothing: lse = -inf; subtract 0 instead so that p = exp(-inf) = 0, not NaN.
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])
-    o = torch.einsum("bhgqs,bshd->bqhgd", probs, v)                    # [B, Lq, Hkv, G, D]
+    qp = q if plan.dense else q.index_select(0, plan.q_rows.flatten())        # [B * Lq, Hq, D]
+    qp = qp.to(compute).view(batch, max_q, num_kv_heads, group, head_dim)
+    if max_q == 1:
+        qf = qp.view(batch, num_kv_heads, group, head_dim)                    # a view: heads fold as they lie
+    else:
+        qf = qp.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
+    k = _gather_pages(k_cache, plan).to(compute).transpose(1, 2)              # [B, Hkv, S, D]
+    v = _gather_pages(v_cache, plan).to(compute).transpose(1, 2)
+    bias = plan.bias(group, compute)                                          # [B, 1, G * Lq, S]
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, attn_mask=bias, scale=scale)
+    else:
+        o, lse = _attend_matmul(qf, k, v, bias, scale)
+    # [B, Hkv, G * Lq, D] -> [B * Lq, Hq, D]: (b, i) rows, heads (kv head, group) as in q.
+    o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
+    o = o.to(q.dtype) if plan.dense else o.index_select(0, plan.cells).to(q.dtype)
+    if not plan.dense:
+        o = q.new_empty(q.shape).index_copy_(0, plan.rows, o)
+    if not with_lse:
+        return o, None
+    lse = lse.view(batch, num_kv_heads, group, max_q).permute(0, 3, 1, 2).reshape(-1, num_heads)
+    lse = lse.masked_fill(plan.empty[:, None], float("-inf"))                # the kernel leaves 0 there
+    if not plan.dense:
+        lse = lse.new_empty(num_tokens, num_heads).index_copy_(0, plan.rows, lse.index_select(0, plan.cells))
+    return o, lse
 
-    rows = plan.q_rows[plan.q_valid]                                   # [T]
-    out = q.new_empty(q.shape)
-    out[rows] = o.reshape(batch, max_q, num_heads, head_dim)[plan.q_valid].to(q.dtype)
-    lse_out = torch.empty(num_tokens, num_heads, dtype=compute, device=q.device)
-    lse_out[rows] = lse.permute(0, 3, 1, 2).reshape(batch, max_q, num_heads)[plan.q_valid]
-    return out, lse_out
+
+def _gather_pages(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """cache [num_slots, H, D] -> [B, P * page_size, H, D]: each request's pages, whole."""
+    batch, num_pages = plan.pages.shape
+    size = plan.page_size
+    _, heads, dim = cache.shape
+    if cache.shape[0] % size == 0 and cache.is_contiguous():
+        by_page = cache.view(-1, size, heads, dim)
+        return by_page.index_select(0, plan.pages.flatten()).view(batch, num_pages * size, heads, dim)
+    slots = plan.pages[:, :, None] * size + torch.arange(size, device=cache.device)
+    return cache.index_select(0, slots.flatten()).view(batch, num_pages * size, heads, dim)
+
+
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, L, D], k/v [B, H, S, D], bias [B, 1, L, S] -> (o [B, H, L, D], lse [B, H, L]);
+    rows that attend nothing get o = 0 (their lse is fixed up by the caller)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias         # [B, H, L, S]
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])
+    return torch.matmul(probs, v), lse
 
 
 def extend_reference(
