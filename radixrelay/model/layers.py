@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.model.config import ModelConfig, RopeScaling
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
+            # One op instead of six; on the CPU it computes the formula below bit for bit.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32, scale in the model dtype (matches HF LlamaRMSNorm).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,7 +53,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE computed from positions on the fly (no position-length cache)."""
+    """Rotate-half RoPE computed from positions on the fly (no position-length cache), once per step
+    in the layout ``apply_rope`` consumes."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -62,14 +67,18 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int [T] -> (cos, sin), each float32 [T, head_dim / 2]."""
+        """positions: int [T] -> (cos, sin), each float32 [T, head_dim]: ``cos`` repeated for both halves,
+        ``sin`` negated on the first half (``[-sin, sin]``), as ``apply_rope`` takes them."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D / 2] -> rotated x (rotate-half pairing i with i + D/2)."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
+    """x: [T, H, D]; cos, sin: [T, D] from ``RotaryEmbedding`` -> rotated x (rotate-half, pairing i
+    with i + D/2): ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]``, the same roundings as HF's
+    ``x * cos + rotate_half(x) * sin`` (negating a product is exact)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotated = torch.cat((x2, x1), dim=-1)
+    out = x * cos[:, None, :].to(x.dtype)
+    return out.add_(rotated * sin[:, None, :].to(x.dtype))
