@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 
 TOPICS = ["the history of tea", "how rainbows form", "why cats purr", "the rules of chess", "making bread at home",
