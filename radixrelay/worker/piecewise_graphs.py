@@ -105,8 +105,8 @@ class PiecewiseGraphs:
         self._ids = torch.zeros(n, **i64)                                   # [N] token ids, pad 0
         self._positions = torch.zeros(n, **i64)                             # [N] pad 0
         self._out_slots = torch.full((n,), scratch_slot, **i64)             # [N] pad scratch_slot
-        self._cos = torch.zeros(n, cos.shape[-1], dtype=cos.dtype, device=self.device)   # [N, D / 2]
-        self._sin = torch.zeros_like(self._cos)                                          # [N, D / 2]
+        self._cos = torch.zeros(n, cos.shape[-1], dtype=cos.dtype, device=self.device)   # [N, D]
+        self._sin = torch.zeros_like(self._cos)                                          # [N, D]
         self._x = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=self.device)       # [N, hidden]
         self._q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=self.device)  # [N, Hq, D]
         self._o = torch.zeros_like(self._q)                                              # [N, Hq, D]
@@ -208,7 +208,7 @@ class PiecewiseGraphs:
         cache at ``out_slots``), so that nothing allocated inside a graph outlives it."""
         x, cos, sin, slots = self._x[:n], self._cos[:n], self._sin[:n], self._out_slots[:n]
         if i == 0:
-            c, s = self.model.rotary(self._positions[:n])                       # [n, D / 2] each
+            c, s = self.model.rotary(self._positions[:n])                       # [n, D] each
             cos.copy_(c)
             sin.copy_(s)
             x.copy_(self.model.model.embed_tokens(self._ids[:n]))               # [n, hidden]
