@@ -75,7 +75,9 @@ class ResidentTokens:
         row, grew = self._rows.take(key)
         if grew:
             self.last = _grown(self.last, self._rows.capacity)
-        self.last[row] = token_ids[-1]
+        # Through an index copy: assigning a Python int to a CUDA tensor element would wait for the
+        # device (a blocking copy), stalling the launch behind the step in flight.
+        self.last.index_copy_(0, _index([row], self.device), _index([token_ids[-1]], self.device))
         if not has_penalties(sampling):
             return
         prow, grew = self._pen_rows.take(key)
