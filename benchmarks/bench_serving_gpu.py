@@ -247,6 +247,7 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: fl
             "worker_ms_per_step": per_step_ms("worker_busy_seconds"),
             "launch_ms_per_step": per_step_ms("worker_launch_seconds"),
             "scheduler_ms_per_step": per_step_ms("scheduler_busy_seconds"),
+            "graph_share": (delta["graph_replays"] / steps if "graph_replays" in delta and steps else None),
             "counters": delta}
 
 
@@ -455,11 +456,12 @@ class Bench:
                  f"{z.mt_think_s} s, sessions at {z.mt_rate:g}/s. Step columns from /metrics "
                  "deltas over the run: device busy = worker device seconds / wall; ms per step: "
                  "worker busy (of it launch: host work before the kernels are launched) and "
-                 "scheduler busy.", "",
+                 "scheduler busy; graph replays: share of steps that replayed a CUDA graph (decode "
+                 "graphs or piecewise graphs).", "",
                  "| config | workload | rate | done/failed | req/s | out tok/s | TTFT p50 | TTFT p99 "
                  "| TPOT p50 | TPOT p99 | cache hit | steps | cascade steps | device busy | worker ms/step "
-                 "| launch ms/step | sched ms/step |",
-                 "|" + "---|" * 17]
+                 "| launch ms/step | sched ms/step | graph replays |",
+                 "|" + "---|" * 18]
         lines += [_md_row(r) for r in self.runs]
         if self.probes:
             lines += ["", "TTFT of a prompt cached except ~5 tokens, idle server (non-streaming, "
@@ -487,7 +489,11 @@ def _md_row(r: dict[str, Any]) -> str:
             f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} "
             f"| {_ms(s['tpot_ms']['p99'])} | {hit} | {st['steps']} | {st['cascade_steps']} | {busy} "
             f"| {_ms(st['worker_ms_per_step'])} | {_ms(st['launch_ms_per_step'])} "
-            f"| {_ms(st['scheduler_ms_per_step'])} |")
+            f"| {_ms(st['scheduler_ms_per_step'])} | {_share(st.get('graph_share'))} |")
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
 
 
 def _row_text(r: dict[str, Any]) -> str:
