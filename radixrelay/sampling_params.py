@@ -57,5 +57,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop", "stop strings must be non-empty strings")
 
     @property
+    def has_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty applies (the sampler needs token counts)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0

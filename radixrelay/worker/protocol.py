@@ -39,8 +39,7 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
 def needs_all_tokens(sampling: SamplingParams) -> bool:
     """Penalties count every prompt token and prompt logprobs read them as targets: such requests'
     admissions carry the cached prefix's tokens too."""
-    return (sampling.prompt_logprobs is not None or sampling.repetition_penalty != 1
-            or sampling.frequency_penalty != 0 or sampling.presence_penalty != 0)
+    return sampling.prompt_logprobs is not None or sampling.has_penalties
 
 
 class PageAppend(msgspec.Struct, frozen=True):

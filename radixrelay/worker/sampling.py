@@ -132,7 +132,7 @@ def _build_penalties(
     vocab_size: int,
     device: torch.device | str,
 ) -> PenaltyTensors | None:
-    used = [p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params]
+    used = [p.has_penalties for p in params]
     if not any(used):
         return None
     rows = len(params)

@@ -24,10 +24,6 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-
-
 class _Rows:
     """Row allocator: key -> row of a growable table (``capacity`` rows)."""
 
@@ -78,7 +74,7 @@ class ResidentTokens:
         # Through an index copy: assigning a Python int to a CUDA tensor element would wait for the
         # device (a blocking copy), stalling the launch behind the step in flight.
         self.last.index_copy_(0, _index([row], self.device), _index([token_ids[-1]], self.device))
-        if not has_penalties(sampling):
+        if not sampling.has_penalties:
             return
         prow, grew = self._pen_rows.take(key)
         if grew:
@@ -112,7 +108,7 @@ class ResidentTokens:
 
     def penalties(self, keys: Sequence[int], params: Sequence[SamplingParams]) -> PenaltyTensors | None:
         """The batch's penalty tensors (rows in ``keys`` order), None when no row has penalties."""
-        if not self._pen_rows.row or not any(has_penalties(p) for p in params):
+        if not self._pen_rows.row or not any(p.has_penalties for p in params):
             return None
         rows = _index([self._pen_rows.row.get(k, 0) for k in keys], self.device)
 
