@@ -3,6 +3,11 @@
 - ``RADIXRELAY_PROFILE_DIR``: when set, each runtime child process (scheduler, worker) runs under
   cProfile and writes ``<name>.prof`` and a text summary ``<name>.txt`` there when it exits
   normally. For finding where a step's host time goes; profiling slows Python code down.
+- ``RADIXRELAY_TRACE_STEPS``: ``START:COUNT``; the worker records steps ``[START, START + COUNT)``
+  (counted from the first step after ready) with the torch profiler, CPU and CUDA activity, and
+  writes ``worker_trace.json`` (a Chrome trace) and ``worker_trace.txt`` (ops by device time and a
+  per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
+  (the current directory if unset). Not combined with the cProfile run above in one process.
 """
 
 from __future__ import annotations
@@ -12,3 +17,18 @@ import os
 
 def profile_dir() -> str | None:
     return os.environ.get("RADIXRELAY_PROFILE_DIR") or None
+
+
+def trace_steps() -> tuple[int, int] | None:
+    """``RADIXRELAY_TRACE_STEPS`` as (start, count); None when unset. A malformed value is an error."""
+    text = os.environ.get("RADIXRELAY_TRACE_STEPS")
+    if not text:
+        return None
+    start, sep, count = text.partition(":")
+    try:
+        window = int(start), int(count)
+    except ValueError:
+        window = None
+    if not sep or window is None or window[0] < 0 or window[1] < 1:
+        raise ValueError(f"RADIXRELAY_TRACE_STEPS must be START:COUNT (START >= 0, COUNT >= 1), got {text!r}")
+    return window

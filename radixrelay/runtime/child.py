@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from radixrelay.env import profile_dir
+from radixrelay.env import profile_dir, trace_steps
 from radixrelay.runtime.messages import ChildArgs
 
 POLL_MS = 500                         # longest a child blocks before checking on its parent
@@ -30,7 +30,8 @@ def run_child(name: str, body: Callable[[ChildArgs, zmq.Context], int]) -> None:
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
-        code = _profiled(name, body, args, ctx) if profile_dir() else body(args, ctx)
+        profiled = profile_dir() and trace_steps() is None
+        code = _profiled(name, body, args, ctx) if profiled else body(args, ctx)
     finally:
         ctx.destroy(linger=0)
     sys.exit(code)

@@ -12,6 +12,7 @@ oldest step in flight.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections import deque
@@ -23,6 +24,7 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.backend import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
+from radixrelay.env import profile_dir, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
@@ -30,6 +32,7 @@ from radixrelay.runtime.messages import (
     encoder,
 )
 from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
+from radixrelay.worker.step_trace import StepTrace
 
 logger = logging.getLogger("radixrelay.worker")
 DEFAULT_CPU_KV_TOKENS = 32_768
@@ -125,6 +128,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
     in_flight: deque[tuple[LaunchedStep, float]] = deque()      # (step, host seconds spent on it)
     jit_after_ready = _jit_variants_since_now(runner)
     jit_seen = 0
+    window = trace_steps()
+    trace = None if window is None else StepTrace(*window, profile_dir() or os.getcwd())
 
     def send_oldest() -> None:
         nonlocal jit_seen
@@ -139,6 +144,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             jit_seen = jit
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps)))
+        if trace is not None:
+            trace.finished(step.step_id)
 
     while True:
         while in_flight and in_flight[0][0].ready():
@@ -156,7 +163,11 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 send_oldest()
             return 0
         start = time.perf_counter()
-        launched = runner.launch(command.plan)
+        if trace is None:
+            launched = runner.launch(command.plan)
+        else:
+            with trace.launch(command.plan.step_id):
+                launched = runner.launch(command.plan)
         in_flight.append((launched, time.perf_counter() - start))
 
 
