@@ -60,19 +60,19 @@ def _rope_store_kernel(
     x2 = tl.load(src + HALF + offs)
     r1, r2 = _rotate(x1, x2, c1, c2, s1, s2)
     if h < NUM_Q_HEADS:
-        dst = q_out + t * stride_q_t + h * stride_q_h
-        tl.store(dst + offs, r1)
-        tl.store(dst + HALF + offs, r2)
+        q_dst = q_out + t * stride_q_t + h * stride_q_h
+        tl.store(q_dst + offs, r1)
+        tl.store(q_dst + HALF + offs, r2)
     else:
         kv_head = h - NUM_Q_HEADS
         slot = tl.load(slots + t)
-        dst = slot * stride_c_slot + kv_head * stride_c_h
+        at = slot * stride_c_slot + kv_head * stride_c_h     # (names differ from the q branch: Triton types them)
         out_dt = k_cache.dtype.element_ty
-        tl.store(k_cache + dst + offs, r1.to(out_dt))
-        tl.store(k_cache + dst + HALF + offs, r2.to(out_dt))
+        tl.store(k_cache + at + offs, r1.to(out_dt))
+        tl.store(k_cache + at + HALF + offs, r2.to(out_dt))
         v = row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * (2 * HALF)
-        tl.store(v_cache + dst + offs, tl.load(v + offs).to(out_dt))
-        tl.store(v_cache + dst + HALF + offs, tl.load(v + HALF + offs).to(out_dt))
+        tl.store(v_cache + at + offs, tl.load(v + offs).to(out_dt))
+        tl.store(v_cache + at + HALF + offs, tl.load(v + HALF + offs).to(out_dt))
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
