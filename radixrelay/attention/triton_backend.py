@@ -4,7 +4,8 @@ A step's flat batch is extend rows first, then ``batch.num_decodes`` decode rows
 
 - extend rows: ``extend_attention`` over ``[kv_start, position]``; with prefill cascade
   (``batch.cascade.prefill``) each shared run is attended once by ``shared_node_attention`` for all the
-  new tokens of its requests and merged in by LSE (RelayAttention's prompt phase);
+  new tokens of its requests and merged into their rows in place by LSE, one ``merge_into_rows`` launch
+  (RelayAttention's prompt phase);
 - decode rows: ``paged_decode_attention`` over ``[0, seq_len)``, or with ``batch.cascade.decode``
   ``cascade_decode_attention`` (shared levels + own suffix ``[kv_start, seq_len)`` + one merge), planned
   once per step with ``plan_cascade``.
@@ -20,11 +21,12 @@ import torch
 
 from radixrelay.attention.backend import AttentionBackend
 from radixrelay.attention.kv_cache import KVCache
-from radixrelay.attention.metadata import ForwardBatch
-from radixrelay.attention.reference import merge_states
+from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.kernels import CascadePlan, plan_cascade
+from radixrelay.kernels._common import KernelLaunch
 from radixrelay.kernels.cascade import CascadeDecode, CascadeHost
 from radixrelay.kernels.extend import Extend
+from radixrelay.kernels.merge import bind_merge_into_rows
 from radixrelay.kernels.paged_decode import PagedDecode
 from radixrelay.kernels.shared_node import SharedNode, tma_capable
 
@@ -141,6 +143,7 @@ class _Layers:
         ext, first = step.num_extend_tokens, batch.num_extends
         self.ext = ext
         self.extend = self.prefill = self.decode = None
+        self.merges: list[KernelLaunch] = []            # the prefill shared runs into the extend rows
         if ext:
             self.extend = Extend(q[:ext], k, v, batch.page_table[:first], batch.page_size, batch.q_indptr[:first + 1],
                                  step.kv_start[:first], batch.prefix_lens[:first], sm_scale,
@@ -151,7 +154,10 @@ class _Layers:
                 self.prefill = SharedNode(q, k, v, batch.page_size, runs.q_indptr, runs.q_rows, runs.kv_indptr,
                                           runs.kv_pages, runs.kv_lens, sm_scale, max_q_rows=runs.max_rows,
                                           max_kv_len=runs.max_kv_len, kv_contiguous=runs.contiguous)
-                self.rows = runs.q_rows.long()                                # [R] flat token rows
+                o_sh, lse_sh = self.prefill.out                               # [R, Hq, D], [R, Hq]
+                merges = (bind_merge_into_rows(o, lse, runs.q_rows[a:b], o_sh[a:b], lse_sh[a:b])
+                          for a, b in _merge_spans(runs))
+                self.merges = [m for m in merges if m is not None]
         if batch.num_decodes == 0:
             return
         q_dec, out_dec = q[ext:], (o[ext:], lse[ext:])
@@ -169,11 +175,25 @@ class _Layers:
         if self.extend is not None:
             self.extend(q, k, v, o, lse)                # rows [0, ext): same addresses as the full tensors
             if self.prefill is not None:
-                o_sh, lse_sh = self.prefill.out
-                self.prefill(q, k, v, o_sh, lse_sh)
-                rows = self.rows
-                o[rows], lse[rows] = merge_states(o[rows], lse[rows], o_sh, lse_sh)
+                self.prefill(q, k, v, *self.prefill.out)
+                for merge in self.merges:               # the shared part into the extend rows of o, lse
+                    merge(o_out=o, lse_out=lse)
         if self.decode is not None:
             if ext:
                 q, o, lse = q[ext:], o[ext:], lse[ext:]
             self.decode(q, k, v, o, lse)
+
+
+def _merge_spans(runs: SharedRuns) -> list[tuple[int, int]]:
+    """Spans of ``runs.q_rows`` merged into the extend rows by one launch each: all of them at once where every
+    row is distinct (as ``cascade.batch`` builds prefill runs: an extend reads at most one), else run by run,
+    so that a row read by several runs gets their parts one after another (one run's rows are distinct)."""
+    rows, indptr = runs.host_rows, runs.host_indptr
+    if len(rows) != runs.q_rows.numel():                # no host copies: read them (one device sync)
+        rows, indptr = tuple(runs.q_rows.tolist()), tuple(runs.q_indptr.tolist())
+    if len(set(rows)) == len(rows):
+        return [(0, len(rows))]
+    spans = list(zip(indptr, indptr[1:]))
+    if any(len(set(rows[a:b])) != b - a for a, b in spans):
+        raise ValueError("prefill shared runs: a row appears twice in one run")
+    return spans

@@ -16,6 +16,19 @@ Exact merge (docs/kv_layout.md): ``o = sum_i o_i e^(l_i - m) / sum_i e^(l_i - m)
 ``lse = -inf``; an empty part never contributes, even if its ``o`` holds garbage, so no NaN appears.
 Accumulation is in fp32. Used across cascade levels and to reduce the KV splits of the other kernels
 (``merge_splits``: row n merges parts ``n * S .. n * S + S - 1``, no index tensors).
+
+In place, one part per row (the prefill cascade: a shared run's result into its extend rows)::
+
+    merge_into_rows(o, lse, rows, o_part, lse_part) -> None
+
+    o:         [T, H, D]  fp16 / bf16 / fp32, merged in place (rows not in ``rows`` are left alone)
+    lse:       [T, H]     float32, natural log, merged in place
+    rows:      [R]        int32, distinct row indices into o (a repeated row is a race)
+    o_part:    [R, H, D]  fp16 / bf16 / fp32, entry r merges into row rows[r]
+    lse_part:  [R, H]     float32, natural log; -inf marks an empty part
+
+The same math as ``merge_states`` of two sides (radixrelay.attention.reference): an empty side leaves the
+other unchanged, both empty give ``o = 0, lse = -inf``, an empty side's ``o`` never reaches the result.
 """
 
 from __future__ import annotations
@@ -27,17 +40,18 @@ import triton.language as tl
 from radixrelay.kernels._common import FLOAT_DTYPES, KernelLaunch, check, check_index, check_out, num_sms
 
 
-# Not specialised (radixrelay.worker.warmup): the index tensors and lse_out (slices at per-step offsets:
-# their alignment varies) and the split count, so that no new value compiles a new variant mid-serving.
-@triton.jit(do_not_specialize=["indptr", "part_ids", "lse_out", "parts_per_row"])
+# Not specialised (radixrelay.worker.warmup): the index tensors and both lse tensors (slices at per-step
+# offsets: their alignment varies) and the split count, so that no new value compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["indptr", "part_ids", "rows", "lse_parts", "lse_out", "parts_per_row"])
 def _merge_kernel(
-    o_parts, lse_parts, indptr, part_ids, o_out, lse_out,
+    o_parts, lse_parts, indptr, part_ids, rows, o_out, lse_out,
     parts_per_row, num_heads, head_dim,
     stride_op_p, stride_op_h, stride_lp_p, stride_lp_h,
     stride_o_n, stride_o_h, stride_l_n, stride_l_h,
-    INDEXED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    INDEXED: tl.constexpr, INTO_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid: (rows, cdiv(num_heads, BLOCK_H)); one program merges a [BLOCK_H, D] tile of one row.
+    # grid: (rows, cdiv(num_heads, BLOCK_H)); one program merges a [BLOCK_H, D] tile of one row. INTO_ROWS:
+    # program n's destination is row rows[n] of o_out, lse_out, whose own state is merged in as a first part.
     row = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -50,9 +64,19 @@ def _merge_kernel(
         start = row * parts_per_row
         end = start + parts_per_row
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of lse (natural log)
-    s_i = tl.zeros([BLOCK_H], tl.float32)                  # running sum of e^(lse - m)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if INTO_ROWS:
+        dest = tl.load(rows + row).to(tl.int64)
+        o_ptrs = o_out + dest * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        lse_ptrs = lse_out + dest * stride_l_n + offs_h * stride_l_h
+        m_i = tl.load(lse_ptrs, mask=h_ok, other=float("-inf"))
+        s_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        acc = tl.where(s_i[:, None] > 0.0, tl.load(o_ptrs, mask=hd_ok, other=0.0).to(tl.float32), 0.0)
+    else:
+        o_ptrs = o_out + row * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        lse_ptrs = lse_out + row * stride_l_n + offs_h * stride_l_h
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of lse (natural log)
+        s_i = tl.zeros([BLOCK_H], tl.float32)                  # running sum of e^(lse - m)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(start, end):
         if INDEXED:
             part = tl.load(part_ids + i).to(tl.int64)
@@ -72,9 +96,8 @@ def _merge_kernel(
     empty = s_i == 0.0
     o = acc / tl.where(empty, 1.0, s_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, s_i)))
-    tl.store(o_out + row * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :],
-             o.to(o_out.dtype.element_ty), mask=hd_ok)
-    tl.store(lse_out + row * stride_l_n + offs_h * stride_l_h, lse, mask=h_ok)
+    tl.store(o_ptrs, o.to(o_out.dtype.element_ty), mask=hd_ok)
+    tl.store(lse_ptrs, lse, mask=h_ok)
 
 
 def max_block_h(num_heads: int, head_dim: int) -> int:
@@ -97,10 +120,12 @@ def block_h_choices(num_heads: int, head_dim: int) -> list[int]:
 
 
 def bind_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int, block_h: int | None = None,
-               num_warps: int = 4) -> KernelLaunch | None:
+               num_warps: int = 4, rows: torch.Tensor | None = None) -> KernelLaunch | None:
     """The launch of ``launch_merge`` (None: no rows), to repeat with new ``o_parts``, ``lse_parts``,
-    ``o_out``, ``lse_out`` of the same shapes and strides (``KernelLaunch``)."""
-    num_rows, num_heads, head_dim = o.shape
+    ``o_out``, ``lse_out`` of the same shapes and strides (``KernelLaunch``). ``rows``: int32 [N], merge row n
+    into row rows[n] of (o, lse) in place, its own state the first part (``merge_into_rows``)."""
+    num_heads, head_dim = o.shape[1:]
+    num_rows = o.shape[0] if rows is None else rows.numel()
     if num_rows == 0:
         return None
     block_d = triton.next_power_of_2(head_dim)
@@ -109,12 +134,12 @@ def bind_merge(o_parts, lse_parts, indptr, part_ids, o, lse, parts_per_row: int,
     indexed = indptr is not None
     return KernelLaunch(_merge_kernel, (num_rows, triton.cdiv(num_heads, block_h)), dict(
         o_parts=o_parts, lse_parts=lse_parts, indptr=indptr if indexed else lse_parts,
-        part_ids=part_ids if indexed else lse_parts, o_out=o, lse_out=lse,
+        part_ids=part_ids if indexed else lse_parts, rows=lse_parts if rows is None else rows, o_out=o, lse_out=lse,
         parts_per_row=parts_per_row, num_heads=num_heads, head_dim=head_dim,
         stride_op_p=o_parts.stride(0), stride_op_h=o_parts.stride(1),
         stride_lp_p=lse_parts.stride(0), stride_lp_h=lse_parts.stride(1),
         stride_o_n=o.stride(0), stride_o_h=o.stride(1), stride_l_n=lse.stride(0), stride_l_h=lse.stride(1),
-        INDEXED=indexed, BLOCK_H=block_h, BLOCK_D=block_d,
+        INDEXED=indexed, INTO_ROWS=rows is not None, BLOCK_H=block_h, BLOCK_D=block_d,
     ), dict(num_warps=num_warps))
 
 
@@ -138,6 +163,55 @@ def merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor
     launch = bind_merge_splits(o_parts, lse_parts, o, lse)
     if launch is not None:
         launch()
+
+
+def bind_merge_into_rows(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, o_part: torch.Tensor,
+                         lse_part: torch.Tensor, block_h: int | None = None,
+                         num_warps: int = 4) -> KernelLaunch | None:
+    """Check the arguments of ``merge_into_rows`` and bind its launch (None: no rows), to repeat with new
+    ``o``, ``lse``, ``o_part``, ``lse_part`` of the same shapes and strides (``KernelLaunch``)."""
+    check(o.dim() == 3, f"o must be [rows, heads, head_dim], got shape {tuple(o.shape)}")
+    check(o.dtype in FLOAT_DTYPES, f"o dtype {o.dtype} not supported (fp16, bf16, fp32)")
+    check(o.stride(2) == 1, "o must be contiguous along head_dim")
+    num_heads, head_dim = o.shape[1:]
+    check(tuple(lse.shape) == tuple(o.shape[:2]) and lse.dtype == torch.float32,
+          f"lse must be {tuple(o.shape[:2])} float32, got {tuple(lse.shape)} {lse.dtype}")
+    check_index("rows", rows, o.device)
+    num_rows = rows.numel()
+    check(tuple(o_part.shape) == (num_rows, num_heads, head_dim),
+          f"o_part must be {(num_rows, num_heads, head_dim)}, got {tuple(o_part.shape)}")
+    check(o_part.dtype in FLOAT_DTYPES, f"o_part dtype {o_part.dtype} not supported (fp16, bf16, fp32)")
+    check(o_part.stride(2) == 1, "o_part must be contiguous along head_dim")
+    check(tuple(lse_part.shape) == (num_rows, num_heads) and lse_part.dtype == torch.float32,
+          f"lse_part must be {(num_rows, num_heads)} float32, got {tuple(lse_part.shape)} {lse_part.dtype}")
+    check(lse.device == o_part.device == lse_part.device == o.device, "o, lse, o_part, lse_part must be on one device")
+    return bind_merge(o_part, lse_part, None, None, o, lse, 1, block_h, num_warps, rows=rows)
+
+
+def merge_into_rows(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, o_part: torch.Tensor,
+                    lse_part: torch.Tensor, block_h: int | None = None) -> None:
+    """Merge ``(o_part[r], lse_part[r])`` into ``(o[rows[r]], lse[rows[r]])`` in place, one launch; ``rows``
+    distinct (see the module docstring). ``block_h``: the head tile (default ``pick_block_h``)."""
+    launch = bind_merge_into_rows(o, lse, rows, o_part, lse_part, block_h)
+    if launch is not None:
+        launch()
+
+
+def merge_into_rows_reference(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, o_part: torch.Tensor,
+                              lse_part: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """Pure torch, out of place, in ``dtype``: returns the merged (o [T, H, D], lse [T, H]); entries that
+    share a row are merged into it one after another."""
+    o, lse = o.to(dtype), lse.to(dtype)
+    for r, row in enumerate(rows.tolist()):
+        m = torch.maximum(lse[row], lse_part[r].to(dtype))
+        m_ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w_a, w_b = torch.exp(lse[row] - m_ref), torch.exp(lse_part[r].to(dtype) - m_ref)   # [H]
+        total = w_a + w_b
+        acc = (torch.where(w_a[:, None] > 0, o[row] * w_a[:, None], 0)
+               + torch.where(w_b[:, None] > 0, o_part[r].to(dtype) * w_b[:, None], 0))
+        o[row] = acc / torch.where(total == 0, 1, total)[:, None]
+        lse[row] = m_ref + torch.log(total)
+    return o, lse
 
 
 def merge_attention_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, indptr: torch.Tensor,

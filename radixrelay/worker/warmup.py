@@ -12,6 +12,7 @@ fixed by the model and the cache (heads, head dim, dtype, page size, cache strid
     shared_node   tile config (folded rows; TMA) x out dtype    BLOCK_M 16, 32, 64 gathered, 128 by TMA
                                                                 x {bf16 (one split), fp32 (parts)}
     merge         INDEXED x BLOCK_H (rows)                      {False, True} x {1, 2, 4, 8, 16, 32}
+    prefill_merge merge's INTO_ROWS mode x BLOCK_H (rows)       {1, 2, 4, 8, 16, 32}
     extend        BLOCK_M (the step's longest extend)           16, 32, 64, 128
 
 ("alone": the own-KV decode with the GPU to itself; "beside": next to the shared node on the side stream,
@@ -149,6 +150,8 @@ def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = 
         for block_h in merge.block_h_choices(dims.num_q_heads, dims.head_dim):
             out.append(Variant(f"merge {'indexed' if indexed else 'splits'} BLOCK_H={block_h}",
                                lambda i=indexed, b=block_h: s.merge(i, b)))
+    for block_h in merge.block_h_choices(dims.num_q_heads, dims.head_dim):   # prefill runs into extend rows
+        out.append(Variant(f"prefill_merge BLOCK_H={block_h}", lambda b=block_h: s.merge_into_rows(b)))
     configs = shared_node.tile_configs(dims.group, dims.head_dim, kv_cache.device)
     for dtype in (torch.float32, s.dtype):   # cascade levels and split nodes (parts); one split (prefill)
         for config, kv_tma in configs:
@@ -219,6 +222,13 @@ class _Scratch:
             merge.launch_merge(o_parts, lse_parts, self._i32([0, 2]), self._i32([0, 1]), o, lse, 0, block_h=block_h)
         else:
             merge.launch_merge(o_parts, lse_parts, None, None, o, lse, 2, block_h=block_h)
+
+    def merge_into_rows(self, block_h: int) -> None:
+        heads, dim = self.dims.num_q_heads, self.dims.head_dim
+        o = torch.zeros((2, heads, dim), dtype=self.dtype, device=self.device)          # [T, Hq, D]
+        lse = torch.zeros((2, heads), dtype=torch.float32, device=self.device)          # [T, Hq]
+        merge.merge_into_rows(o, lse, self._i32([1]), torch.zeros_like(o[:1]), torch.zeros_like(lse[:1]),
+                              block_h=block_h)
 
     def extend(self, block_m: int) -> None:
         tokens = block_m                                      # extend picks BLOCK_M = block_m for it
