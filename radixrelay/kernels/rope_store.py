@@ -12,8 +12,9 @@ API::
     q:        [T, Hq, D] new tensor, rotated, dtype of qkv
 
 Rotate-half RoPE with the roundings of ``radixrelay.model.layers.apply_rope`` in 16-bit dtypes: cos and
-sin rounded to the dtype, each product rounded, then their sum (``x * cos + rotate_half(x) * sin``), so
-the result is bit-identical to the unfused ops. Replaces ~14 small kernels a layer on the GPU (two
+sin rounded to the dtype, each product rounded, then their sum (``x * cos + rotate_half(x) * sin``): the
+unfused ops' result, bit for bit under the interpreter, within a rounding step of the dtype compiled for a
+GPU. Replaces ~14 small kernels a layer on the GPU (two
 ``apply_rope`` of 6 each and two ``index_copy_``).
 """
 

@@ -18,17 +18,18 @@ from tests.kernels.helpers import DEVICE, tolerance
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _rounds_like_torch(dtype) -> bool:
-    """Whether a kernel's conversions to ``dtype`` round to nearest even as torch's do: always on the GPU;
-    the interpreter (numpy has no bfloat16) truncates to bfloat16."""
-    return DEVICE == "cuda" or dtype != torch.bfloat16
-
-
 def _assert_same_roundings(got, want, dtype):
-    if _rounds_like_torch(dtype):
+    """The kernels round where the unfused ops round. Under the interpreter in float16 that makes them
+    bit-identical. Compiled for a GPU, a few elements land one rounding step apart (measured on an H100:
+    the code generator's float math is not torch's op by op); the interpreter truncates to bfloat16
+    (numpy has no bfloat16), which compounds over an op's roundings to a few steps."""
+    if DEVICE == "cpu" and dtype == torch.float16:
         assert torch.equal(got, want)
-    else:                       # truncations compound over the op's roundings: a few bfloat16 steps
+    elif dtype == torch.bfloat16 and DEVICE == "cpu":
         torch.testing.assert_close(got, want, atol=0.1, rtol=2 ** -5)
+    else:
+        step = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        torch.testing.assert_close(got, want, atol=step * want.abs().max().item(), rtol=step)
 
 
 def _rand(shape, dtype, seed, scale=1.0):
@@ -115,21 +116,21 @@ def test_model_with_fused_kernels_matches_unfused(fused_everywhere):
     """A prefill then a decode of a small random model: logits and the KV cache agree, fused or not (fp32)."""
     cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
-    model, _ = load_model(cfg, seed=0)
+    model, _ = load_model(cfg, seed=0, device=DEVICE)
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (11,), generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (11,), generator=gen).to(DEVICE)
     out = {}
     for mode in ("on", "off"):
         set_fused_kernels(mode)
         cache = KVCache(num_layers=2, num_pages=4, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-                        device="cpu")
-        prefill = model(ids[:10], build_forward_batch([BatchRequest([2, 0, 3], 0, 10)], 4, "cpu"), cache,
+                        device=DEVICE)
+        prefill = model(ids[:10], build_forward_batch([BatchRequest([2, 0, 3], 0, 10)], 4, DEVICE), cache,
                         TorchBackend())
-        decode = model(ids[10:], build_forward_batch([BatchRequest([2, 0, 3], 10, 1)], 4, "cpu"), cache,
+        decode = model(ids[10:], build_forward_batch([BatchRequest([2, 0, 3], 10, 1)], 4, DEVICE), cache,
                        TorchBackend())
         out[mode] = (prefill, decode, cache.k[1].clone(), cache.v[1].clone())
-    for got, want in zip(out["on"], out["off"]):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(out["on"], out["off"]):    # fp32: last-bit differences (sum order, exp, rsqrt)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-4)
 
 
 def test_set_fused_kernels_rejects_unknown_mode():
