@@ -9,7 +9,9 @@ Sources, by what ``load_tokenizer`` is given:
 
 Conventions every backend follows: ``encode`` recognises special-token strings in the text
 (``<|im_start|>`` becomes one id) and adds nothing; the ``Tokenizer`` alone decides whether to
-prepend BOS. ``decode`` applies no clean-up of tokenization spaces.
+prepend BOS. ``decode`` applies no clean-up of tokenization spaces. ``tokenizers`` backends encode
+long texts in chunks and cache the chunks' ids (``encode_cache``: same ids, and a prompt that extends
+an earlier one costs only its new part).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Protocol
 import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from radixrelay.server.encode_cache import ChunkedEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +51,10 @@ class HFBackend:
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.encoder = ChunkedEncoder(tokenizer)   # long texts: chunked, with a cache of chunks
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encoder.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -149,7 +154,8 @@ class TokenizerInfo:
 
 
 class Tokenizer:
-    """Text <-> token ids for one model; cheap to share (read-only after construction)."""
+    """Text <-> token ids for one model; cheap to share between requests and threads (read-only
+    after construction, but for the backend's internally locked cache of encoded chunks)."""
 
     def __init__(self, backend: TokenizerBackend, info: TokenizerInfo) -> None:
         self._backend = backend
