@@ -42,7 +42,7 @@ class CacheManager:
         if self.config.disable_radix_cache:
             matched = None
         else:
-            matched = self.tree.match_prefix(req.token_ids[:req.reusable_prefix], req.salt)
+            matched = self.tree.match_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
         if matched is None or matched.node is None:
             req.pages, req.num_shared_pages, req.lock_node = [], 0, None
             req.kv_len = req.kv_committed = 0
@@ -80,13 +80,13 @@ class CacheManager:
         num_full = req.kv_committed // ps
         if self.config.disable_radix_cache or num_full <= req.num_shared_pages:
             return
-        tokens = req.token_ids[: num_full * ps]
+        tokens, n = req.token_ids, num_full * ps
         start = self._locked_start(req)          # walks cover only the pages below the lock
-        _, cached = self.tree.peek_prefix(tokens, req.salt, start)
+        _, cached = self.tree.peek_prefix(tokens, req.salt, start, length=n)
         if cached != req.num_shared_pages * ps:
             return
-        self.tree.insert(tokens, req.pages[:num_full], req.salt, start)
-        node = self.tree.match_prefix(tokens, req.salt, start).node
+        self.tree.insert(tokens, req.pages[:num_full], req.salt, start, length=n)
+        node = self.tree.match_prefix(tokens, req.salt, start, length=n).node
         self.tree.lock(node)                    # the new path contains the old one: lock first
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
@@ -111,8 +111,8 @@ class CacheManager:
         own_from = req.num_shared_pages
         if keep_cache and not self.config.disable_radix_cache:
             num_full = req.kv_committed // ps
-            existing = self.tree.insert(req.token_ids[: num_full * ps], req.pages[:num_full],
-                                        req.salt, self._locked_start(req))
+            existing = self.tree.insert(req.token_ids, req.pages[:num_full], req.salt,
+                                        self._locked_start(req), length=num_full * ps)
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
             # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
             # pages[existing // ps:num_full] now belong to the tree.

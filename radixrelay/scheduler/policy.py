@@ -7,7 +7,7 @@
   and the node's KV is shared by the whole group (and by one cascade segment at decode).
 
 Cache-aware orders cost one tree walk per queued request, so queues longer than
-``policy_queue_limit`` fall back to FCFS.
+``policy_queue_limit`` fall back to FCFS (and a queue of one needs no order: no walk).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ def order_waiting(queue: Sequence[Request], tree: RadixTree,
     """The queue in admission-priority order. FCFS returns the queue itself (no copy): the
     caller stops at the first request it cannot admit, so FCFS costs O(admitted)."""
     policy = config.schedule_policy
-    if policy == "fcfs" or config.disable_radix_cache or len(queue) > config.policy_queue_limit:
+    if (policy == "fcfs" or config.disable_radix_cache or len(queue) < 2
+            or len(queue) > config.policy_queue_limit):
         return queue
     if policy == "lpm":
-        matched = {id(r): tree.peek_prefix(r.token_ids[:-1], r.salt)[1] for r in queue}
+        matched = {id(r): tree.peek_prefix(r.token_ids, r.salt, length=len(r.token_ids) - 1)[1]
+                   for r in queue}
         return sorted(queue, key=lambda r: -matched[id(r)])
     return _dfs_weight(queue, tree)
 
@@ -37,7 +39,7 @@ def _dfs_weight(queue: Sequence[Request], tree: RadixTree) -> list[Request]:
     at_node: dict[RadixNode, list[Request]] = defaultdict(list)
     unmatched: list[Request] = []
     for req in queue:
-        node, _ = tree.peek_prefix(req.token_ids[:-1], req.salt)
+        node, _ = tree.peek_prefix(req.token_ids, req.salt, length=len(req.token_ids) - 1)
         (unmatched if node is None or node.is_root else at_node[node]).append(req)
     weight: dict[RadixNode, int] = defaultdict(int)   # waiting requests in each subtree
     for node, reqs in at_node.items():

@@ -94,10 +94,10 @@ class PrefillManager:
         """True when a running request is computing the page ``req`` would compute next: ``req``
         then waits in the queue, and once that prefill ends (``CacheManager.share_computed_prefix``)
         it is admitted with the shared prefix cached instead of computing a second copy."""
-        if self.config.disable_radix_cache:
+        if self.config.disable_radix_cache or not computing:
             return False
         ps = self.config.page_size
-        _, cached = self.cache.tree.peek_prefix(req.token_ids[:req.reusable_prefix], req.salt)
+        _, cached = self.cache.tree.peek_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
         cached -= cached % ps
         if req.reusable_prefix - cached < ps:
             return False                      # less than a page left to share

@@ -102,3 +102,41 @@ def test_evict_takes_only_the_tail_of_a_long_leaf():
     assert t.match_prefix(list(range(8))).pages == [0, 1, 2]
     assert t.evict(2) == [1, 2] and t.cached_tokens == 2
     t.check_integrity()
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_long_node_matches_up_to_the_first_differing_page(ps):
+    """A node of thousands of pages, matched by token lists that differ from it at every kind of
+    place (inside the first run of 256 pages, between runs, in the last page, nowhere)."""
+    pages = 5000 // ps
+    key = list(range(1000, 1000 + pages * ps))
+    for diverge in [ps, ps + 1, 2 * ps - 1, 17 * ps, 256 * ps, 256 * ps + 3, 4000, len(key) - 1, len(key)]:
+        diverge = min(diverge, len(key))
+        t = RadixTree(ps)
+        t.insert(key, list(range(pages)))
+        query = [int(str(x)) for x in key]     # equal values, distinct int objects
+        if diverge < len(key):
+            query[diverge] = -1
+        query += [7] * ps
+        whole = diverge // ps * ps
+        assert t.peek_prefix(query)[1] == whole
+        m = t.match_prefix(query)
+        assert (m.num_tokens, m.pages) == (whole, list(range(whole // ps)))
+        t.check_integrity()
+
+
+def test_length_limits_the_tokens_considered():
+    t = RadixTree(2)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert t.insert(tokens, [0, 1, 2], length=6) == 0
+    assert [n.key for n in t.nodes()] == [[1, 2, 3, 4, 5, 6]]
+    assert t.peek_prefix(tokens, length=5)[1] == 4
+    assert t.peek_prefix(tokens, length=100)[1] == 6
+    m = t.match_prefix(tokens, length=3)
+    assert (m.pages, m.num_tokens) == ([0], 2)
+    assert t.match_prefix(tokens, length=1).node is None
+    assert t.insert(tokens, [0, 1, 2, 3], length=8) == 6
+    assert t.match_prefix(tokens).pages == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="whole pages"):
+        t.insert(tokens, [0, 1, 2, 3, 4], length=10)
+    t.check_integrity()
