@@ -20,7 +20,9 @@ signature comparison per row.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from radixrelay.cascade.cost import CostModel, cost_model
 from radixrelay.cascade.counters import CascadeCounters
@@ -28,6 +30,29 @@ from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 from radixrelay.scheduler.cascade_hook import DecodeRow
 
 _Signature = tuple[tuple[int, int, int], ...]    # (rid, last node id or -1, depth) per row
+logger = logging.getLogger("radixrelay.cascade")
+
+
+@dataclass
+class LevelDecisions:
+    """What the cost model said about one level's candidate runs (for the debug log)."""
+
+    accepted: int = 0
+    accepted_saved: int = 0          # token reads saved by the accepted runs
+    rejected: int = 0
+    rejected_best: int = 0           # the largest saving among the rejected runs
+    rows: list[int] = field(default_factory=list)   # members per accepted run
+
+    def describe(self, level: int, cost: CostModel) -> str:
+        text = f"level {level}: "
+        if self.accepted:
+            text += (f"{self.accepted} run(s) of {min(self.rows)}-{max(self.rows)} rows accepted, "
+                     f"saving {self.accepted_saved} token reads")
+        if self.rejected:
+            text += ("; " if self.accepted else "") + (
+                f"{self.rejected} run(s) rejected (best saves {self.rejected_best} < {cost.min_group_saved} "
+                f"per group: folded into deeper runs or own suffixes)")
+        return text
 
 
 class CascadePlanner:
@@ -44,14 +69,24 @@ class CascadePlanner:
         signature = tuple((r.rid, r.path[-1].node_id if r.path else -1, len(r.path)) for r in rows)
         if signature != self._signature:
             self._signature = signature
-            self._plan = plan_groups(rows, self.cost, self.page_size)
+            decisions: dict[int, LevelDecisions] | None = {} if logger.isEnabledFor(logging.DEBUG) else None
+            self._plan = plan_groups(rows, self.cost, self.page_size, decisions)
+            if decisions is not None:
+                saved = sum(d.accepted_saved for d in decisions.values())
+                verdict = ("cascaded" if self._plan is not None else
+                           f"flat (plan saves {saved} < {self.cost.min_saved_tokens} per step)" if decisions
+                           else "flat (no shared runs)")
+                logger.debug("cascade plan for %d decode rows: %s%s", len(rows), verdict, "".join(
+                    f"; {d.describe(level, self.cost)}" for level, d in sorted(decisions.items())))
         self.counters.record(self._plan)
         return self._plan
 
 
-def plan_groups(rows: Sequence[DecodeRow], cost: CostModel, page_size: int) -> CascadePlan | None:
+def plan_groups(rows: Sequence[DecodeRow], cost: CostModel, page_size: int,
+                decisions: dict[int, LevelDecisions] | None = None) -> CascadePlan | None:
     """Group ``rows`` by shared path chains under ``cost``; None when the plan does not pay. Radix nodes begin
-    at page boundaries, so every group does (checked)."""
+    at page boundaries, so every group does (checked). ``decisions``: filled per level with what the cost
+    model accepted and rejected."""
     groups: list[CascadeGroup] = []
     own_start: dict[int, int] = {}
     # Work list of (rows that share path[:depth], depth, covered, level of their next group).
@@ -71,7 +106,16 @@ def plan_groups(rows: Sequence[DecodeRow], cost: CostModel, page_size: int) -> C
             end = _chain_end(sharing, depth)
             seg = sharing[0].path[end - 1]
             chain_end = seg.start + seg.num_tokens
-            if cost.worth_group(len(sharing), chain_end - covered):
+            accept = cost.worth_group(len(sharing), chain_end - covered)
+            if decisions is not None:
+                d = decisions.setdefault(level, LevelDecisions())
+                saved = (len(sharing) - 1) * (chain_end - covered)
+                if accept:
+                    d.accepted, d.accepted_saved = d.accepted + 1, d.accepted_saved + saved
+                    d.rows.append(len(sharing))
+                else:
+                    d.rejected, d.rejected_best = d.rejected + 1, max(d.rejected_best, saved)
+            if accept:
                 if covered % page_size:
                     raise ValueError(f"cascade: shared run starts at {covered}, not a page boundary")
                 groups.append(CascadeGroup([r.rid for r in sharing], covered, chain_end - covered, level))

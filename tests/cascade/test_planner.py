@@ -82,6 +82,10 @@ def test_auto_mode_on_realistic_shapes():
     assert groups[tuple(range(512))] == (0, 2048, 0)
     assert groups[tuple(range(16))] == (2048, 512, 1) and len(groups) == 33
     assert plan.own_start[5] == 2560
+    # the serving benchmark's tree: 16 samples under 256-token problems save 3,840 tokens a group: two levels
+    rows = [row(r, [(1, 2048), (10 + r // 16, 256)]) for r in range(256)]
+    plan = make_cascade_planner("auto", 16)(rows)
+    assert plan.num_levels == 2 and len(plan.groups) == 17 and plan.own_start[5] == 2304
     # 16 samples under 128-token problems save 1,920 tokens a group: left to the own suffixes
     rows = [row(r, [(1, 2048), (10 + r // 16, 128)]) for r in range(512)]
     plan = make_cascade_planner("auto", 16)(rows)
@@ -148,3 +152,18 @@ def test_split_at_page_breaks():
     assert split_at_page_breaks(whole, 16) == [whole]                       # one piece already
     two = SharedRun([1, 2], list(range(100, 140)) + list(range(0, 40)), 80 * 16)
     assert [len(p.pages) for p in split_at_page_breaks(two, 16)] == [40, 40]   # default: >= 32 pages each
+
+
+def test_debug_log_explains_each_level(caplog):
+    rows = [row(r, [(1, 2048), (10 + r // 16, 256)]) for r in range(96)] + \
+           [row(100 + r, [(1, 2048), (50 + r // 2, 64)]) for r in range(8)]
+    with caplog.at_level("DEBUG", logger="radixrelay.cascade"):
+        make_cascade_planner("auto", 16)(rows)
+        make_cascade_planner("auto", 16)([row(0, [(1, 64)]), row(1, [(1, 64)])])
+    cascaded, flat = [r.getMessage() for r in caplog.records]
+    assert cascaded.startswith("cascade plan for 104 decode rows: cascaded")
+    assert "level 0: 1 run(s) of 104-104 rows accepted, saving 210944 token reads" in cascaded
+    assert "level 1: 6 run(s) of 16-16 rows accepted, saving 23040 token reads; 4 run(s) rejected " \
+           "(best saves 64 < 2048 per group" in cascaded
+    assert flat.startswith("cascade plan for 2 decode rows: flat (plan saves 0 < 131072 per step); level 0: 1 "
+                           "run(s) rejected (best saves 64")
