@@ -326,9 +326,11 @@ class Bench:
         server = Server(argv, log)
         try:
             await server.wait_ready(http, min(self.args.startup_timeout, max(self.budget.left(), 1)))
-            await self.warm_up(server)
+            if not self.args.no_warmup:
+                await self.warm_up(server)
             self.budget.estimates.setdefault("start-up", time.monotonic() - t0)
-            print(f"   ready and warm after {time.monotonic() - t0:.0f} s", flush=True)
+            print(f"   ready{'' if self.args.no_warmup else ' and warm'} after {time.monotonic() - t0:.0f} s",
+                  flush=True)
             for key, static, make in self.phases():
                 if key.split("@")[0] not in self.args.workloads:
                     continue
@@ -445,7 +447,10 @@ class Bench:
                  f"{m['date']}; commit {m['commit']}; torch {m['torch']}. Command: `{m['command']}`", "",
                  f"The real server (`radixrelay serve {shlex.join(self.model_argv)} --cascade ...`): "
                  f"{m['model_desc']}. Client: radixrelay.bench, chat endpoint, streaming, EOS ignored, "
-                 f"after an untimed warm-up of {z.warmup} requests per workload shape; the radix cache "
+                 + ("on a fresh server (no warm-up: the first run is its first traffic); the radix cache "
+                    if self.args.no_warmup else
+                    f"after an untimed warm-up of {z.warmup} requests per workload shape; the radix cache ")
+                 +
                  "is emptied before each run. shared-prefix: one "
                  f"{z.prefix_len}-token system prompt, {z.question_len}-token questions, "
                  f"{z.output_len} out, {z.requests} requests per Poisson rate. tree: "
@@ -531,6 +536,9 @@ def parser() -> argparse.ArgumentParser:
                    help="shared-prefix Poisson rates, req/s: R1,R2,... (default: 16,48)")
     p.add_argument("--num-requests", type=int, default=None, help="shared-prefix requests per rate")
     p.add_argument("--probe-lengths", type=_ints, default=None, help="TTFT probe prompt lengths (words)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve the first run on a fresh server (no warm-up requests): with a rate repeated, "
+                        "e.g. --rates 200,200, the first run is the fresh server's, the second its steady state")
     p.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds for the whole matrix, results written (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="(default: %(default)s)")
