@@ -288,13 +288,11 @@ class RadixTree:
     def _common_pages(self, key: list[int], token_ids: list[int], pos: int, limit: int) -> int:
         """Tokens in the longest whole-page common prefix of ``key`` and ``token_ids[pos:]``, up
         to ``limit``; the first page is known to match. Slice compares (C speed), coarse to fine:
-        one compare of everything, then runs of 256 and 16 pages, then pages, each level stopping
-        at its first mismatch: about two passes over the tokens and a few dozen Python steps. (A
-        binary search costs log(pages) passes: tokens decoded from a message are distinct int
-        objects, and comparing them is the cost.)"""
+        runs of 256 pages, then of 16, then pages, each level stopping at its first mismatch: one
+        pass over the tokens and a few dozen Python steps. (A binary search costs log(pages)
+        passes: tokens decoded from a message are distinct int objects, and comparing them is the
+        cost.)"""
         ps = self.page_size
-        if (key if limit == len(key) else key[:limit]) == token_ids[pos:pos + limit]:
-            return limit
         done = ps
         for step in (256 * ps, 16 * ps, ps):
             while done + step <= limit and key[done:done + step] == token_ids[pos + done:pos + done + step]:
