@@ -116,7 +116,7 @@ def test_model_with_fused_kernels_matches_unfused(fused_everywhere):
     """A prefill then a decode of a small random model: logits and the KV cache agree, fused or not (fp32)."""
     cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
-    model, _ = load_model(cfg, seed=0, device=DEVICE)
+    model, _ = load_model(cfg, seed=0, device=DEVICE, dtype=torch.float32)   # (bfloat16 by default on CUDA)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=gen).to(DEVICE)
     out = {}
