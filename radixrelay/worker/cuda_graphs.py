@@ -18,6 +18,8 @@ with the Triton interpreter.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
+logger = logging.getLogger("radixrelay.worker")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -109,8 +112,12 @@ class DecodeGraphs:
             self._fill_groups(g, groups, runs.host_rows if runs is not None else (), num)
             g.runs = runs
         if fresh:
+            start = time.perf_counter()
             self._capture(g)
             self._graphs[key] = g
+            logger.info("decode graph %d captured in %.0f ms: batch bucket %d, groups/rows/pages caps %s, launch "
+                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma) %s, own length class %d",
+                        self.captures, 1e3 * (time.perf_counter() - start), bs, caps, key[2], shape_key[-1])
             if len(self._graphs) > self._max_graphs:
                 self._graphs.popitem(last=False)
         else:
