@@ -2,8 +2,8 @@
 
 Per step (``record_function("step <id>")`` ranges of the worker): host launch span, CUDA API calls
 and their time, the kernels the step launched (by correlation id: graph replays count as their
-kernels), their summed device time, the device span from the first to the last, and the idle gap on
-the device before the step's first kernel. Then the CUDA API calls and kernels of the whole window,
+kernels), their summed device time, the device span from the first to the last, and the time inside that span
+with no kernel running (the device waiting for launches), and the idle gap before the step's first kernel. Then the CUDA API calls and kernels of the whole window,
 by total time.
 
     python benchmarks/trace_summary.py worker_trace.json [--top 25]
@@ -36,7 +36,7 @@ def main() -> None:
         by_corr[e.get("args", {}).get("correlation")].append(e)
 
     print(f"{'step':>8} {'host ms':>8} {'api ms':>7} {'calls':>6} {'kernels':>7} {'dev ms':>7} {'span ms':>8} "
-          f"{'gap ms':>7}  longest API call")
+          f"{'idle ms':>7} {'gap ms':>7}  longest API call")
     prev_end = None
     rows = []
     for s in steps:
@@ -47,12 +47,13 @@ def main() -> None:
         first = min((k["ts"] for k in kernels), default=None)
         last = max((k["ts"] + k["dur"] for k in kernels), default=None)
         span = (last - first) / 1e3 if kernels else 0.0
+        idle = span - _union(kernels) / 1e3          # inside the span, no kernel running (waiting for launches)
         gap = (first - prev_end) / 1e3 if kernels and prev_end is not None else float("nan")
         longest = max(calls, key=lambda e: e["dur"], default=None)
         api_ms = sum(e["dur"] for e in calls) / 1e3
-        rows.append((s["dur"] / 1e3, api_ms, dev, span, gap))
+        rows.append((s["dur"] / 1e3, api_ms, dev, span, idle, gap))
         print(f"{s['name'][5:]:>8} {s['dur'] / 1e3:>8.2f} {api_ms:>7.2f} {len(calls):>6} {len(kernels):>7} "
-              f"{dev:>7.2f} {span:>8.2f} {gap:>7.2f}  "
+              f"{dev:>7.2f} {span:>8.2f} {idle:>7.2f} {gap:>7.2f}  "
               + (f"{longest['name']} {longest['dur'] / 1e3:.2f} ms" if longest else ""))
         if last is not None:
             prev_end = last
@@ -69,6 +70,17 @@ def main() -> None:
         print(f"\n{title} over the window (ms total, count, max ms)")
         for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"{t / 1e3:>9.2f} {count[name]:>7} {worst[name] / 1e3:>8.2f}  {name[:110]}")
+
+
+def _union(kernels) -> float:
+    """Microseconds covered by at least one of the kernels' [ts, ts + dur) intervals."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        lo, hi = k["ts"], k["ts"] + k["dur"]
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
 
 
 if __name__ == "__main__":
