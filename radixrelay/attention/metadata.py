@@ -18,8 +18,10 @@ scheduler's ``CascadePlan``, prefill groups from the extend rows' common cached 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import sub
 
 import torch
 
@@ -110,8 +112,39 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A flat host list on ``device`` without waiting for it. Through an ``array`` (a few times faster than
+    ``torch.tensor`` on a list of ints) and, on CUDA, pinned memory: the copy is queued behind the step
+    in flight instead of staged (and possibly waited for) from pageable memory."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and len(values):
+        host = torch.frombuffer(array(code, values), dtype=dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+_ALIGN_BYTES = 16     # Triton specialises pointer arguments on a 16-byte-aligned address: keep every view so
+
+
+def pack_on_device(lists: Sequence[Sequence[int]], dtype: torch.dtype,
+                   device: torch.device | str) -> list[torch.Tensor]:
+    """Several host lists as 1-D views of one device tensor: one host-to-device copy instead of one per
+    list. Each view starts 16-byte aligned (the lists are padded apart)."""
+    align = max(1, _ALIGN_BYTES // dtype.itemsize)
+    flat: list[int] = []
+    offsets = []
+    for values in lists:
+        offsets.append(len(flat))
+        flat.extend(values)
+        flat.extend([0] * (-len(flat) % align))
+    buf = to_device(flat, dtype, device)
+    return [buf[o:o + len(values)] for o, values in zip(offsets, lists)]
 
 
 def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> SharedRuns | None:
@@ -126,12 +159,15 @@ def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> 
         q_indptr.append(len(q_rows))
         kv_pages.extend(run.pages)
         kv_indptr.append(len(kv_pages))
+    kv_lens = [r.num_tokens for r in runs]
+    q_indptr_t, q_rows_t, kv_indptr_t, kv_pages_t, kv_lens_t = pack_on_device(
+        [q_indptr, q_rows, kv_indptr, kv_pages, kv_lens], torch.int32, device)
     return SharedRuns(
-        q_indptr=_on_device(q_indptr, torch.int32, device),
-        q_rows=_on_device(q_rows, torch.int32, device),
-        kv_indptr=_on_device(kv_indptr, torch.int32, device),
-        kv_pages=_on_device(kv_pages, torch.int32, device),
-        kv_lens=_on_device([r.num_tokens for r in runs], torch.int32, device),
+        q_indptr=q_indptr_t,
+        q_rows=q_rows_t,
+        kv_indptr=kv_indptr_t,
+        kv_pages=kv_pages_t,
+        kv_lens=kv_lens_t,
         max_rows=max(len(r.rows) for r in runs),
         max_kv_len=max(r.num_tokens for r in runs),
         max_pages=max(len(r.pages) for r in runs),
@@ -142,50 +178,111 @@ def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> 
 
 def consecutive(pages: Sequence[int]) -> bool:
     """Whether ``pages`` are consecutive page ids (one strided block of the KV cache)."""
-    return all(b == a + 1 for a, b in zip(pages, pages[1:]))
+    if len(pages) < 2:
+        return True
+    first = pages[0]
+    return list(pages) == list(range(first, first + len(pages)))       # one C-level compare, not a loop
 
 
 class DevicePageTable:
     """Resident requests' page lists mirrored on the device, one row each, kept up to date by diffs, so
-    that a step gathers its page table on the device instead of packing O(pages) host lists."""
+    that a step gathers its page table on the device instead of packing O(pages) host lists.
+
+    Writes (``admit``, ``append``) are queued on the host and reach the device together at the next
+    ``gather`` (or ``flush``, or a read of ``table``): one scatter per step, whatever the number of
+    requests that crossed a page boundary. The row index of a gather is kept while its keys repeat."""
 
     def __init__(self, device: torch.device | str, rows: int = 16, cols: int = 64) -> None:
         self.device = torch.device(device)
-        self.table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)   # [rows, cols]
+        self._table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)   # [rows, cols]
         self._row: dict[int, int] = {}       # key -> row
         self._len: dict[int, int] = {}       # key -> pages held
         self._free = list(range(rows - 1, -1, -1))
+        self._pending: list[tuple[int, int, list[int]]] = []     # (row, first column, pages) not yet written
+        self._gathered: tuple[list[int], torch.Tensor] | None = None   # the last gather's keys, their rows
+
+    @property
+    def table(self) -> torch.Tensor:
+        """int32 [rows, cols], every queued write applied."""
+        self.flush()
+        return self._table
 
     def admit(self, key: int, pages: Sequence[int]) -> None:
         if not self._free:
-            self._grow(2 * self.table.shape[0], self.table.shape[1])
+            self._grow(2 * self._table.shape[0], self._table.shape[1])
         self._row[key], self._len[key] = self._free.pop(), 0
         self.append(key, pages)
 
     def append(self, key: int, pages: Sequence[int]) -> None:
         row, start = self._row[key], self._len[key]
         end = start + len(pages)
-        if end > self.table.shape[1]:
-            self._grow(self.table.shape[0], max(end, 2 * self.table.shape[1]))
+        if end > self._table.shape[1]:
+            self._grow(self._table.shape[0], max(end, 2 * self._table.shape[1]))
         if pages:
-            self.table[row, start:end] = _on_device(list(pages), torch.int32, self.device)
+            self._pending.append((row, start, list(pages)))
         self._len[key] = end
 
     def release(self, key: int) -> None:
-        self._free.append(self._row.pop(key))
+        row = self._row.pop(key)
         del self._len[key]
+        self._free.append(row)
+        if self._pending:                    # a write not yet made must not land on the row's next owner
+            self._pending = [w for w in self._pending if w[0] != row]
+        self._gathered = None                # the key may come back in another row
+
+    def flush(self) -> None:
+        """Write the queued pages: one slice copy for one write, else one scatter (int64 indices and
+        values in one host-to-device copy)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:
+            row, start, pages = pending[0]
+            self._table[row, start:start + len(pages)] = to_device(pages, torch.int32, self.device)
+            return
+        values: list[int] = []
+        rows, shifts, counts = [], [], []
+        for row, start, pages in pending:
+            rows.append(row)
+            shifts.append(start - len(values))      # column of value i of this write: i + shift
+            counts.append(len(pages))
+            values.extend(pages)
+        n = len(values)
+        if n == len(pending):                       # one page each (decode appends): one column each
+            vals, r, c = pack_on_device([values, rows, [w[1] for w in pending]], torch.int64, self.device)
+        else:
+            vals, r, shift, count = pack_on_device([values, rows, shifts, counts], torch.int64, self.device)
+            r = torch.repeat_interleave(r, count, output_size=n)           # output_size: no device sync
+            c = torch.arange(n, device=self.device) + torch.repeat_interleave(shift, count, output_size=n)
+        self._table.index_put_((r, c), vals.to(torch.int32))
 
     def gather(self, keys: Sequence[int]) -> torch.Tensor:
         """int32 [len(keys), max pages among them] (rows padded with stale or 0 page ids)."""
-        width = max(1, max(self._len[k] for k in keys))
-        rows = _on_device([self._row[k] for k in keys], torch.int64, self.device)
-        return self.table[:, :width].index_select(0, rows)
+        self.flush()
+        width = max(1, max(map(self._len.__getitem__, keys)))
+        keys = list(keys)
+        if self._gathered is None or self._gathered[0] != keys:
+            self._gathered = keys, to_device([self._row[k] for k in keys], torch.int64, self.device)
+        return self._table[:, :width].index_select(0, self._gathered[1])
 
     def _grow(self, rows: int, cols: int) -> None:
-        old = self.table
-        self.table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
-        self.table[:old.shape[0], :old.shape[1]] = old
+        old = self._table              # queued writes keep their (row, column): they land in the new table
+        self._table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        self._table[:old.shape[0], :old.shape[1]] = old
         self._free[:0] = range(rows - 1, old.shape[0] - 1, -1)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Host side: a step's decode requests as flat lists (one new token and one logits row each), what
+    ``build_forward_batch`` takes instead of one ``BatchRequest`` per decode."""
+
+    positions: Sequence[int]   # [D] the position each computes; [0, position) is cached
+    slots: Sequence[int]       # [D] the KV slot its token is written to
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.slots):
+            raise ValueError(f"DecodeRows: {len(self.positions)} positions, {len(self.slots)} slots")
 
 
 def build_forward_batch(
@@ -193,17 +290,23 @@ def build_forward_batch(
     page_table: torch.Tensor | None = None,
     num_decodes: int = 0, kv_start: Sequence[int] | None = None,
     decode_runs: SharedRuns | None = None, prefill_runs: SharedRuns | None = None,
+    decodes: DecodeRows | None = None,
 ) -> ForwardBatch:
     """Pack per-request work into a ``ForwardBatch`` on ``device`` (validated on the host). The last
-    ``num_decodes`` requests must be decodes. With ``kv_start`` (per request) the batch carries a
-    ``CascadeBatch`` with the given shared runs. ``page_table`` (int32 [B, >= max pages], on ``device``,
-    e.g. from ``DevicePageTable.gather``) replaces packing the page lists on the host."""
-    if not requests:
-        raise ValueError("build_forward_batch: empty batch")
+    ``num_decodes`` requests must be decodes; or ``decodes`` gives the decode requests, after all of
+    ``requests`` (``num_decodes`` then 0, and ``page_table`` is required). With ``kv_start`` (per
+    request) the batch carries a ``CascadeBatch`` with the given shared runs. ``page_table`` (int32
+    [B, >= max pages], on ``device``, e.g. from ``DevicePageTable.gather``) replaces packing the page
+    lists on the host. The per-request and per-token tensors reach the device in two copies (int32,
+    int64) as views of one tensor each."""
     if page_size < 1:
         raise ValueError(f"build_forward_batch: page_size must be >= 1, got {page_size}")
     if not 0 <= num_decodes <= len(requests):
         raise ValueError(f"build_forward_batch: num_decodes {num_decodes} outside [0, {len(requests)}]")
+    if decodes is not None and (num_decodes or page_table is None):
+        raise ValueError("build_forward_batch: with decodes, num_decodes must be 0 and page_table given")
+    if not requests and (decodes is None or not decodes.positions):
+        raise ValueError("build_forward_batch: empty batch")
     first = len(requests) - num_decodes
     q_indptr, prefix_lens, seq_lens, positions, out_slots, logits_rows = [0], [], [], [], [], []
     for i, r in enumerate(requests[:first]):
@@ -223,45 +326,56 @@ def build_forward_batch(
         prefix_lens.append(r.start)
         seq_lens.append(end)
         logits_rows.extend(range(q_indptr[-1] - r.num_logits, q_indptr[-1]))
+    max_q_len = max((r.num_new for r in requests[:first]), default=1)
     # Decodes (one token each, one logits row each): flat lists, no per-position work.
-    decodes = requests[first:]
-    if any(r.num_new != 1 or r.num_logits != 1 or r.start < 0 or len(r.pages) * page_size <= r.start
-           for r in decodes):
-        raise ValueError(f"build_forward_batch: the last {num_decodes} requests must be one-token decodes "
-                         f"(one logits row, start >= 0, pages covering it)")
-    dec_pos = [r.start for r in decodes]
+    if decodes is None:
+        rows = requests[first:]
+        if any(r.num_new != 1 or r.num_logits != 1 or r.start < 0 or len(r.pages) * page_size <= r.start
+               for r in rows):
+            raise ValueError(f"build_forward_batch: the last {num_decodes} requests must be one-token decodes "
+                             f"(one logits row, start >= 0, pages covering it)")
+        dec_pos = [r.start for r in rows]
+        dec_slots = [r.pages[p // page_size] * page_size + p % page_size for r, p in zip(rows, dec_pos)]
+    else:
+        dec_pos, dec_slots = decodes.positions, decodes.slots
+        if dec_pos and min(dec_pos) < 0:
+            raise ValueError("build_forward_batch: decode positions must be >= 0")
+    num_dec = len(dec_pos)
     base = q_indptr[-1]
     positions.extend(dec_pos)
-    out_slots.extend(r.pages[p // page_size] * page_size + p % page_size for r, p in zip(decodes, dec_pos))
-    q_indptr.extend(range(base + 1, base + num_decodes + 1))
+    out_slots.extend(dec_slots)
+    q_indptr.extend(range(base + 1, base + num_dec + 1))
     prefix_lens.extend(dec_pos)
-    seq_lens.extend(p + 1 for p in dec_pos)
-    logits_rows.extend(range(base, base + num_decodes))
-    cascade = None
+    seq_lens.extend([p + 1 for p in dec_pos])
+    logits_rows.extend(range(base, base + num_dec))
+    num_requests = first + num_dec
+    int32_lists = [q_indptr, prefix_lens, seq_lens]
+    max_own_len = 0
     if kv_start is not None:
-        if len(kv_start) != len(requests) or any(not 0 <= s <= r.start for s, r in zip(kv_start, requests)):
+        if len(kv_start) != num_requests or min(kv_start) < 0 or min(map(sub, prefix_lens, kv_start)) < 0:
             raise ValueError("build_forward_batch: kv_start must hold, per request, 0 <= kv_start <= start")
-        cascade = CascadeBatch(_on_device(list(kv_start), torch.int32, device), decode_runs, prefill_runs,
-                               max(r.start + r.num_new - s for s, r in zip(kv_start, requests)))
+        max_own_len = max(map(sub, seq_lens, kv_start))
+        int32_lists.append(kv_start)
     if page_table is None:
         max_pages = max(len(r.pages) for r in requests)
-        page_table = _on_device([list(r.pages) + [0] * (max_pages - len(r.pages)) for r in requests],
-                                torch.int32, device)
-
-    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return _on_device(values, dtype, device)
-
+        page_table = torch.tensor([list(r.pages) + [0] * (max_pages - len(r.pages)) for r in requests],
+                                  dtype=torch.int32).to(device, non_blocking=True)
+    q_indptr_t, prefix_lens_t, seq_lens_t, *kv_start_t = pack_on_device(int32_lists, torch.int32, device)
+    positions_t, out_slots_t, logits_t = pack_on_device([positions, out_slots, logits_rows], torch.int64, device)
+    cascade = None
+    if kv_start is not None:
+        cascade = CascadeBatch(kv_start_t[0], decode_runs, prefill_runs, max_own_len)
     return ForwardBatch(
         page_size=page_size,
-        q_indptr=on_device(q_indptr, torch.int32),
-        prefix_lens=on_device(prefix_lens, torch.int32),
-        seq_lens=on_device(seq_lens, torch.int32),
+        q_indptr=q_indptr_t,
+        prefix_lens=prefix_lens_t,
+        seq_lens=seq_lens_t,
         page_table=page_table,
-        positions=on_device(positions, torch.int64),
-        out_slots=on_device(out_slots, torch.int64),
-        logits_indices=on_device(logits_rows, torch.int64),
-        max_q_len=max(r.num_new for r in requests),
+        positions=positions_t,
+        out_slots=out_slots_t,
+        logits_indices=logits_t,
+        max_q_len=max_q_len,
         max_seq_len=max(seq_lens),
-        num_decodes=num_decodes,
+        num_decodes=num_dec,
         cascade=cascade,
     )
