@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs
+from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs, consecutive
 from radixrelay.cascade.cost import CostModel
 from radixrelay.cascade.plan import CascadePlan
 
@@ -42,8 +42,10 @@ def split_at_page_breaks(run: SharedRun, page_size: int, min_pages: int = MIN_PI
     """``run`` as pieces of consecutive page ids (the same rows each), or ``[run]`` when it is one
     piece already or the pieces are too short or too many."""
     pages = list(run.pages)
+    if consecutive(pages):
+        return [run]
     breaks = [i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1]
-    if not breaks or len(breaks) + 1 > max_pieces:
+    if len(breaks) + 1 > max_pieces:
         return [run]
     bounds = [0, *breaks, len(pages)]
     if any(hi - lo < min_pages for lo, hi in zip(bounds, bounds[1:])):
@@ -56,19 +58,58 @@ def decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf
                 page_size: int, split_pages: bool = False, min_piece_pages: int = MIN_PIECE_PAGES) -> list[SharedRun]:
     """One run per group (with ``split_pages``: per piece of consecutive pages, see above), rows =
     indices into ``decode_rids``; checks that members hold the run's pages."""
+    return _decode_runs(plan, decode_rids, pages_of, page_size, split_pages, min_piece_pages, None)[0]
+
+
+# rid -> (its page list, the runs it was found to hold: (first page, end page) -> that slice of it)
+_Held = dict[int, tuple[Sequence[int], dict[tuple[int, int], list[int]]]]
+
+
+def _decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf, page_size: int,
+                 split_pages: bool, min_piece_pages: int, held: _Held | None) -> tuple[list[SharedRun], _Held]:
+    """``decode_runs``; with ``held`` (from the previous call: valid while every page list only grew) a
+    member found to hold a run before is not compared again page by page. Returns the runs and ``held``
+    for this plan's members."""
     index = {rid: i for i, rid in enumerate(decode_rids)}
+    held = held or {}
     runs = []
+    now: _Held = {}
     for g in plan.groups:
         lo, hi = g.start // page_size, -(-(g.start + g.num_tokens) // page_size)
-        pages = list(pages_of(g.rids[0])[lo:hi])
+        span = (lo, hi)
+        lead = pages_of(g.rids[0])
+        pages = _held_run(held, g.rids[0], lead, span)
+        if pages is None:
+            pages = list(lead[lo:hi])
         if g.start % page_size or len(pages) != hi - lo:
             raise ValueError(f"cascade group at {g.start}+{g.num_tokens}: not page aligned or past the pages")
-        for rid in g.rids[1:]:
-            if pages_of(rid)[lo:hi] != pages:
+        same = {id(pages): True}             # runs held before (by id) -> equal to this one
+        for rid in g.rids:
+            mine = pages_of(rid)
+            entry = held.get(rid)
+            had = entry[1].get(span) if entry is not None and entry[0] is mine else None
+            if had is None:
+                ok = rid == g.rids[0] or mine[lo:hi] == pages
+            else:
+                ok = same.get(id(had))
+                if ok is None:
+                    ok = same[id(had)] = had == pages
+            if not ok:
                 raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
+            entry = now.get(rid)
+            if entry is None:
+                now[rid] = (mine, {span: pages})
+            else:
+                entry[1][span] = pages
         run = SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens)
         runs.extend(split_at_page_breaks(run, page_size, min_piece_pages) if split_pages else [run])
-    return runs
+    return runs, now
+
+
+def _held_run(held: _Held, rid: int, pages: Sequence[int], span: tuple[int, int]) -> list[int] | None:
+    """The run ``pages[lo:hi]`` that ``rid`` was found to hold, if its page list is the same list."""
+    entry = held.get(rid)
+    return entry[1].get(span) if entry is not None and entry[0] is pages else None
 
 
 def prefill_runs(extends: Sequence[BatchRequest], cost: CostModel,
@@ -134,7 +175,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 
 class DecodeRunsCache:
-    """Device tensors of the last decode plan, reused while (plan, decode order) repeat."""
+    """Device tensors of the last decode plan, reused while (plan, decode order) repeat and none of the
+    plan's members left the request table.
+
+    The owner calls ``release(rid)`` whenever ``rid`` leaves its table (finished, retracted, or admitted
+    again): page lists only grow while a request is resident, so what was checked of a member stays
+    true until then. A rebuild (a new plan or order) then compares each member's run pages once per
+    residency, not once per rebuild: O(members) plus O(pages) per member not seen before, instead of
+    O(members x pages)."""
 
     def __init__(self, page_size: int, device, split_pages: bool = False) -> None:
         self.page_size = page_size
@@ -142,11 +190,29 @@ class DecodeRunsCache:
         self.split_pages = split_pages
         self._key: tuple[CascadePlan, tuple[int, ...]] | None = None
         self._runs: SharedRuns | None = None
+        self._own: list[int] = []
+        self._held: _Held = {}
+        self.builds = 0          # rebuilds so far (tests, benchmarks)
+
+    def release(self, rid: int) -> None:
+        """``rid`` left the request table: forget what was checked of its pages."""
+        if self._held.pop(rid, None) is not None:      # a member of the cached plan
+            self._key = None
 
     def get(self, plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf) -> SharedRuns | None:
         key = (plan, tuple(decode_rids))
         if key != self._key:
-            runs = decode_runs(plan, decode_rids, pages_of, self.page_size, self.split_pages)
+            self._key = None
+            runs, self._held = _decode_runs(plan, decode_rids, pages_of, self.page_size, self.split_pages,
+                                            MIN_PIECE_PAGES, self._held)
             self._runs = build_shared_runs(runs, self.device)
+            own = plan.own_start
+            self._own = [own.get(rid, 0) for rid in decode_rids]
             self._key = key
+            self.builds += 1
         return self._runs
+
+    @property
+    def own_start(self) -> list[int]:
+        """Per decode row of the last ``get``: the first position it attends on its own (read-only)."""
+        return self._own
