@@ -18,6 +18,13 @@ the device), and its page list. A decode computes the request's newest token, wh
 
 Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
+
+Host work per decode step is O(decode rows), never O(rows x pages), and most of it is kept while the
+batch repeats (steady decode): the decode runs of a repeated plan and order (``DecodeRunsCache``, told
+of every release), the device row indices of a repeated rid list (``DevicePageTable``,
+``ResidentTokens``), the sampling tensors of the same request-table entries (``SamplingTensorsCache``).
+Page-table and token writes of a step's diff are queued and made by one scatter each; the per-row batch
+tensors reach the device in two packed copies (``build_forward_batch`` with ``DecodeRows``).
 """
 
 from __future__ import annotations
@@ -30,15 +37,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixrelay.attention import AttentionBackend, KVCache
-from radixrelay.attention.metadata import (BatchRequest, DevicePageTable, ForwardBatch, build_forward_batch,
-                                           build_shared_runs)
+from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageTable, ForwardBatch,
+                                           build_forward_batch, build_shared_runs, to_device)
 from radixrelay.cascade.batch import LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.protocol import ExtendItem, StepOutput, StepPlan
-from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensors
+from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
@@ -109,6 +116,7 @@ class ModelRunner:
         self._table: dict[int, _Resident] = {}
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
         self._tokens = ResidentTokens(self.device, self.vocab_size)
+        self._sampling = SamplingTensorsCache()              # the sampling rows' tensors while they repeat
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
@@ -151,19 +159,21 @@ class ModelRunner:
             if self._table.pop(rid, None) is not None:
                 self._page_table.release(rid)
                 self._tokens.release(rid)
+                self._decode_runs.release(rid)
         for req in plan.admitted:
+            self._decode_runs.release(req.rid)        # a new page list: nothing checked of the old one holds
             self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
                                              req.token_offset + len(req.token_ids), list(req.pages), req.sampling)
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
-        for append in plan.page_appends:
+        for append in plan.page_appends:           # page lists only grow while resident (DecodeRunsCache)
             self._table[append.rid].pages.extend(append.pages)
             self._page_table.append(append.rid, append.pages)
 
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
         # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
         # rows: per extend its prompt-logprobs run (if any), then its sampling row; one per decode.
-        work: list[BatchRequest] = []
+        extends: list[BatchRequest] = []
         input_ids: list[int] = []
         samplers: list[int] = []
         sample_rows: list[int] = []                       # logits row of each sampler
@@ -177,26 +187,26 @@ class ModelRunner:
                                  f"the tokens sent [{res.token_offset}, {res.token_offset + len(res.token_ids)})")
             input_ids.extend(res.token_ids[lo:lo + item.num_tokens])
             num_logits = num_logits_rows(item)
-            work.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
+            extends.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
             if item.num_prompt_logprobs:
                 owed.append((item, num_rows))
             num_rows += num_logits
             if item.sample:
                 samplers.append(item.rid)
                 sample_rows.append(num_rows - 1)
-        for rid in plan.decodes:
-            res = self._table[rid]
-            work.append(BatchRequest(res.pages, res.num_tokens - 1, 1))
-            samplers.append(rid)
-            sample_rows.append(num_rows)
-            num_rows += 1
-        if not work:
+        decoding = [self._table[rid] for rid in plan.decodes]
+        if not extends and not decoding:
             return LaunchedStep(plan.step_id)
+        decodes = self._decode_rows(plan.decodes, decoding)
+        samplers.extend(plan.decodes)           # decodes sample too; their logits rows follow the extends'
 
-        batch = self._batch(plan, work)
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        if plan.decodes:                                  # decodes feed their newest token from the device
-            ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
+        batch = self._batch(plan, extends, decodes)
+        if not plan.decodes:
+            ids = to_device(input_ids, torch.int64, self.device)
+        elif not input_ids:                               # decodes feed their newest token from the device
+            ids = self._tokens.newest(plan.decodes)
+        else:
+            ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
         events = None
         if self._cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -217,12 +227,11 @@ class ModelRunner:
         num_logprobs: tuple[int | None, ...] = ()
         if samplers:
             if owed:                                                         # -> [len(samplers), V]
-                logits = logits.index_select(0, torch.tensor(sample_rows).to(self.device, non_blocking=True))
-            residents = [self._table[rid] for rid in samplers]
-            params = [r.sampling for r in residents]
-            tensors = SamplingTensors.from_rows(
-                params, [r.num_tokens - r.num_prompt_tokens for r in residents],
-                self._tokens.penalties(samplers, params), vocab_size=logits.shape[-1], device=self.device)
+                sample_rows.extend(range(num_rows, num_rows + len(plan.decodes)))
+                logits = logits.index_select(0, to_device(sample_rows, torch.int64, self.device))
+            residents = [self._table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
+            tensors = self._sampling.get(residents, _params_of, _outputs_of, self._tokens.penalties(samplers),
+                                         vocab_size=logits.shape[-1], device=self.device)
             out = self.sampler(logits.float(), tensors)
             self._tokens.record(samplers, out.token_ids)
             for res in residents:
@@ -235,6 +244,18 @@ class ModelRunner:
         return LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
                             num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
 
+    def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
+        """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""
+        ps = self.page_size
+        positions = [r.num_tokens - 1 for r in residents]
+        try:
+            slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(residents, positions)]
+        except IndexError:
+            bad = next(i for i, (r, p) in enumerate(zip(residents, positions)) if p // ps >= len(r.pages))
+            raise ValueError(f"request {rids[bad]}: {len(residents[bad].pages)} pages of {ps} cannot hold "
+                             f"position {positions[bad]}") from None
+        return DecodeRows(positions, slots)
+
     def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PendingPromptLogprobs:
         res = self._table[item.rid]
         k = res.sampling.prompt_logprobs
@@ -242,25 +263,36 @@ class ModelRunner:
             raise ValueError(f"request {item.rid}: prompt logprobs owed but not requested")
         return PendingPromptLogprobs.compute(item, logits, res.token_ids, k)
 
-    def _batch(self, plan: StepPlan, work: list[BatchRequest]) -> ForwardBatch:
-        num_extends = len(plan.extends)
+    def _batch(self, plan: StepPlan, extends: list[BatchRequest], decodes: DecodeRows) -> ForwardBatch:
+        num_extends = len(extends)
         decode_shared = prefill_shared = None
         if plan.cascade is not None and plan.decodes:
-            decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, lambda rid: self._table[rid].pages)
+            decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of)
         extend_start = [0] * num_extends
         runs = []
         if self.prefill_cost is not None and num_extends > 1:
-            runs, extend_start = prefill_runs(work[:num_extends], self.prefill_cost, self.page_size)
+            runs, extend_start = prefill_runs(extends, self.prefill_cost, self.page_size)
         if self._split_long_prefixes and num_extends:
-            runs = runs + long_prefix_runs(work[:num_extends], extend_start, self.page_size,
+            runs = runs + long_prefix_runs(extends, extend_start, self.page_size,
                                            min_prefix=self.long_prefix_tokens)
         if runs:
             prefill_shared = build_shared_runs(runs, self.device)
         kv_start = None
         if decode_shared is not None or prefill_shared is not None:
-            own = plan.cascade.own_start if decode_shared is not None else {}
-            kv_start = extend_start + [own.get(rid, 0) for rid in plan.decodes]
-        page_table = self._page_table.gather([item.rid for item in plan.extends] + plan.decodes)
-        return build_forward_batch(work, self.page_size, self.device, page_table=page_table,
-                                   num_decodes=len(plan.decodes),
-                                   kv_start=kv_start, decode_runs=decode_shared, prefill_runs=prefill_shared)
+            own = self._decode_runs.own_start if decode_shared is not None else [0] * len(plan.decodes)
+            kv_start = extend_start + own
+        keys = plan.decodes if not num_extends else [item.rid for item in plan.extends] + plan.decodes
+        return build_forward_batch(extends, self.page_size, self.device, page_table=self._page_table.gather(keys),
+                                   kv_start=kv_start, decode_runs=decode_shared, prefill_runs=prefill_shared,
+                                   decodes=decodes)
+
+    def _pages_of(self, rid: int) -> list[int]:
+        return self._table[rid].pages
+
+
+def _params_of(res: _Resident) -> SamplingParams:
+    return res.sampling
+
+
+def _outputs_of(res: _Resident) -> int:
+    return res.num_tokens - res.num_prompt_tokens

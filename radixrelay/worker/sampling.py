@@ -26,8 +26,11 @@ Everything is vectorised over the batch; the only per-row Python loop is the see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import is_
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +38,7 @@ from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+T = TypeVar("T")
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -123,6 +127,43 @@ class SamplingTensors:
                              for p, n in zip(params, num_outputs)),
             num_logprobs=tuple(p.logprobs for p in params),
         )
+
+
+class SamplingTensorsCache:
+    """``SamplingTensors.from_rows`` for batches whose rows repeat (steady decode). The per-row parameter
+    tensors are kept while the batch has the same rows, compared by identity: ``owners`` holds one
+    object per row whose sampling parameters never change (the worker's request-table entries; a
+    request admitted again gets a new one). A repeated batch then costs the seeded rows' seeds and the
+    penalty state passed in, not O(batch) host lists and copies."""
+
+    def __init__(self) -> None:
+        self._owners: list[object] = []
+        self._vocab_size = -1
+        self._base: SamplingTensors | None = None
+        self._seeded: list[tuple[int, int]] = []        # (row, seed) of the seeded sampling rows
+
+    def get(self, owners: Sequence[T], params_of: Callable[[T], SamplingParams], outputs_of: Callable[[T], int],
+            penalties: PenaltyTensors | None, *, vocab_size: int, device: torch.device | str) -> SamplingTensors:
+        """``params_of(owner)``: the row's parameters (read when the rows changed); ``outputs_of(owner)``:
+        tokens the row sampled before this step (read for seeded rows)."""
+        base = self._base
+        if (base is None or vocab_size != self._vocab_size or len(owners) != len(self._owners)
+                or not all(map(is_, owners, self._owners))):
+            params = [params_of(o) for o in owners]
+            base = self._base = SamplingTensors.from_rows(params, [outputs_of(o) for o in owners], penalties,
+                                                          vocab_size=vocab_size, device=device)
+            self._owners, self._vocab_size = list(owners), vocab_size
+            self._seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+            return base
+        if not self._seeded and penalties is base.penalties:
+            return base
+        seeds = base.step_seeds
+        if self._seeded:
+            row_seeds = list(seeds)
+            for i, seed in self._seeded:
+                row_seeds[i] = step_seed(seed, outputs_of(owners[i]))
+            seeds = tuple(row_seeds)
+        return dataclasses.replace(base, penalties=penalties, step_seeds=seeds)
 
 
 def _build_penalties(

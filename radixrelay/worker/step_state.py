@@ -16,12 +16,13 @@ from collections.abc import Sequence
 
 import torch
 
+from radixrelay.attention.metadata import to_device
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.sampling import PenaltyTensors
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(list(values), torch.int64, device)
 
 
 class _Rows:
@@ -66,17 +67,24 @@ class ResidentTokens:
         self._pen_rows = _Rows(4, first=1)
         self.counts = torch.zeros(4, vocab_size, dtype=torch.float32, device=self.device)  # [P, V] outputs
         self.seen = torch.zeros(4, vocab_size, dtype=torch.bool, device=self.device)       # [P, V] prompt + outputs
+        self._pen_params: dict[int, SamplingParams] = {}      # key -> its params (keys with penalties)
+        # Device index tensors of recent key lists (a decode batch repeats its rows step after step);
+        # dropped whenever a key is released (its row may go to another key; admissions move no row).
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._penalty_columns: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        self._pending_last: list[tuple[int, int]] = []         # (row, token) admitted, not yet on the device
 
     def admit(self, key: int, token_ids: Sequence[int], num_prompt: int, sampling: SamplingParams) -> None:
         row, grew = self._rows.take(key)
         if grew:
             self.last = _grown(self.last, self._rows.capacity)
-        # Through an index copy: assigning a Python int to a CUDA tensor element would wait for the
-        # device (a blocking copy), stalling the launch behind the step in flight.
-        self.last.index_copy_(0, _index([row], self.device), _index([token_ids[-1]], self.device))
+        # Queued, then written with the step's other admissions by one index copy (``_flush``): assigning
+        # a Python int to a CUDA tensor element would wait for the device (a blocking copy).
+        self._pending_last.append((row, token_ids[-1]))
         if not sampling.has_penalties:
             return
         prow, grew = self._pen_rows.take(key)
+        self._pen_params[key] = sampling
         if grew:
             self.counts = _grown(self.counts, self._pen_rows.capacity)
             self.seen = _grown(self.seen, self._pen_rows.capacity)
@@ -88,16 +96,46 @@ class ResidentTokens:
         self.counts[prow].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
 
     def release(self, key: int) -> None:
-        self._rows.give_back(key)
+        self._forget_indices()
+        row = self._rows.give_back(key)
+        if self._pending_last:              # a write not yet made must not land on the row's next owner
+            self._pending_last = [w for w in self._pending_last if w[0] != row]
         self._pen_rows.give_back(key)
+        self._pen_params.pop(key, None)
+
+    def _forget_indices(self) -> None:
+        if self._indices:
+            self._indices.clear()
+        if self._penalty_columns:
+            self._penalty_columns.clear()
+
+    def _rows_of(self, keys: Sequence[int]) -> torch.Tensor:
+        """int64 [len(keys)]: the keys' rows, on the device (kept for the next steps with these keys)."""
+        k = tuple(keys)
+        index = self._indices.get(k)
+        if index is None:
+            if len(self._indices) >= 4:
+                self._indices.clear()
+            index = self._indices[k] = _index([self._rows.row[key] for key in k], self.device)
+        return index
+
+    def _flush(self) -> None:
+        if self._pending_last:
+            pending, self._pending_last = self._pending_last, []
+            rows, tokens = _index([r for r, _ in pending] + [t for _, t in pending], self.device).view(2, -1)
+            self.last.index_copy_(0, rows, tokens)
 
     def newest(self, keys: Sequence[int]) -> torch.Tensor:
         """int64 [len(keys)]: each request's newest token, on the device."""
-        return self.last.index_select(0, _index([self._rows.row[k] for k in keys], self.device))
+        self._flush()
+        return self.last.index_select(0, self._rows_of(keys))
 
     def record(self, keys: Sequence[int], tokens: torch.Tensor) -> None:
         """``tokens``: int64 [len(keys)] just sampled for ``keys`` (device)."""
-        self.last.index_copy_(0, _index([self._rows.row[k] for k in keys], self.device), tokens)
+        self._flush()
+        self.last.index_copy_(0, self._rows_of(keys), tokens)
+        if not self._pen_rows.row:
+            return
         pen = [(i, self._pen_rows.row[k]) for i, k in enumerate(keys) if k in self._pen_rows.row]
         if pen:
             which = _index([i for i, _ in pen], self.device)
@@ -106,19 +144,33 @@ class ResidentTokens:
             self.counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.float32), accumulate=True)
             self.seen.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.bool))
 
-    def penalties(self, keys: Sequence[int], params: Sequence[SamplingParams]) -> PenaltyTensors | None:
-        """The batch's penalty tensors (rows in ``keys`` order), None when no row has penalties."""
-        if not self._pen_rows.row or not any(p.has_penalties for p in params):
+    def penalties(self, keys: Sequence[int]) -> PenaltyTensors | None:
+        """The batch's penalty tensors (rows in ``keys`` order), None when no row has penalties. The
+        parameter columns and row index are kept while ``keys`` repeat; the counts are read every step."""
+        if not self._pen_rows.row:
             return None
-        rows = _index([self._pen_rows.row.get(k, 0) for k in keys], self.device)
+        k = tuple(keys)
+        cached = self._penalty_columns.get(k)
+        if cached is None:
+            if not any(key in self._pen_params for key in k):
+                return None
+            if len(self._penalty_columns) >= 4:
+                self._penalty_columns.clear()
+            plain = SamplingParams()                # no penalty: repetition 1, frequency and presence 0
+            params = [self._pen_params.get(key, plain) for key in k]
+            rows = _index([self._pen_rows.row.get(key, 0) for key in k], self.device)
 
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True).unsqueeze(1)
+            def column(values: list[float]) -> torch.Tensor:
+                return to_device(values, torch.float32, self.device).unsqueeze(1)
 
+            cached = self._penalty_columns[k] = (
+                rows, column([p.repetition_penalty for p in params]), column([p.frequency_penalty for p in params]),
+                column([p.presence_penalty for p in params]))
+        rows, repetition, frequency, presence = cached
         return PenaltyTensors(
-            repetition=column([p.repetition_penalty for p in params]),
-            frequency=column([p.frequency_penalty for p in params]),
-            presence=column([p.presence_penalty for p in params]),
+            repetition=repetition,
+            frequency=frequency,
+            presence=presence,
             seen=self.seen.index_select(0, rows),
             output_counts=self.counts.index_select(0, rows),
         )
