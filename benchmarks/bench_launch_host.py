@@ -185,9 +185,9 @@ def instrument(timers: Timers, graphs: bool) -> None:
     timers.wrap(step_state.ResidentTokens, "record", "ResidentTokens.record")
     timers.wrap(step_state.ResidentTokens, "penalties", "ResidentTokens.penalties")
     timers.wrap(sampling.SamplingTensors, "from_rows", "SamplingTensors.from_rows")
+    if hasattr(sampling, "SamplingTensorsCache"):
+        timers.wrap(sampling.SamplingTensorsCache, "get", "SamplingTensorsCache.get")
     timers.wrap(sampling.Sampler, "__call__", "Sampler.__call__")
-    if hasattr(model_runner, "DecodeInputs"):
-        timers.wrap(model_runner.DecodeInputs, "sampling", "DecodeInputs.sampling")
     if graphs:
         from radixrelay.worker import cuda_graphs
 
