@@ -167,8 +167,14 @@ def long_prefix_runs(extends: Sequence[BatchRequest], kv_start: list[int], page_
     return runs
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int, chunk: int = 64) -> int:
+    """Length of the common prefix of ``a[:limit]`` and ``b[:limit]``: slices compared in C (all at once,
+    then by chunks), element by element only inside the first chunk that differs."""
+    if a[:limit] == b[:limit]:
+        return limit
     n = 0
+    while n + chunk < limit and a[n:n + chunk] == b[n:n + chunk]:
+        n += chunk
     while n < limit and a[n] == b[n]:
         n += 1
     return n
