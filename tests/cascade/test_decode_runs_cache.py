@@ -1,16 +1,18 @@
 """``DecodeRunsCache``: the decode plan's device tensors are kept while (plan, decode order) repeat, a
 plan received again by value (msgpack, as the worker process gets it) included; a new plan, a new order
 or a member leaving the table rebuilds them, and what a rebuild checks of members' pages is exactly what
-``decode_runs`` checks."""
+``decode_runs`` checks. Also the prefill side's common-prefix scan (slices compared in C)."""
 
 from __future__ import annotations
+
+import random
 
 import msgspec
 import pytest
 import torch
 
 from radixrelay.attention.metadata import build_shared_runs
-from radixrelay.cascade.batch import DecodeRunsCache, decode_runs
+from radixrelay.cascade.batch import DecodeRunsCache, _common_prefix, decode_runs
 from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 
 PS = 4
@@ -106,3 +108,16 @@ def test_errors_match_decode_runs():
         with pytest.raises(ValueError) as got:
             cache.get(plan, [0, 1, 2], pages.__getitem__)
         assert str(got.value) == str(want.value)
+
+
+def test_common_prefix_matches_a_plain_loop():
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = [rng.randrange(3) for _ in range(rng.randint(0, 300))]
+        b = list(a)
+        if a and rng.random() < 0.7:
+            b[rng.randrange(len(a))] = 5
+        b = b[:rng.randint(0, len(b))] + [rng.randrange(3) for _ in range(rng.randint(0, 5))]
+        limit = rng.randint(0, min(len(a), len(b)))
+        want = next((i for i in range(limit) if a[i] != b[i]), limit)
+        assert [_common_prefix(a, b, limit, chunk) for chunk in (1, 3, 64)] == [want] * 3
