@@ -112,7 +112,7 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
-_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "b"}
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

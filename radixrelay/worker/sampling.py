@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from radixrelay.attention.metadata import to_device
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.protocol import TokenLogprobs
 
@@ -111,20 +112,21 @@ class SamplingTensors:
             raise ValueError("from_rows: params and num_outputs differ in length")
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+            return to_device(values, dtype, device).unsqueeze(1)
 
-        greedy = [p.greedy for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        greedy = [p.temperature == 0 for p in params]                  # SamplingParams.greedy
+        seeded = any(p.seed is not None for p in params)
         return cls(
-            greedy=column(greedy, torch.bool).squeeze(1),
+            greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             temperatures=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
-            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
+            top_k=(column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
+                   if any(0 < p.top_k < vocab_size for p in params) else None),
             top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
             penalties=penalties,
-            step_seeds=tuple(None if p.seed is None or p.greedy else step_seed(p.seed, n)
-                             for p, n in zip(params, num_outputs)),
+            step_seeds=(tuple(None if p.seed is None or g else step_seed(p.seed, n)
+                              for p, g, n in zip(params, greedy, num_outputs)) if seeded else (None,) * len(params)),
             num_logprobs=tuple(p.logprobs for p in params),
         )
 

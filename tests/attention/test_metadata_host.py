@@ -82,6 +82,7 @@ def test_pack_on_device_views_are_aligned_and_exact():
         assert all((v.data_ptr() - base) % 16 == 0 for v in views)
     assert to_device([], torch.int64, "cpu").shape == (0,)
     assert to_device([0.5, 2.0], torch.float32, "cpu").tolist() == [0.5, 2.0]
+    assert to_device([True, False], torch.bool, "cpu").tolist() == [True, False]
 
 
 def test_consecutive():
