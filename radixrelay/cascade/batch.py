@@ -61,55 +61,40 @@ def decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf
     return _decode_runs(plan, decode_rids, pages_of, page_size, split_pages, min_piece_pages, None)[0]
 
 
-# rid -> (its page list, the runs it was found to hold: (first page, end page) -> that slice of it)
-_Held = dict[int, tuple[Sequence[int], dict[tuple[int, int], list[int]]]]
+# (first page, end page) -> [(run pages, {rid: its page list when found to hold them})]: one entry per
+# distinct run at those page indices (sibling groups of a level have the same indices, other pages).
+_Held = dict[tuple[int, int], list[tuple[list[int], dict[int, Sequence[int]]]]]
 
 
 def _decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf, page_size: int,
                  split_pages: bool, min_piece_pages: int, held: _Held | None) -> tuple[list[SharedRun], _Held]:
-    """``decode_runs``; with ``held`` (from the previous call: valid while every page list only grew) a
-    member found to hold a run before is not compared again page by page. Returns the runs and ``held``
-    for this plan's members."""
+    """``decode_runs``; with ``held`` (from the previous call, valid while every page list only grew and
+    none was replaced) a member found to hold a run before, with the same page list, is not compared
+    again page by page. Returns the runs and ``held`` for this plan's members."""
     index = {rid: i for i, rid in enumerate(decode_rids)}
     held = held or {}
     runs = []
     now: _Held = {}
     for g in plan.groups:
         lo, hi = g.start // page_size, -(-(g.start + g.num_tokens) // page_size)
-        span = (lo, hi)
         lead = pages_of(g.rids[0])
-        pages = _held_run(held, g.rids[0], lead, span)
+        known = held.get((lo, hi), ())
+        pages, holders = next(((run, by) for run, by in known if by.get(g.rids[0]) is lead), (None, {}))
         if pages is None:
             pages = list(lead[lo:hi])
+            holders = next((by for run, by in known if run == pages), {})
         if g.start % page_size or len(pages) != hi - lo:
             raise ValueError(f"cascade group at {g.start}+{g.num_tokens}: not page aligned or past the pages")
-        same = {id(pages): True}             # runs held before (by id) -> equal to this one
+        found: dict[int, Sequence[int]] = {}
         for rid in g.rids:
             mine = pages_of(rid)
-            entry = held.get(rid)
-            had = entry[1].get(span) if entry is not None and entry[0] is mine else None
-            if had is None:
-                ok = rid == g.rids[0] or mine[lo:hi] == pages
-            else:
-                ok = same.get(id(had))
-                if ok is None:
-                    ok = same[id(had)] = had == pages
-            if not ok:
+            if holders.get(rid) is not mine and mine[lo:hi] != pages:
                 raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
-            entry = now.get(rid)
-            if entry is None:
-                now[rid] = (mine, {span: pages})
-            else:
-                entry[1][span] = pages
+            found[rid] = mine
+        now.setdefault((lo, hi), []).append((pages, found))
         run = SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens)
         runs.extend(split_at_page_breaks(run, page_size, min_piece_pages) if split_pages else [run])
     return runs, now
-
-
-def _held_run(held: _Held, rid: int, pages: Sequence[int], span: tuple[int, int]) -> list[int] | None:
-    """The run ``pages[lo:hi]`` that ``rid`` was found to hold, if its page list is the same list."""
-    entry = held.get(rid)
-    return entry[1].get(span) if entry is not None and entry[0] is pages else None
 
 
 def prefill_runs(extends: Sequence[BatchRequest], cost: CostModel,
@@ -198,12 +183,16 @@ class DecodeRunsCache:
         self._runs: SharedRuns | None = None
         self._own: list[int] = []
         self._held: _Held = {}
+        self._members: set[int] = set()      # rids of the cached plan's groups
         self.builds = 0          # rebuilds so far (tests, benchmarks)
 
     def release(self, rid: int) -> None:
         """``rid`` left the request table: forget what was checked of its pages."""
-        if self._held.pop(rid, None) is not None:      # a member of the cached plan
+        if rid in self._members:                        # a member of the cached plan
             self._key = None
+            for entries in self._held.values():
+                for _, holders in entries:
+                    holders.pop(rid, None)
 
     def get(self, plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesOf) -> SharedRuns | None:
         key = (plan, tuple(decode_rids))
@@ -214,6 +203,7 @@ class DecodeRunsCache:
             self._runs = build_shared_runs(runs, self.device)
             own = plan.own_start
             self._own = [own.get(rid, 0) for rid in decode_rids]
+            self._members = {rid for entries in self._held.values() for _, holders in entries for rid in holders}
             self._key = key
             self.builds += 1
         return self._runs

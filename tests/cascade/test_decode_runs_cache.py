@@ -121,3 +121,24 @@ def test_common_prefix_matches_a_plain_loop():
         limit = rng.randint(0, min(len(a), len(b)))
         want = next((i for i in range(limit) if a[i] != b[i]), limit)
         assert [_common_prefix(a, b, limit, chunk) for chunk in (1, 3, 64)] == [want] * 3
+
+
+def test_sibling_runs_at_the_same_page_indices_stay_apart():
+    """Two problems under one system prompt: level-1 groups over the same positions, other pages. A member
+    checked against one sibling's run is not taken to hold the other's."""
+    pages = {rid: SHARED[:32] + [600 + 10 * (rid // 2) + i for i in range(32)] + [700 + rid] for rid in range(4)}
+
+    def plan(first: list[int], second: list[int]) -> CascadePlan:
+        rids = first + second
+        return CascadePlan([CascadeGroup(rids, 0, HALF, 0), CascadeGroup(first, HALF, HALF, 1),
+                            CascadeGroup(second, HALF, HALF, 1)], dict.fromkeys(rids, TOKENS))
+
+    cache = DecodeRunsCache(PS, "cpu")
+    good = plan([0, 1], [2, 3])
+    same_runs(cache.get(good, [0, 1, 2, 3], pages.__getitem__), good, [0, 1, 2, 3], pages)
+    swapped = plan([2, 3], [0, 1])
+    same_runs(cache.get(swapped, [3, 2, 1, 0], pages.__getitem__), swapped, [3, 2, 1, 0], pages)
+    with pytest.raises(ValueError, match="request 2 does not hold"):
+        cache.get(plan([0, 2], [1, 3]), [0, 1, 2, 3], pages.__getitem__)
+    with pytest.raises(ValueError, match="request 0 does not hold"):
+        cache.get(plan([2, 0], [1, 3]), [0, 1, 2, 3], pages.__getitem__)
