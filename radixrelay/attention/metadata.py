@@ -6,8 +6,10 @@ Request b's new tokens are rows ``[q_indptr[b], q_indptr[b+1])`` and its positio
 (radix-cached prefix or earlier chunks), ``[prefix_lens[b], seq_lens[b])`` are computed now. A
 decode is simply a request with one new token, so decodes and (chunked) extends share a batch.
 
-Build one with ``build_forward_batch`` from per-request (pages, start, num_new) on the host; the
-tensors go to the device once per step.
+Build one with ``build_forward_batch`` from per-request (pages, start, num_new) on the host (decodes
+may come as flat lists, ``DecodeRows``); the per-request and per-token tensors go to the device in two
+packed copies per step (``pack_on_device``: views of one int32 and one int64 tensor, each 16-byte
+aligned), through pinned memory on CUDA; the page table comes from ``DevicePageTable``.
 
 Cascade (``CascadeBatch``, optional): some runs of KV are attended once for a group of query rows
 (``SharedRuns``: the rows of every request sharing that run of pages), request b attends only
