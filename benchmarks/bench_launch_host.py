@@ -8,12 +8,19 @@ group over the shared run; then ``--steps`` consecutive decode steps run, every 
 rids in the same order and appending a page to each request whose next position crosses a page
 boundary (own lengths are staggered, so about B / page_size requests append per step). With
 ``--ipc`` each plan is round-tripped through msgpack first, as the worker process receives it (a
-fresh, equal ``CascadePlan`` every step instead of the planner's reused object).
+fresh, equal ``CascadePlan`` every step instead of the planner's reused object). With ``--churn N``
+every step releases the N oldest requests and admits N new ones (serving at saturation): the plan,
+the decode order and the batch's rows change every step.
 
 What it measures, per step: the wall time of ``ModelRunner.launch(plan)`` (apply the plan's diff,
 build the ``ForwardBatch``, run or replay the forward, queue sampling, start the copies back), the
 median over the timed steps after ``--warmup`` steps, and per function (wrapped with timers) the
-median milliseconds per step spent in it. ``finish()`` (waiting for the device) is outside the time.
+median milliseconds per step spent in it. ``finish()`` (waiting for the device) is outside the time:
+by default each step is finished before the next is launched (the device is idle at launch: host time
+alone); with ``--overlap`` one step stays in flight as in the worker's loop, so that on CUDA a launch
+that waits for the device (a synchronising copy) shows up. Then, over ``--count-ops`` more steps, the
+torch ops each launch dispatches (on CUDA each is a kernel launch or a copy; host-to-device copies of
+CPU tensors do not count on the CPU, where they are no-ops).
 
 ``--forward stub`` (the default on the CPU) replaces the model with a stub that returns logits of
 the right shape without computing them, so the step time is host work only (what the H100 spends
@@ -21,12 +28,14 @@ around a CUDA graph replay). ``--forward model`` runs the tiny model (CPU: the t
 backend, slow at large shared lengths). On CUDA ``--graphs`` (default there) replays decode steps
 as ``DecodeGraphs`` with the real model and the Triton backend, as the server does; on the CPU
 ``--graphs`` runs the same buffer filling around the stub (no capture). ``--profile`` adds a
-cProfile table of the timed steps (functions by own time, per step).
+cProfile table of the timed steps (functions by own time, per step). On the CPU run it with
+``OMP_NUM_THREADS=1``: with other jobs on the machine, torch's intra-op threads turn microsecond ops
+into milliseconds of waiting. On CUDA the tiny model keeps the device step short; more ``--layers``
+lengthen it (for ``--overlap``).
 
-    .venv/bin/python benchmarks/bench_launch_host.py                          # CPU, B=256, 1024 shared pages
-    .venv/bin/python benchmarks/bench_launch_host.py --profile --steps 200
-    .venv/bin/python benchmarks/bench_launch_host.py --ipc --graphs
-    .venv/bin/python benchmarks/bench_launch_host.py --device cuda            # H100: graphs, real model
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_launch_host.py --graphs --ipc   # CPU, B=256, 1024 shared pages
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_launch_host.py --graphs --ipc --churn 1 --profile
+    .venv/bin/python benchmarks/bench_launch_host.py --device cuda --ipc --overlap   # H100: graphs, real model
 """
 
 from __future__ import annotations
@@ -216,12 +225,13 @@ def count_ops(runner: ModelRunner, plans: list[StepPlan]) -> Counter:
     return Counter({k: v / len(plans) for k, v in counts.items()})
 
 
-def build_runner(args, device: torch.device) -> ModelRunner:
+def build_runner(args, device: torch.device, num_pages: int) -> ModelRunner:
+    """``num_pages``: the pages the workload hands out; one more is the scratch page of padded graph rows."""
     cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
                       num_layers=args.layers, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=max(2 * args.shared_pages * args.page_size, 4096))
     model, _ = load_model(cfg, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
-    num_pages = args.shared_pages + (args.batch + 2 * args.churn) * (3 + (args.warmup + args.steps) // args.page_size) + 2
+    num_pages += 1
     dtype = next(model.parameters()).dtype
     kv = KVCache(num_layers=cfg.num_layers, num_pages=num_pages, page_size=args.page_size,
                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=device)
@@ -254,6 +264,9 @@ def main() -> None:
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="decode through DecodeGraphs (default: on CUDA)")
     ap.add_argument("--ipc", action="store_true", help="round-trip each plan through msgpack")
+    ap.add_argument("--overlap", action="store_true",
+                    help="launch each step before finishing the previous one (CUDA: launches that wait for the "
+                         "device show up in the time)")
     ap.add_argument("--churn", type=int, default=0,
                     help="per step, release this many requests and admit as many (a new cascade plan each step)")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -269,15 +282,16 @@ def main() -> None:
     if args.graphs is None:
         args.graphs = cuda
 
-    runner = build_runner(args, device)
     sampling = SamplingParams(max_tokens=1 << 20, temperature=args.temperature, ignore_eos=True)
     work = Workload(args.batch, args.shared_pages, args.page_size, sampling, args.ipc, args.churn)
     plans = [work.plan() for _ in range(args.warmup + args.steps + 1 + args.count_ops)]   # built up front: scheduler time is not ours
+    runner = build_runner(args, device, work.next_page)
 
     timers = Timers()
     instrument(timers, args.graphs)
     profiler = cProfile.Profile() if args.profile else None
     launch_ms, launch_s_ms = [], []
+    in_flight = None
     for i, plan in enumerate(plans[:len(plans) - args.count_ops]):
         timed = i > args.warmup
         if timed and profiler is not None:
@@ -287,19 +301,23 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         if timed and profiler is not None:
             profiler.disable()
-        out = step.finish()
-        if out.error is not None:
-            raise SystemExit(f"step {plan.step_id}: {out.error}")
+        if args.overlap:                 # finish the previous step while this one is queued (the worker's loop)
+            step, in_flight = in_flight, step
+        out = step.finish() if step is not None else None
+        if out is not None and out.error is not None:
+            raise SystemExit(f"step {out.step_id}: {out.error}")
         if timed:
             launch_ms.append(elapsed * 1e3)
-            launch_s_ms.append(step.launch_s * 1e3)
+            launch_s_ms.append((in_flight if args.overlap else step).launch_s * 1e3)
             timers.end_step()
         else:
             timers.current.clear()
 
+    if in_flight is not None:
+        in_flight.finish()
     print(f"device {device} ({torch.get_num_threads()} threads), batch {args.batch}, "
           f"{args.shared_pages} shared pages x {args.page_size} tokens, forward {args.forward}, "
-          f"graphs {args.graphs}, ipc {args.ipc}, churn {args.churn}, {args.steps} steps")
+          f"graphs {args.graphs}, ipc {args.ipc}, churn {args.churn}, overlap {args.overlap}, {args.steps} steps")
     print(f"launch(): median {statistics.median(launch_ms):.3f} ms/step  (p10 {sorted(launch_ms)[len(launch_ms) // 10]:.3f}, "
           f"p90 {sorted(launch_ms)[9 * len(launch_ms) // 10]:.3f}); until the forward was queued "
           f"(LaunchedStep.launch_s): {statistics.median(launch_s_ms):.3f} ms")
