@@ -99,7 +99,11 @@ class Engine:
                 "worker_busy_s": stats.worker_busy_s, "worker_launch_s": stats.worker_launch_s,
                 "scheduler_busy_s": stats.scheduler_busy_s, "worker_device_s": stats.worker_device_s,
                 "jit_after_ready": stats.jit_after_ready, "graph_captures": stats.graph_captures,
-                "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps}
+                "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps,
+                "prefill_cascade_steps": stats.prefill_cascade_steps,
+                "prefill_cascade_runs": stats.prefill_cascade_runs,
+                "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,
+                "prefill_long_prefix_runs": stats.prefill_long_prefix_runs}
 
     @property
     def computed_tokens(self) -> int:

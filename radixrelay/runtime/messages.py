@@ -97,6 +97,12 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     graph_captures: int = 0           # CUDA graphs captured (start-up included)
     graph_replays: int = 0            # steps that replayed a CUDA graph
     eager_steps: int = 0              # steps whose forward ran eagerly
+    # Prefill cascade (extend rows reading a cached run shared between requests once, decided per step by
+    # the worker), cumulative:
+    prefill_cascade_steps: int = 0
+    prefill_cascade_runs: int = 0
+    prefill_cascade_tokens_read_once: int = 0
+    prefill_long_prefix_runs: int = 0  # long cached prefixes of short extends read split along their length
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -147,6 +153,8 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     graph_captures: int = 0           # cumulative since start: CUDA graphs captured ...
     graph_replays: int = 0            # ... steps that replayed one ...
     eager_steps: int = 0              # ... and steps run eagerly
+    prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
+                                                                # long-prefix runs (PrefillCascadeCounters)
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

@@ -66,6 +66,7 @@ class SchedulerLoop:
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
+        self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -118,6 +119,7 @@ class SchedulerLoop:
         self._device_s += message.device_s
         self._jit_after_ready = message.jit_after_ready
         self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
+        self._prefill_cascade = message.prefill_cascade
         try:
             self._process(message.output)
         finally:
@@ -175,7 +177,7 @@ class SchedulerLoop:
                                  self._decode_steps, self._cascade_steps, counters.groups,
                                  counters.levels, counters.tokens_read_once, self._worker_busy_s,
                                  self._worker_launch_s, self._scheduler_busy_s, self._device_s,
-                                 self._jit_after_ready, *self._graphs)
+                                 self._jit_after_ready, *self._graphs, *self._prefill_cascade)
             self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True

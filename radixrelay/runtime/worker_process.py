@@ -11,6 +11,7 @@ oldest step in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -143,7 +144,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                            jit - jit_seen, jit)
             jit_seen = jit
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
-                                          runner.graph_captures, runner.graph_replays, runner.eager_steps)))
+                                          runner.graph_captures, runner.graph_replays, runner.eager_steps,
+                                          dataclasses.astuple(runner.prefill_cascade))))
         if trace is not None:
             trace.finished(step.step_id)
 

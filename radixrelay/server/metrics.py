@@ -74,6 +74,14 @@ class _RuntimeCollector(Collector):
         yield counter("graph_captures", "CUDA graphs captured by the worker (start-up included).", s.graph_captures)
         yield counter("graph_replays", "Steps that replayed a captured CUDA graph.", s.graph_replays)
         yield counter("eager_steps", "Steps whose forward pass ran eagerly.", s.eager_steps)
+        yield counter("prefill_cascade_steps", "Steps whose extend rows read a cached run shared between"
+                      " requests once (prefill cascade).", s.prefill_cascade_steps)
+        yield counter("prefill_cascade_runs", "Prefill cascade shared runs, summed over steps.",
+                      s.prefill_cascade_runs)
+        yield counter("prefill_cascade_tokens_read_once", "KV token reads saved by the prefill cascade:"
+                      " (members - 1) x tokens per run and step.", s.prefill_cascade_tokens_read_once)
+        yield counter("prefill_long_prefix_runs", "Long cached prefixes of short extends read split along"
+                      " their length.", s.prefill_long_prefix_runs)
 
 
 class ServerMetrics:

@@ -63,6 +63,24 @@ class _Resident:
     sampling: SamplingParams
 
 
+@dataclass
+class PrefillCascadeCounters:
+    """Prefill cascade, cumulative (the worker decides it per step; reported with every step's output)."""
+
+    steps: int = 0               # steps whose extend rows read a cached run shared between requests once
+    runs: int = 0                # such shared runs, summed over steps
+    tokens_read_once: int = 0    # KV token reads saved: (members - 1) x run tokens, summed
+    long_prefix_runs: int = 0    # long cached prefixes of short extends read split along their length
+
+    def record(self, runs: list, extend_start: list[int]) -> None:
+        """``runs``/``extend_start`` from ``cascade.batch.prefill_runs``: a member reads its run's tokens
+        (its ``extend_start``) that the run reads once."""
+        if runs:
+            self.steps += 1
+            self.runs += len(runs)
+            self.tokens_read_once += sum(extend_start) - sum(r.num_tokens for r in runs)
+
+
 class LaunchedStep:
     """A step queued on the device; ``finish()`` waits for its results (once)."""
 
@@ -129,6 +147,7 @@ class ModelRunner:
         self._cuda = self.device.type == "cuda"
         self.graph_replays = 0       # steps that replayed a captured graph
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
+        self.prefill_cascade = PrefillCascadeCounters()
 
     @property
     def graph_captures(self) -> int:
@@ -272,9 +291,11 @@ class ModelRunner:
         runs = []
         if self.prefill_cost is not None and num_extends > 1:
             runs, extend_start = prefill_runs(extends, self.prefill_cost, self.page_size)
+            self.prefill_cascade.record(runs, extend_start)
         if self._split_long_prefixes and num_extends:
-            runs = runs + long_prefix_runs(extends, extend_start, self.page_size,
-                                           min_prefix=self.long_prefix_tokens)
+            long_runs = long_prefix_runs(extends, extend_start, self.page_size, min_prefix=self.long_prefix_tokens)
+            self.prefill_cascade.long_prefix_runs += len(long_runs)
+            runs = runs + long_runs
         if runs:
             prefill_shared = build_shared_runs(runs, self.device)
         kv_start = None

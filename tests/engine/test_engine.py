@@ -174,6 +174,9 @@ def test_cascade_on_gives_identical_greedy_outputs(engine):
     assert [o.token_ids for o in outs] == [o.token_ids for o in flat]
     assert stats["cascade_steps"] > 0 and stats["cascade_groups"] > 0
     assert stats["cascade_tokens_read_once"] >= 4 * 160 * stats["cascade_steps"] // 2
+    # the batch's prefill read the cached prefix once for the requests sharing it (prefill cascade)
+    assert stats["prefill_cascade_steps"] >= 1 and stats["prefill_cascade_runs"] >= stats["prefill_cascade_steps"]
+    assert stats["prefill_cascade_tokens_read_once"] >= 128
     # where the serving loop's time went: every step spent time in the worker, launching before waiting
     assert 0 < stats["worker_launch_s"] <= stats["worker_busy_s"] and stats["scheduler_busy_s"] > 0
 

@@ -75,7 +75,9 @@ def test_models_health_metrics(client, http):
                  "radixrelay_prompt_tokens_total", "radixrelay_generation_tokens_total",
                  "radixrelay_time_to_first_token_seconds_bucket",
                  "radixrelay_inter_token_latency_seconds_bucket", "radixrelay_cascade_steps_total",
-                 "radixrelay_worker_busy_seconds_total", "radixrelay_scheduler_busy_seconds_total"):
+                 "radixrelay_worker_busy_seconds_total", "radixrelay_scheduler_busy_seconds_total",
+                 "radixrelay_prefill_cascade_steps_total", "radixrelay_prefill_cascade_tokens_read_once_total",
+                 "radixrelay_prefill_long_prefix_runs_total"):
         assert name in text, name
 
 
