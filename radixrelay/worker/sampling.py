@@ -114,7 +114,7 @@ class SamplingTensors:
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device).unsqueeze(1)
 
-        greedy = [p.temperature == 0 for p in params]                  # SamplingParams.greedy
+        greedy = [p.greedy for p in params]
         seeded = any(p.seed is not None for p in params)
         return cls(
             greedy=to_device(greedy, torch.bool, device),

@@ -14,7 +14,7 @@ import torch
 
 from radixrelay.attention import KVCache
 from radixrelay.attention.triton_backend import TritonBackend
-from tests.cascade.trees import random_scenario
+from tests.cascade.trees import batch_on, random_scenario
 from tests.kernels.helpers import DEVICE
 
 NUM_LAYERS = 3
@@ -28,17 +28,8 @@ def _scenario(seed: int):
                              dtype=torch.float32, heads=HEADS, head_dim=HEAD_DIM)
         c = sc.cascaded.cascade
         if c.decode is not None and c.prefill is not None:
-            return dataclasses.replace(sc, flat=_on(sc.flat), cascaded=_on(sc.cascaded))
+            return dataclasses.replace(sc, flat=batch_on(sc.flat, DEVICE), cascaded=batch_on(sc.cascaded, DEVICE))
     raise AssertionError("no scenario with both kinds of shared runs")
-
-
-def _on(x):
-    """A batch (its tensors, nested dataclasses included) on DEVICE."""
-    if isinstance(x, torch.Tensor):
-        return x.to(DEVICE)
-    if dataclasses.is_dataclass(x):
-        return dataclasses.replace(x, **{f.name: _on(getattr(x, f.name)) for f in dataclasses.fields(x)})
-    return x
 
 
 def _layers_cache(sc, seed: int) -> KVCache:

@@ -20,7 +20,7 @@ from radixrelay.attention.backend import TorchBackend, make_backend
 from radixrelay.model import load_model
 from tests.cascade.harness import run_workload
 from tests.cascade.test_exactness import CFG, prompt_tree
-from tests.cascade.trees import random_scenario
+from tests.cascade.trees import batch_on, random_scenario
 
 pytestmark = pytest.mark.gpu
 
@@ -30,18 +30,6 @@ def _to(cache, dtype, device):
     out.k = [t.to(device=device, dtype=dtype) for t in cache.k]
     out.v = [t.to(device=device, dtype=dtype) for t in cache.v]
     return out
-
-
-def _on(batch, device):
-    import dataclasses
-
-    def move(x):
-        if isinstance(x, torch.Tensor):
-            return x.to(device)
-        if dataclasses.is_dataclass(x):
-            return dataclasses.replace(x, **{f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x)})
-        return x
-    return move(batch)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -57,7 +45,7 @@ def test_bf16_cascade_within_flat_error(seed):
     backend = make_backend("triton", "cuda")
     errors = {}
     for name, batch in (("flat", sc.flat), ("cascade", sc.cascaded)):
-        o = backend.forward(q, 0, cache, _on(batch, "cuda"))
+        o = backend.forward(q, 0, cache, batch_on(batch, "cuda"))
         errors[name] = ((o.double().cpu() - ref).norm() / ref.norm()).item()
     assert errors["flat"] < 1e-2
     assert errors["cascade"] <= 1.5 * errors["flat"] + 1e-3, errors

@@ -102,3 +102,13 @@ def _segments(path: list[Node]) -> list[PathSegment]:
         segments.append(PathSegment(node.node_id, start, node.tokens))
         start += node.tokens
     return segments
+
+
+def batch_on(x, device):
+    """A batch (its tensors, nested dataclasses included) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: batch_on(getattr(x, f.name), device)
+                                         for f in dataclasses.fields(x)})
+    return x
