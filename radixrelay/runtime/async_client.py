@@ -3,6 +3,7 @@
 Two background tasks: the reader routes every scheduler message to the request stream or pending
 call it answers; the watcher polls the children every ``WATCH_INTERVAL`` seconds and, when one has
 died, fails every stream and call with ``RuntimeDiedError`` and runs the ``on_death`` callbacks.
+A frame on the inbox that is not a runtime message is logged and dropped (the reader keeps going).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from radixrelay.config import EngineConfig
+from radixrelay.runtime.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
 from radixrelay.runtime.messages import (
@@ -41,7 +44,7 @@ class AsyncRuntimeClient:
         self._ctx, self._inbox, self._outbox = ctx, inbox, outbox
         self._info = info
         self._encode = encoder().encode
-        self._decode = decoder(RuntimeMessage).decode
+        self._frames = FrameDecoder(RuntimeMessage, "scheduler -> frontend", logger)
         self._rids = itertools.count()
         self._call_ids = itertools.count()
         self._streams: dict[int, asyncio.Queue[_StreamItem]] = {}
@@ -112,7 +115,8 @@ class AsyncRuntimeClient:
     async def stats(self) -> RuntimeStats:
         reply = await self._call(StatsRequest)
         assert isinstance(reply, StatsReply)
-        return reply.stats
+        stats = reply.stats
+        return msgspec.structs.replace(stats, malformed_frames=stats.malformed_frames + self._frames.dropped)
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Refuse new requests, give in-flight ones ``drain_timeout`` seconds, fail the rest, stop
@@ -130,7 +134,8 @@ class AsyncRuntimeClient:
         for task in self._tasks:
             task.cancel()
         self._ctx.destroy(linger=0)
-        await asyncio.to_thread(self._processes.stop)
+        # After a death nobody tells the survivor to stop (its peer is gone): terminate it at once.
+        await asyncio.to_thread(self._processes.stop, 5.0 if self.alive else 0.0)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -156,7 +161,9 @@ class AsyncRuntimeClient:
 
     async def _read(self) -> None:
         while True:
-            message = self._decode(await self._inbox.recv())
+            message = self._frames(await self._inbox.recv())
+            if message is None:
+                continue                     # malformed frame: logged and dropped
             if isinstance(message, UpdateBatch):
                 for item in message.items:
                     queue = self._streams.get(item.update.rid)
@@ -172,7 +179,7 @@ class AsyncRuntimeClient:
                 if future is not None and not future.done():
                     future.set_result(message)
             else:
-                logger.error("unexpected runtime message %s", type(message).__name__)
+                self._frames.drop(f"unexpected {type(message).__name__} while serving")
 
     async def _watch(self) -> None:
         while True:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -56,6 +57,31 @@ def _profiled(name: str, body: Callable[[ChildArgs, zmq.Context], int], args: Ch
     with open(os.path.join(out, f"{name}.txt"), "w") as f:
         f.write(text.getvalue())
     return code
+
+
+class FrameDecoder:
+    """Decodes one channel's frames; a frame that is not a message of the channel (garbage bytes,
+    a truncated message, a message of another channel) is logged, counted and dropped (None), so
+    that one bad frame never takes a process down. ``drop`` counts frames that decoded but are not
+    expected at this point of the protocol (the caller decides)."""
+
+    def __init__(self, kind: Any, channel: str, logger: logging.Logger) -> None:
+        self._decode = msgspec.msgpack.Decoder(kind).decode
+        self.channel = channel
+        self.logger = logger
+        self.dropped = 0
+
+    def __call__(self, raw: bytes) -> Any | None:
+        try:
+            return self._decode(raw)
+        except msgspec.DecodeError as exc:        # ValidationError is a DecodeError
+            self.drop(f"{len(raw)} bytes that do not decode: {exc}")
+            return None
+
+    def drop(self, why: str) -> None:
+        self.dropped += 1
+        self.logger.error("dropped a malformed frame on %s (%d so far): %s", self.channel,
+                          self.dropped, why)
 
 
 def parent_gone(args: ChildArgs) -> bool:

@@ -6,7 +6,9 @@ Channels (one ZMQ PUSH -> PULL socket pair each, see ``launcher.Endpoints``):
     frontend  <--RuntimeMessage--   scheduler  <--WorkerMessage--  worker
 
 Nothing is pickled: each receiver decodes with a ``msgspec.msgpack.Decoder`` typed to its channel's
-union, so a malformed or unexpected message fails loudly instead of executing anything.
+union, so a malformed or unexpected message fails to decode instead of executing anything. Such a
+frame (garbage bytes, a truncated message, another channel's message) is logged and dropped by the
+receiver (``child.FrameDecoder``), which keeps serving; ``RuntimeStats.malformed_frames`` counts them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 
 from radixrelay.config import EngineConfig
 from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler.audit import KVAudit
 from radixrelay.scheduler.request import RequestUpdate, SchedulerStats
 from radixrelay.worker.protocol import StepOutput, StepPlan, TokenLogprobs
 
@@ -103,6 +106,13 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     prefill_cascade_runs: int = 0
     prefill_cascade_tokens_read_once: int = 0
     prefill_long_prefix_runs: int = 0  # long cached prefixes of short extends read split along their length
+    # KV pages and radix locks by holder, and check_integrity's verdict, taken when these stats were
+    # asked for (None from a runtime that does not audit):
+    kv_audit: KVAudit | None = None
+    # Frames dropped because they did not decode as their channel's messages (garbage, truncated,
+    # another channel's message), cumulative over the scheduler, the worker (as of its latest step
+    # output) and the frontend's inbox:
+    malformed_frames: int = 0
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -155,6 +165,7 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     eager_steps: int = 0              # ... and steps run eagerly
     prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
                                                                 # long-prefix runs (PrefillCascadeCounters)
+    malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

@@ -16,6 +16,11 @@ default; 1 with ``disable_overlap``):
 With depth 2, step N+1 is planned and sent while the device computes step N; step N's output is
 processed (stop checks, streaming) while N+1 computes, and only then is N+2 planned, so every plan
 is at most one step ahead of what the host knows.
+
+A frame that does not decode as its channel's message (or a worker message other than a step
+output while serving) is logged and dropped; the loop keeps serving. Each ``StatsRequest`` also
+audits the KV cache (``Scheduler.audit``: pages and locks by holder, ``check_integrity``) and logs
+a failed check.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ import zmq
 from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.model.registry import tokenizer_path
-from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
     RejectReason, RequestRejected, RuntimeFailed, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply,
     StatsRequest, TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone,
-    WorkerStop, decoder, encoder,
+    WorkerStop, encoder,
 )
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import RequestUpdate
@@ -57,8 +62,8 @@ class SchedulerLoop:
         self.frontend_in, self.frontend_out = frontend_in, frontend_out
         self.worker_in, self.worker_out = worker_in, worker_out
         self._encode = encoder().encode
-        self._frontend_msgs = decoder(FrontendMessage)
-        self._worker_msgs = decoder(WorkerMessage)
+        self._frontend_msgs = FrameDecoder(FrontendMessage, "frontend -> scheduler", logger)
+        self._worker_msgs = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
         self._live: dict[int, _Pending] = {}
         self.depth = 1 if args.config.disable_overlap else 2
         self._stopping = False
@@ -67,6 +72,8 @@ class SchedulerLoop:
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
+        self._worker_dropped = 0          # worker's cumulative malformed frames
+        self._integrity_logged: str | None = None   # last check_integrity failure written to the log
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -110,9 +117,12 @@ class SchedulerLoop:
         self.worker_out.send(self._encode(WorkerStep(plan)))
         return True
 
-    def _on_worker(self, message: WorkerMessage) -> None:
+    def _on_worker(self, message: WorkerMessage | None) -> None:
+        if message is None:
+            return
         if not isinstance(message, WorkerStepDone):
-            raise RuntimeError(f"unexpected worker message {type(message).__name__}")
+            # The worker sends WorkerReady / RuntimeFailed only before this loop starts.
+            return self._worker_msgs.drop(f"unexpected {type(message).__name__} while serving")
         start = time.perf_counter()
         self._worker_busy_s += message.busy_s
         self._worker_launch_s += message.launch_s
@@ -120,6 +130,7 @@ class SchedulerLoop:
         self._jit_after_ready = message.jit_after_ready
         self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
         self._prefill_cascade = message.prefill_cascade
+        self._worker_dropped = message.malformed_frames
         try:
             self._process(message.output)
         finally:
@@ -127,7 +138,7 @@ class SchedulerLoop:
 
     def _drain_worker(self) -> None:
         """Every output that has arrived, oldest first, before the next plan."""
-        _drain(self.worker_in, lambda raw: self._on_worker(self._worker_msgs.decode(raw)))
+        _drain(self.worker_in, lambda raw: self._on_worker(self._worker_msgs(raw)))
 
     def _process(self, out: StepOutput) -> None:
         for chunk in out.prompt_logprobs:
@@ -159,9 +170,11 @@ class SchedulerLoop:
     # -- frontend -------------------------------------------------------------------------------
 
     def _drain_frontend(self) -> None:
-        _drain(self.frontend_in, lambda raw: self._on_frontend(self._frontend_msgs.decode(raw)))
+        _drain(self.frontend_in, lambda raw: self._on_frontend(self._frontend_msgs(raw)))
 
-    def _on_frontend(self, message: FrontendMessage) -> None:
+    def _on_frontend(self, message: FrontendMessage | None) -> None:
+        if message is None:
+            return
         if isinstance(message, GenerateRequest):
             self._add(message)
         elif isinstance(message, AbortRequest):
@@ -172,15 +185,24 @@ class SchedulerLoop:
             reply = FlushCacheReply(message.call_id, self.scheduler.flush_cache())
             self.frontend_out.send(self._encode(reply))
         elif isinstance(message, StatsRequest):
-            counters = self.planner.counters if self.planner is not None else CascadeCounters()
-            stats = RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
-                                 self._decode_steps, self._cascade_steps, counters.groups,
-                                 counters.levels, counters.tokens_read_once, self._worker_busy_s,
-                                 self._worker_launch_s, self._scheduler_busy_s, self._device_s,
-                                 self._jit_after_ready, *self._graphs, *self._prefill_cascade)
-            self.frontend_out.send(self._encode(StatsReply(message.call_id, stats)))
+            self.frontend_out.send(self._encode(StatsReply(message.call_id, self._stats())))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True
+
+    def _stats(self) -> RuntimeStats:
+        counters = self.planner.counters if self.planner is not None else CascadeCounters()
+        audit = self.scheduler.audit()
+        if audit.integrity_error is not None and audit.integrity_error != self._integrity_logged:
+            logger.error("KV cache integrity check failed: %s", audit.integrity_error)
+        self._integrity_logged = audit.integrity_error
+        return RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
+                            self._decode_steps, self._cascade_steps, counters.groups,
+                            counters.levels, counters.tokens_read_once, self._worker_busy_s,
+                            self._worker_launch_s, self._scheduler_busy_s, self._device_s,
+                            self._jit_after_ready, *self._graphs, *self._prefill_cascade,
+                            kv_audit=audit,
+                            malformed_frames=self._frontend_msgs.dropped + self._worker_msgs.dropped
+                            + self._worker_dropped)
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:
@@ -235,11 +257,14 @@ class _Pending:
 
 
 def _wait_for_worker(args: ChildArgs, worker_in: zmq.Socket) -> WorkerReady | RuntimeFailed | None:
-    """The worker's first message; None when the parent died meanwhile."""
-    while not worker_in.poll(POLL_MS):
-        if parent_gone(args):
-            return None
-    message = decoder(WorkerMessage).decode(worker_in.recv())
+    """The worker's first message (malformed frames dropped); None when the parent died meanwhile."""
+    frames = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
+    message = None
+    while message is None:
+        while not worker_in.poll(POLL_MS):
+            if parent_gone(args):
+                return None
+        message = frames(worker_in.recv())
     if isinstance(message, WorkerStepDone):
         return RuntimeFailed("worker sent a step output before it was ready")
     return message

@@ -6,7 +6,7 @@ Start-up: load the model, size and allocate the KV cache, report ``WorkerReady``
 each step's output, in order, as soon as the device has produced it. A plan that arrives while
 earlier steps are still on the device is launched first (overlap: the device never waits for the
 host to read the previous step's tokens); with nothing new to launch, the worker waits for the
-oldest step in flight.
+oldest step in flight. A frame that is not a ``WorkerCommand`` is logged and dropped.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import profile_dir, trace_steps
 from radixrelay.model.loader import load_model
-from radixrelay.runtime.child import POLL_MS, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
-    ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, decoder,
-    encoder,
+    ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
 from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
@@ -110,7 +109,6 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     inbox = bind_pull(ctx, args.endpoints.scheduler_to_worker)
     outbox = connect_push(ctx, args.endpoints.worker_to_scheduler)
     encode = encoder().encode
-    commands = decoder(WorkerCommand)
     try:
         runner, ready = build_runner(args.config)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
@@ -125,7 +123,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
 
 def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs) -> int:
     encode = encoder().encode
-    commands = decoder(WorkerCommand)
+    commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
     in_flight: deque[tuple[LaunchedStep, float]] = deque()      # (step, host seconds spent on it)
     jit_after_ready = _jit_variants_since_now(runner)
     jit_seen = 0
@@ -145,7 +143,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             jit_seen = jit
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps,
-                                          dataclasses.astuple(runner.prefill_cascade))))
+                                          dataclasses.astuple(runner.prefill_cascade), commands.dropped)))
         if trace is not None:
             trace.finished(step.step_id)
 
@@ -159,7 +157,9 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             elif parent_gone(args):
                 return 1
             continue
-        command = commands.decode(inbox.recv())
+        command = commands(inbox.recv())
+        if command is None:
+            continue                  # malformed frame: logged and dropped
         if not isinstance(command, WorkerStep):
             while in_flight:
                 send_oldest()

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler.audit import KVAudit, audit_kv
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.cascade_hook import CascadePlanner, decode_rows
 from radixrelay.scheduler.config import SchedulerConfig
@@ -223,6 +224,10 @@ class Scheduler:
             cached_tokens=tree.cached_tokens, evictable_tokens=tree.evictable_tokens,
             locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
             prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions)
+
+    def audit(self) -> KVAudit:
+        """Who holds the KV pages and radix locks, and ``check_integrity``'s verdict (per scrape)."""
+        return audit_kv(self.cache, self._running.values(), len(self._requests), self.check_integrity)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless KV accounting and request state agree."""

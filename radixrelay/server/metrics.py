@@ -2,7 +2,11 @@
 
 Two sources: the frontend observes request-level values as they happen (tokens, TTFT,
 inter-token latency, finished requests); the runtime's ``RuntimeStats`` snapshot, fetched when
-/metrics is scraped, provides the scheduler's gauges and its cumulative counters.
+/metrics is scraped, provides the scheduler's gauges and its cumulative counters, and the KV audit
+the scheduler takes for each scrape: pages by holder (free, cached in the radix tree, held by
+requests), radix locks, and whether ``check_integrity`` passed. Once traffic has ended a healthy
+server reports ``radixrelay_kv_idle_baseline 1``: no request pages, no locks
+(``radixrelay.scheduler.audit`` defines the baseline).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixrelay.runtime.messages import RuntimeStats
+from radixrelay.scheduler.audit import KVAudit
 
 PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -82,6 +87,34 @@ class _RuntimeCollector(Collector):
                       " (members - 1) x tokens per run and step.", s.prefill_cascade_tokens_read_once)
         yield counter("prefill_long_prefix_runs", "Long cached prefixes of short extends read split along"
                       " their length.", s.prefill_long_prefix_runs)
+        yield counter("malformed_frames", "Runtime messages dropped because they did not decode as their "
+                      "channel's messages (garbage, truncated, wrong type); the process kept serving.",
+                      s.malformed_frames)
+        if s.kv_audit is not None:
+            yield from _audit_metrics(s.kv_audit)
+
+
+def _audit_metrics(a: KVAudit) -> Iterator[Metric]:
+    """The KV audit (``radixrelay.scheduler.audit``), taken when this scrape asked for the stats."""
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+    yield gauge("kv_free_pages", "KV pages on the free list.", a.free_pages)
+    yield gauge("kv_cached_pages", "KV pages held by radix-tree nodes (locked or evictable).", a.cached_pages)
+    yield gauge("kv_request_pages", "KV pages held privately by running requests (0 at the idle baseline).",
+                a.request_pages)
+    yield gauge("radix_locked_nodes", "Radix nodes locked by running requests (0 at the idle baseline).",
+                a.locked_nodes)
+    yield gauge("radix_lock_refs", "Lock references summed over radix nodes (0 at the idle baseline).",
+                a.lock_refs)
+    yield gauge("radix_lock_holders", "Running requests holding a lock on their cached prefix.",
+                a.lock_holders)
+    yield gauge("kv_integrity_ok", "1 when the scheduler's check_integrity passed at this scrape (free +"
+                " cached + request pages == total, tree and allocator invariants), else 0; the reason "
+                "is in the scheduler's log.", int(a.integrity_ok))
+    yield gauge("kv_idle_baseline", "1 when no request is live and no KV page or radix lock is held for "
+                "one (only cached, unlocked pages besides free ones), with integrity ok; expected 1 once "
+                "traffic has ended.", int(a.at_idle_baseline))
 
 
 class ServerMetrics:
