@@ -186,6 +186,8 @@ def instrument(timers: Timers, graphs: bool) -> None:
     from radixrelay.worker import model_runner, sampling, step_state
 
     timers.wrap(ModelRunner, "_apply_diff", "ModelRunner._apply_diff")
+    if hasattr(ModelRunner, "_advance"):
+        timers.wrap(ModelRunner, "_advance", "ModelRunner._advance")
     timers.wrap(ModelRunner, "_batch", "ModelRunner._batch")
     timers.wrap(model_runner, "build_forward_batch", "  build_forward_batch")
     timers.wrap(metadata.DevicePageTable, "gather", "  DevicePageTable.gather")
@@ -200,6 +202,8 @@ def instrument(timers: Timers, graphs: bool) -> None:
     if graphs:
         from radixrelay.worker import cuda_graphs
 
+        if hasattr(cuda_graphs.DecodeGraphs, "advance"):
+            timers.wrap(cuda_graphs.DecodeGraphs, "advance", "  DecodeGraphs.advance")
         timers.wrap(cuda_graphs.DecodeGraphs, "run", "DecodeGraphs.run")
         timers.wrap(cuda_graphs.DecodeGraphs, "_fill_rows", "  DecodeGraphs._fill_rows")
         timers.wrap(cuda_graphs.DecodeGraphs, "_fill_groups", "  DecodeGraphs._fill_groups")

@@ -5,8 +5,8 @@
 # Results go to the folder named by $OUT if set (remote runs), else benchmarks/results/.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-# (tests/kernels/test_fused_ops.py carries no gpu mark: on a CUDA machine all of it runs on the device)
-python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_ops.py \
+# (test_fused_ops.py and test_decode_rows.py carry no gpu mark: on a CUDA machine all of it runs on the device)
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_ops.py tests/kernels/test_decode_rows.py \
     && python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/cascade/test_gpu.py \
     tests/model/test_cuda.py tests/worker/test_sampling.py tests/worker/test_piecewise_graphs.py \
     tests/engine/test_engine_gpu.py 2>&1 | tee "$dest/gpu_tests.log"

@@ -23,14 +23,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
 from radixrelay.attention.kv_cache import KVCache
-from radixrelay.attention.metadata import ForwardBatch, SharedRuns
+from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
+from radixrelay.kernels.decode_rows import advance_decode_rows
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -52,6 +54,18 @@ class _Graph:
     logits: torch.Tensor | None = None   # [bs, V] output of the captured forward
     runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
     num: int = -1                        # ... for this many real rows
+    dirty: int = 0                       # rows [0, dirty) may hold a request's values; beyond: padding
+
+
+@dataclass
+class _Repeat:
+    """The last step run on a graph, for ``advance``: its rows (request ids, in order), shared runs and
+    the own-KV length its launch shape was chosen for."""
+    graph: _Graph
+    rids: list[int]
+    runs: SharedRuns | None
+    own_len: int
+    row_of: dict[int, int] | None = None   # rid -> row, built on the first page append
 
 
 class DecodeGraphs:
@@ -73,13 +87,65 @@ class DecodeGraphs:
         self._max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.captures = 0
+        self.advances = 0               # steps advanced on the device (``advance``)
+        self._repeat: _Repeat | None = None
+        self._warm_advance()
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_decodes == batch.num_requests <= self.max_batch
                 and batch.page_table.shape[1] <= self.max_pages)
 
-    def run(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """logits [B, V] of a decode-only batch (a view of the graph's output: read it before the next run)."""
+    def forget(self) -> None:
+        """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
+        self._repeat = None
+
+    def repeats(self, rids: list[int]) -> bool:
+        """Whether a step of these rows may ``advance`` the last one (its other conditions checked there)."""
+        return self._repeat is not None and self._repeat.rids == rids
+
+    def advance(self, rids: list[int], runs: SharedRuns | None, ids: torch.Tensor,
+                appends: list[tuple[int, int, list[int]]]) -> torch.Tensor | None:
+        """logits [B, V] of a decode step whose rows ``rids`` are the last ``run``'s or ``advance``'s rows, in
+        the same order, each one token further, with the same shared runs (``runs``, identity); None when
+        the step does not repeat it that way (then ``run`` it). ``ids``: int64 [B] on the device;
+        ``appends``: (rid, first column, pages) written to page lists since that step."""
+        r = self._repeat
+        if r is None or r.runs is not runs or r.rids != rids:
+            return None
+        own_len = r.own_len + 1
+        if _pow2(own_len) != _pow2(r.own_len):         # maybe another launch shape: take the full path
+            return None
+        g, num = r.graph, len(rids)
+        if appends:
+            if r.row_of is None:
+                r.row_of = {rid: i for i, rid in enumerate(rids)}
+            rows: list[int] = []
+            cols: list[int] = []
+            pages: list[int] = []
+            for rid, start, new in appends:
+                row = r.row_of.get(rid)
+                if row is None:
+                    continue
+                if start + len(new) > self.max_pages:
+                    return None
+                rows.extend([row] * len(new))
+                cols.extend(range(start, start + len(new)))
+                pages.extend(new)
+            if rows:
+                index = to_device(rows + cols + pages, torch.int64, self.device).view(3, -1)
+                g.batch.page_table.index_put_((index[0], index[1]), index[2].to(torch.int32))
+        sb = g.batch
+        g.ids[:num].copy_(ids)
+        advance_decode_rows(sb.positions, sb.prefix_lens, sb.seq_lens, sb.out_slots, sb.page_table, num,
+                            self.kv_cache.page_size)
+        self._replay(g)
+        r.own_len = own_len
+        self.advances += 1
+        return g.logits[:num]
+
+    def run(self, ids: torch.Tensor, batch: ForwardBatch, rids: list[int] | None = None) -> torch.Tensor:
+        """logits [B, V] of a decode-only batch (a view of the graph's output: read it before the next run).
+        ``rids`` (the rows' request ids): the next step may ``advance`` this one."""
         num = batch.num_requests
         bs = next(b for b in self.buckets if b >= num)
         cascade = batch.cascade
@@ -123,7 +189,15 @@ class DecodeGraphs:
         else:
             self._graphs.move_to_end(key)
             self._replay(g)
+        self._repeat = _Repeat(g, list(rids), runs, own_len) if rids is not None else None
         return g.logits[:num]
+
+    def _warm_advance(self) -> None:
+        """Compile (or load) the advance kernel now, for this page table's width: not while serving."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        advance_decode_rows(torch.zeros(1, **i64), torch.zeros(1, **i32), torch.zeros(1, **i32),
+                            torch.zeros(1, **i64), torch.zeros(1, self.max_pages, **i32), 1, self.kv_cache.page_size)
 
     def _one_split_unbounded(self, plan: CascadePlan) -> CascadePlan:
         """A level with one split reads [start, end) whatever its chunk, as long as the chunk covers the
@@ -165,9 +239,11 @@ class DecodeGraphs:
         """Per-row inputs, every step; padded rows write the scratch slot and attend nothing."""
         num, width = batch.num_requests, batch.page_table.shape[1]
         sb = g.batch
-        for pad, value in ((g.ids, 0), (sb.positions, 0), (sb.out_slots, self.scratch_slot), (sb.prefix_lens, 0),
-                           (sb.seq_lens, 0), (g.kv_start, 0)):
-            pad[num:].fill_(value)
+        if g.dirty > num:             # rows a larger batch used become padding again
+            for pad, value in ((g.ids, 0), (sb.positions, 0), (sb.out_slots, self.scratch_slot),
+                               (sb.prefix_lens, 0), (sb.seq_lens, 0), (g.kv_start, 0)):
+                pad[num:g.dirty].fill_(value)
+        g.dirty = num
         g.ids[:num].copy_(ids)
         sb.positions[:num].copy_(batch.positions)
         sb.out_slots[:num].copy_(batch.out_slots)
@@ -190,11 +266,11 @@ class DecodeGraphs:
         p.kv_lens[num_groups:].zero_()                     # ... and no KV
         p.q_rows[:rows].copy_(q_rows)
         p.kv_pages[:kv_pages.numel()].copy_(kv_pages)
-        indptr, part_ids = merge_index(list(host_rows), g.batch.num_requests, p.shared_splits,
-                                       p.own_splits, rows_cap=p.q_rows.numel())
-        p.merge_indptr.copy_(torch.tensor(indptr, dtype=torch.int32).to(self.device, non_blocking=True))
-        p.merge_part_ids[:len(part_ids)].copy_(torch.tensor(part_ids, dtype=torch.int32).to(self.device,
-                                                                                            non_blocking=True))
+        indptr, part_ids = merge_index(host_rows, g.batch.num_requests, p.shared_splits, p.own_splits,
+                                       rows_cap=p.q_rows.numel())
+        index = torch.from_numpy(np.concatenate((indptr, part_ids))).to(self.device, non_blocking=True)
+        p.merge_indptr.copy_(index[:len(indptr)])
+        p.merge_part_ids[:len(part_ids)].copy_(index[len(indptr):])
         g.num = num
 
     # -- capture / replay --------------------------------------------------------------------------

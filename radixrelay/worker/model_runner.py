@@ -148,6 +148,7 @@ class ModelRunner:
         self.graph_replays = 0       # steps that replayed a captured graph
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
         self.prefill_cascade = PrefillCascadeCounters()
+        self._appends: list[tuple[int, int, list[int]]] = []   # this step's (rid, first column, pages)
 
     @property
     def graph_captures(self) -> int:
@@ -171,6 +172,8 @@ class ModelRunner:
             self._apply_diff(plan)
             return self._launch(plan, start)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
+            if self.graphs is not None:
+                self.graphs.forget()
             return LaunchedStep(plan.step_id, error=f"{type(exc).__name__}: {exc}")
 
     def _apply_diff(self, plan: StepPlan) -> None:
@@ -185,8 +188,11 @@ class ModelRunner:
                                              req.token_offset + len(req.token_ids), list(req.pages), req.sampling)
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
+        self._appends = []
         for append in plan.page_appends:           # page lists only grow while resident (DecodeRunsCache)
-            self._table[append.rid].pages.extend(append.pages)
+            pages = self._table[append.rid].pages
+            self._appends.append((append.rid, len(pages), append.pages))
+            pages.extend(append.pages)
             self._page_table.append(append.rid, append.pages)
 
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
@@ -216,29 +222,15 @@ class ModelRunner:
         decoding = [self._table[rid] for rid in plan.decodes]
         if not extends and not decoding:
             return LaunchedStep(plan.step_id)
-        decodes = self._decode_rows(plan.decodes, decoding)
         samplers.extend(plan.decodes)           # decodes sample too; their logits rows follow the extends'
-
-        batch = self._batch(plan, extends, decodes)
-        if not plan.decodes:
-            ids = to_device(input_ids, torch.int64, self.device)
-        elif not input_ids:                               # decodes feed their newest token from the device
-            ids = self._tokens.newest(plan.decodes)
-        else:
-            ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
         events = None
         if self._cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(ids, batch)                             # [num_rows, V]
-            self.graph_replays += 1
-        elif self.piecewise is not None and self.piecewise.fits(batch):
-            logits = self.piecewise.run(ids, batch)
+        logits = self._advance(plan, decoding, events) if not extends and self.graphs is not None else None
+        if logits is not None:                            # the last graph step, one token further
             self.graph_replays += 1
         else:
-            logits = self.model(ids, batch, self.kv_cache, self.backend)
-            self.eager_steps += 1
+            logits = self._forward(plan, extends, decoding, input_ids, events)
         launch_s = time.perf_counter() - start                               # the device may still be busy
         prompt = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs]).to_host()
                   for item, row in owed]
@@ -262,6 +254,45 @@ class ModelRunner:
             events[1].record()
         return LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
                             num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
+
+    def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
+        """logits of a decode-only step that repeats the last graph step one token further (``DecodeGraphs.
+        advance``: no batch packing on the host), or None."""
+        if not self.graphs.repeats(plan.decodes):
+            return None
+        ps = self.page_size
+        if any((r.num_tokens - 1) // ps >= len(r.pages) for r in decoding):
+            return None                                   # the full path raises the error
+        runs = (self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of) if plan.cascade is not None
+                else None)
+        if events is not None:
+            events[0].record()
+        return self.graphs.advance(plan.decodes, runs, self._tokens.newest(plan.decodes), self._appends)
+
+    def _forward(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+                 input_ids: list[int], events) -> torch.Tensor:
+        """logits of the step's rows: the batch packed on the host, then a decode graph, piecewise graphs
+        or the eager model."""
+        decodes = self._decode_rows(plan.decodes, decoding)
+        batch = self._batch(plan, extends, decodes)
+        if not plan.decodes:
+            ids = to_device(input_ids, torch.int64, self.device)
+        elif not input_ids:                               # decodes feed their newest token from the device
+            ids = self._tokens.newest(plan.decodes)
+        else:
+            ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
+        if events is not None:
+            events[0].record()
+        if self.graphs is not None and self.graphs.fits(batch):
+            self.graph_replays += 1
+            return self.graphs.run(ids, batch, rids=plan.decodes)              # [num_rows, V]
+        if self.graphs is not None:
+            self.graphs.forget()
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            self.graph_replays += 1
+            return self.piecewise.run(ids, batch)
+        self.eager_steps += 1
+        return self.model(ids, batch, self.kv_cache, self.backend)
 
     def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
         """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""

@@ -91,13 +91,15 @@ def test_triton_backend_through_the_runner(llama32):
 
 def test_decode_graph_buffers(llama32):
     """DecodeGraphs' padded buffers and fixed plans (eager on the CPU) give the unpadded result:
-    batches of 1-6 decodes padded to buckets 1, 2, 4, 8, with and without cascade groups."""
+    batches of 1-6 decodes padded to buckets 1, 2, 4, 8, with and without cascade groups; repeated
+    batches advanced on the device (page size 4: rows cross into appended pages while advancing)."""
     waves = prompt_tree(random.Random(9), system_len=8, problems=2, samples=3)
-    off = run_workload(llama32, waves, mode="off", max_tokens=3)
+    off = run_workload(llama32, waves, mode="off", max_tokens=7)
     for mode in ("off", "on"):
-        got = run_workload(llama32, waves, mode=mode, max_tokens=3, backend=make_backend("triton", "cpu"),
+        got = run_workload(llama32, waves, mode=mode, max_tokens=7, backend=make_backend("triton", "cpu"),
                            graph_max_batch=8)
         assert got.graphs.captures >= 3
+        assert got.graphs.advances >= 3
         assert_same(off, got, atol=2e-3)
 
 

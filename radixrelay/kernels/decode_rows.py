@@ -1,0 +1,75 @@
+"""One decode step forward for fixed per-row buffers, in one launch: the device-side half of a repeated
+decode batch (``radixrelay.worker.cuda_graphs``: a step whose rows are the previous step's rows, in the
+same order, each one token further).
+
+API::
+
+    advance_decode_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, page_size)
+
+    positions:   int64 [>= num]  position of each row's token; becomes position + 1
+    prefix_lens: int32 [>= num]  becomes the new position (tokens before the new one)
+    seq_lens:    int32 [>= num]  becomes the new position + 1
+    out_slots:   int64 [>= num]  becomes the KV slot of the new position:
+                                 page_table[row, pos // page_size] * page_size + pos % page_size
+    page_table:  int32 [R >= num, W], row stride W, unit column stride (pages of row r's request)
+
+Rows ``num`` and beyond are not touched (padded rows keep their values). The caller guarantees that
+each row's page list holds the new position (``pos // page_size < W`` and the page written there): the
+kernel reads the page table without bounds checks, as the attention kernels do. On the CPU without
+``TRITON_INTERPRET=1`` (no Triton driver) the same update runs as torch ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrelay.kernels._common import check
+
+BLOCK = 256
+
+
+# num varies per step; not specialised (radixrelay.worker.warmup: no compiles after ready).
+@triton.jit(do_not_specialize=["num"])
+def _advance_kernel(positions, prefix_lens, seq_lens, out_slots, page_table, num, stride_pt,
+                    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < num
+    pos = tl.load(positions + rows, mask=ok, other=0) + 1                 # int64
+    page = tl.load(page_table + rows.to(tl.int64) * stride_pt + pos // PAGE_SIZE, mask=ok, other=0)
+    tl.store(positions + rows, pos, mask=ok)
+    tl.store(prefix_lens + rows, pos.to(tl.int32), mask=ok)
+    tl.store(seq_lens + rows, (pos + 1).to(tl.int32), mask=ok)
+    tl.store(out_slots + rows, page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
+
+
+def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                        out_slots: torch.Tensor, page_table: torch.Tensor, num: int, page_size: int) -> None:
+    """See the module docstring."""
+    for name, t, dtype in (("positions", positions, torch.int64), ("prefix_lens", prefix_lens, torch.int32),
+                           ("seq_lens", seq_lens, torch.int32), ("out_slots", out_slots, torch.int64)):
+        check(t.dim() == 1 and t.dtype == dtype and t.stride(0) == 1 and t.numel() >= num,
+              f"advance_decode_rows: {name} must be contiguous {dtype} [>= {num}], got {t.dtype} {tuple(t.shape)}")
+    check(page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
+          and page_table.shape[0] >= num,
+          f"advance_decode_rows: page_table must be int32 [>= {num}, W] with unit column stride")
+    check(page_size >= 1, f"advance_decode_rows: page_size must be >= 1, got {page_size}")
+    if num > 0 and positions.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pos, prefix, seq, slots = advance_decode_rows_reference(positions, page_table, num, page_size)
+        for t, v in ((positions, pos), (prefix_lens, prefix), (seq_lens, seq), (out_slots, slots)):
+            t[:num] = v
+    elif num > 0:
+        _advance_kernel[(triton.cdiv(num, BLOCK),)](positions, prefix_lens, seq_lens, out_slots, page_table, num,
+                                                  page_table.stride(0), PAGE_SIZE=page_size, BLOCK=BLOCK,
+                                                  num_warps=4)
+
+
+def advance_decode_rows_reference(positions: torch.Tensor, page_table: torch.Tensor, num: int,
+                                  page_size: int) -> tuple[torch.Tensor, ...]:
+    """(positions, prefix_lens, seq_lens, out_slots) of the first ``num`` rows after the step."""
+    pos = positions[:num] + 1
+    page = page_table[:num].gather(1, (pos // page_size).view(-1, 1)).view(-1).long()
+    return pos, pos.int(), (pos + 1).int(), page * page_size + pos % page_size

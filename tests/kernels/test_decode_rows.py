@@ -1,0 +1,42 @@
+"""The decode-row advance kernel (one step forward of fixed row buffers) against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrelay.kernels.decode_rows import advance_decode_rows, advance_decode_rows_reference
+from tests.kernels.helpers import DEVICE
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("num, rows", [(1, 1), (5, 8), (300, 320)])     # 300: two programs, a masked tail
+def test_advance_matches_reference(page_size, num, rows):
+    gen = torch.Generator().manual_seed(num * page_size)
+    width = 40
+    table = torch.randint(0, 1000, (rows, width), generator=gen, dtype=torch.int32).to(DEVICE)
+    # each row's next position still inside its page list, some of them crossing into a new page
+    positions = torch.randint(0, width * page_size - 1, (rows,), generator=gen).to(DEVICE)
+    prefix, seq = torch.full((rows,), -7, dtype=torch.int32, device=DEVICE), torch.full((rows,), -7, dtype=torch.int32,
+                                                                                       device=DEVICE)
+    slots = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    before = positions.clone()
+    want = advance_decode_rows_reference(before, table, num, page_size)
+    advance_decode_rows(positions, prefix, seq, slots, table, num, page_size)
+    for got, ref in zip((positions, prefix, seq, slots), want):
+        assert torch.equal(got[:num], ref)
+    # rows past num (padding) are untouched
+    assert torch.equal(positions[num:], before[num:])
+    assert (prefix[num:] == -7).all() and (seq[num:] == -7).all() and (slots[num:] == -7).all()
+
+
+def test_advance_rejects_bad_buffers():
+    table = torch.zeros(4, 8, dtype=torch.int32, device=DEVICE)
+    i32 = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    i64 = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="positions"):
+        advance_decode_rows(i32, i32, i32, i64, table, 2, 4)
+    with pytest.raises(ValueError, match="page_table"):
+        advance_decode_rows(i64, i32, i32, i64, table.long(), 2, 4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        advance_decode_rows(i64, i32, i32[:1], i64, table, 2, 4)
