@@ -5,7 +5,7 @@ Llama-3-8B shapes with dummy bf16 weights and a word-level tokenizer written her
 Per mode, one Engine: the document is read once (the first question: its prefill caches it); a
 warm-up round of as many other questions (untimed: kernels compile, CUDA graphs are captured, as a
 server does in its first minutes); then the questions arrive together; timed: that round, prefill
-of the questions included.
+of the questions included. Then a round with half the output tokens: the difference is decode alone.
 
     python benchmarks/bench_engine.py [--layers 32] [--doc 16384] [--questions 256] [--out-dir DIR]
 """
@@ -47,8 +47,11 @@ def model_dir(path: str, layers: int) -> str:
 
 
 def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions: list[list[int]],
-        max_tokens: int, kv_tokens: int, device: str) -> dict:
+        short: list[list[int]], max_tokens: int, kv_tokens: int, device: str) -> dict:
+    """The timed round, then a round of ``short`` questions with half the output tokens: the difference
+    between the two is decode steps alone (same prefill, same first half of the decode)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    half = SamplingParams(max_tokens=max_tokens // 2, temperature=0, ignore_eos=True)
     cascade, _, loop = mode.partition("-")          # e.g. "auto", "off-nooverlap"
     with Engine(model=path, load_format="dummy", device=device, cascade=cascade, kv_cache_tokens=kv_tokens,
                 disable_overlap=loop == "nooverlap") as engine:
@@ -59,9 +62,20 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions
         outs = engine.generate([doc + q for q in questions], params)
         wall = time.perf_counter() - t0
         after = engine.stats()
+        t1 = time.perf_counter()
+        engine.generate([doc + q for q in short], half)
+        wall_half = time.perf_counter() - t1
+        after_half = engine.stats()
     assert all(o.error is None and len(o.token_ids) == max_tokens for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
+    full = {k: after[k] - before[k] for k in ("steps", "worker_device_s")}
+    part = {k: after_half[k] - after[k] for k in ("steps", "worker_device_s")}
+    decode_steps = max(full["steps"] - part["steps"], 1)
     return {"mode": mode, "wall_s": wall, "tok_s": tokens / wall,
+            "decode_step_s": (wall - wall_half) / decode_steps,
+            "decode_device_s": (full["worker_device_s"] - part["worker_device_s"]) / decode_steps,
+            "decode_captures": (after["graph_captures"] - before["graph_captures"])
+            - (after_half["graph_captures"] - after["graph_captures"]),
             "cached": sum(o.cached_tokens for o in outs) / len(outs),
             "computed": after["computed_tokens"] - before["computed_tokens"],
             "steps": after["steps"] - before["steps"],
@@ -82,21 +96,25 @@ def main() -> None:
     ap.add_argument("--modes", default="off,auto",
                     help="comma-separated cascade modes, each optionally suffixed -nooverlap (lock-step loop)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run only (use tiny sizes)")
+    ap.add_argument("--log-level", default="warning", help="of the engine's processes (info: graph captures)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
+    import logging
+
     import torch
 
+    logging.basicConfig(level=args.log_level.upper())      # the engine's processes take this level
     rng = random.Random(0)
     doc = [rng.randrange(2, VOCAB) for _ in range(args.doc)]
-    warmup, questions = ([[rng.randrange(2, VOCAB) for _ in range(args.question_len)] for _ in range(args.questions)]
-                         for _ in range(2))
-    kv_tokens = args.doc + 2 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
+    warmup, questions, short = ([[rng.randrange(2, VOCAB) for _ in range(args.question_len)]
+                                 for _ in range(args.questions)] for _ in range(3))
+    kv_tokens = args.doc + 3 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(tmp, args.layers)
         for mode in args.modes.split(","):
-            rows.append(run(path, mode, doc, warmup, questions, args.max_tokens, kv_tokens, args.device))
+            rows.append(run(path, mode, doc, warmup, questions, short, args.max_tokens, kv_tokens, args.device))
             print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
@@ -125,6 +143,13 @@ def main() -> None:
                       f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} | "
                       f"{r['graph_replays']} / {r['graph_captures']} / {r['eager_steps']} |")
     lines += timing
+    lines += ["", f"Decode alone: a second round of {args.questions} other questions with {args.max_tokens // 2} output "
+              "tokens each; the difference between the rounds is decode steps only (ms per step: wall, the device's "
+              "time in those steps, wall over device; graph captures in the difference).", "",
+              "| mode | decode step, wall | device | wall / device | captures |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {1e3 * r['decode_step_s']:.2f} | {1e3 * r['decode_device_s']:.2f} | "
+                     f"{r['decode_step_s'] / max(r['decode_device_s'], 1e-9):.2f} | {r['decode_captures']} |")
     os.makedirs(args.out_dir, exist_ok=True)
     tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
     out = os.path.join(args.out_dir, f"engine_{tag}.md")

@@ -7,7 +7,9 @@ Flat decode is the same launch with no groups. The kernels' launch shape (split 
 query tiles, tile config) is baked into a graph: it is what ``plan_cascade`` picks for the step's size
 class (bucket, groups, rows, largest group, longest run, own KV length rounded up to a power of two, so
 that a growing suffix rarely changes it), computed once per class. Graphs are keyed by (bucket, padded
-sizes, launch shape) and captured on first use; in steady decode a step is a few buffer copies and one
+sizes, launch shape) and captured on first use, unless a captured graph covers the step (a larger bucket,
+larger caps, tiles and splits that reach its rows and lengths): the step runs on that one, and only a size
+class seen ``CAPTURE_AFTER`` times gets a graph of its own. In steady decode a step is a few buffer copies and one
 replay, without a device sync (the shared runs and merge index are refilled only when the plan changes).
 Padded rows write their K/V to a scratch slot that no request owns and attend nothing.
 
@@ -22,6 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +39,11 @@ from radixrelay.kernels.decode_rows import advance_decode_rows
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
+# A step whose size class has no graph runs on a captured graph that covers it (a larger bucket, larger
+# caps, a launch shape whose tiles and splits reach its rows and lengths), if there is one, until the class
+# has been seen this many times: then its own graph is captured. Transient classes (a batch shrinking as
+# requests finish, a plan that lasts a few steps) never pay a capture (~100 ms at 32 layers).
+CAPTURE_AFTER = 32
 logger = logging.getLogger("radixrelay.worker")
 
 
@@ -52,6 +60,8 @@ class _Graph:
     kv_start: torch.Tensor               # int32 [bs]
     plan: CascadePlan                    # over fixed tensors
     logits: torch.Tensor | None = None   # [bs, V] output of the captured forward
+    key: tuple = ()                      # (bucket, caps, launch shape): its entry in DecodeGraphs._graphs
+    cascade: bool = False                # captured with shared runs (else flat decode)
     runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
     num: int = -1                        # ... for this many real rows
     dirty: int = 0                       # rows [0, dirty) may hold a request's values; beyond: padding
@@ -88,6 +98,9 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.captures = 0
         self.advances = 0               # steps advanced on the device (``advance``)
+        self.fallbacks = 0              # steps run on a larger graph that covers their size class
+        self._misses: dict[tuple, int] = {}     # size class without a graph -> steps seen
+        self._group = cfg.num_heads // cfg.num_kv_heads
         self._repeat: _Repeat | None = None
         self._warm_advance()
 
@@ -170,9 +183,21 @@ class DecodeGraphs:
         caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
-        fresh = g is None
-        if fresh:
-            g = self._buffers(bs, caps, shape)
+        fresh = False
+        if g is None:
+            seen = self._misses[key] = self._misses.get(key, 0) + 1
+            need = _Need(runs is not None, (runs.max_rows if runs is not None else 0) * self._group,
+                         runs.max_kv_len if runs is not None else 0, own_len, contiguous)
+            g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
+            if g is None:
+                fresh = True
+                g = self._buffers(bs, caps, shape)
+                g.key, g.cascade = key, runs is not None
+                self._misses.pop(key, None)
+                if len(self._misses) > 1024:
+                    self._misses.clear()
+            else:
+                self.fallbacks += 1
         self._fill_rows(g, ids, batch, kv_start)
         if g.runs is not runs or g.num != num or fresh:
             self._fill_groups(g, groups, runs.host_rows if runs is not None else (), num)
@@ -187,7 +212,7 @@ class DecodeGraphs:
             if len(self._graphs) > self._max_graphs:
                 self._graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end(key)
+            self._graphs.move_to_end(g.key)
             self._replay(g)
         self._repeat = _Repeat(g, list(rids), runs, own_len) if rids is not None else None
         return g.logits[:num]
@@ -198,6 +223,18 @@ class DecodeGraphs:
         i64 = dict(dtype=torch.int64, device=self.device)
         advance_decode_rows(torch.zeros(1, **i64), torch.zeros(1, **i32), torch.zeros(1, **i32),
                             torch.zeros(1, **i64), torch.zeros(1, self.max_pages, **i32), 1, self.kv_cache.page_size)
+
+    def _covering(self, num: int, caps: tuple[int, int, int], need: _Need) -> _Graph | None:
+        """The smallest captured graph that can run a step of ``num`` rows with buffers of ``caps`` and the
+        sizes in ``need`` (padded rows and groups attend nothing; splits past a length read nothing)."""
+        best: _Graph | None = None
+        for (bs, graph_caps, _), g in self._graphs.items():
+            if (bs < num or g.cascade != need.cascade or any(c < n for c, n in zip(graph_caps, caps))
+                    or not _covers(g.plan, need)):
+                continue
+            if best is None or (bs, graph_caps) < best.key[:2]:
+                best = g
+        return best
 
     def _one_split_unbounded(self, plan: CascadePlan) -> CascadePlan:
         """A level with one split reads [start, end) whatever its chunk, as long as the chunk covers the
@@ -299,6 +336,23 @@ class DecodeGraphs:
             g.logits = self._forward(g)
         else:
             g.graph.replay()
+
+
+class _Need(NamedTuple):
+    """What a step asks of a graph's launch shape."""
+    cascade: bool        # shared runs (else flat)
+    query_rows: int      # most rows of a group x query heads per KV head (folded rows of a tile)
+    max_kv: int          # longest shared run, tokens
+    own_len: int         # longest own KV range, tokens
+    contiguous: bool     # every run's pages contiguous (a TMA launch needs it)
+
+
+def _covers(plan: CascadePlan, need: _Need) -> bool:
+    own = plan.own_splits * plan.own_chunk >= need.own_len
+    if not need.cascade:
+        return own
+    return (own and plan.m_tiles * plan.shared_config[0] >= need.query_rows
+            and plan.shared_splits * plan.shared_chunk >= need.max_kv and (need.contiguous or not plan.kv_tma))
 
 
 def _groups(runs, device) -> tuple[torch.Tensor, ...]:

@@ -45,12 +45,13 @@ class Result:
     graphs: object | None = None           # the DecodeGraphs used, if any
 
 
-def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_tokens: int,
+def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_tokens: int | dict[int, int],
                  page_size: int = 4, backend: AttentionBackend | None = None,
                  prefill_cost: CostModel | None = None, kv_tokens: int = 4096,
                  chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0,
                  long_prefix_tokens: int | None = None) -> Result:
-    """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU)."""
+    """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU).
+    ``max_tokens``: for every request, or per rid."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     sched_cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size,
@@ -75,11 +76,11 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
     if long_prefix_tokens is not None:           # short extends after this many cached tokens: split reads
         runner.long_prefix_tokens = long_prefix_tokens
     runner.sampler = recorder = RecordingSampler(runner.sampler)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     result = Result(planner=planner, graphs=graphs)
     for wave in waves:
         for rid, prompt in wave:
-            sched.add_request(rid, prompt, params)
+            limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
+            sched.add_request(rid, prompt, SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True))
         while sched.has_work():
             plan = sched.schedule()
             out = runner.step(plan)

@@ -103,6 +103,20 @@ def test_decode_graph_buffers(llama32):
         assert_same(off, got, atol=2e-3)
 
 
+def test_shrinking_batch_runs_on_a_covering_graph(llama32):
+    """Requests finishing one after another shrink the batch into smaller buckets: those steps run on the
+    larger graph already captured (padded rows attend nothing), with the unpadded result, and capture
+    nothing new."""
+    waves = prompt_tree(random.Random(11), system_len=8, problems=2, samples=3)
+    limits = {rid: 2 + i for i, (rid, _) in enumerate(w for wave in waves for w in wave)}
+    off = run_workload(llama32, waves, mode="off", max_tokens=limits)
+    for mode in ("off", "on"):
+        got = run_workload(llama32, waves, mode=mode, max_tokens=limits, backend=make_backend("triton", "cpu"),
+                           graph_max_batch=8)
+        assert got.graphs.fallbacks >= 2
+        assert_same(off, got, atol=2e-3)
+
+
 @pytest.mark.parametrize("backend_name, model, atol", [("torch", "llama64", 1e-9), ("triton", "llama32", 2e-5)])
 def test_long_cached_prefix_read_as_its_own_run_is_exact(request, monkeypatch, backend_name, model, atol):
     """A short extend after a long cached prefix reads the prefix as a shared run of its own (split along
