@@ -64,6 +64,7 @@ from radixrelay.bench.workloads import words  # noqa: E402
 Outcome = str                  # "completed" | "failed" | "aborted" | "lost"
 _SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples only
 STOPS = ("\n\n", ".")
+_ENV_SHOWN = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")   # named in the recorded command when set
 
 
 # -- traffic ------------------------------------------------------------------------------------
@@ -554,7 +555,8 @@ def _meta(args: argparse.Namespace, server: str, warmup: float) -> dict[str, Any
     return {"device": device, "commit": commit,
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]]), "server": server,
+            "command": shlex.join([*(f"{k}={os.environ[k]}" for k in _ENV_SHOWN if k in os.environ),
+                                   "python", "benchmarks/soak.py", *sys.argv[1:]]), "server": server,
             "minutes": args.duration / 60, "warmup_s": warmup, "concurrency": args.concurrency,
             "abort_share": args.abort_share, "max_rss_growth": args.max_rss_growth}
 
