@@ -133,7 +133,7 @@ class Result:
     index: int
     outcome: Outcome
     reason: str = ""
-    abort: str | None = None
+    abort: str | None = None          # the abort planned for the request (it may finish first)
     latency_s: float = 0.0
 
 
@@ -247,8 +247,7 @@ async def run_one(http: httpx.AsyncClient, base_url: str, planned: Planned, requ
     except Exception as exc:  # noqa: BLE001 - transport errors, malformed JSON: reported as failures
         result = Result(planned.index, "failed", f"{type(exc).__name__}: {exc}"[:200])
     result.latency_s = time.monotonic() - t0
-    if result.abort is None:
-        result.abort = planned.abort if result.outcome == "aborted" else None
+    result.abort = planned.abort          # planned; the outcome says whether it happened
     return result
 
 
