@@ -20,14 +20,16 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrelay.config import EngineConfig, ServerConfig
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.runtime.async_client import AsyncRuntimeClient
+from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
-from radixrelay.server import serving
+from radixrelay.server import openapi_schema, serving
 from radixrelay.server.chat_template import ChatTemplate
 from radixrelay.server.metrics import ServerMetrics
 from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
@@ -62,8 +64,9 @@ class ServerState:
 
     def serving_context(self) -> serving.ServingContext:
         assert self.client is not None
+        max_choices = self.engine_config.max_running_requests + self.engine_config.max_queued_requests
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
-                                      self.model_name, self.config.max_n, self.metrics)
+                                      self.model_name, self.config.max_n, self.metrics, max_choices)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""
@@ -115,6 +118,19 @@ def error_response(error: oa.APIError) -> Response:
 
 def json_response(payload: Any, status: int = 200) -> Response:
     return Response(_encode(payload), status_code=status, media_type="application/json")
+
+
+def check_json_content_type(request: Request) -> None:
+    """Bodies are JSON: a missing Content-Type is taken as JSON (``curl -d`` habits aside, as
+    FastAPI does), ``application/json`` and ``application/*+json`` pass, anything else is a 415."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return
+    media = given.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise oa.APIError(415, f"Content-Type must be application/json, got {given!r}",
+                      code="unsupported_media_type")
 
 
 async def read_body(request: Request, cap: int) -> bytes:
@@ -203,13 +219,42 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             await state.client.shutdown(0)
 
-    app = FastAPI(title="radixrelay", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="radixrelay", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.add_middleware(GateMiddleware, state=state)
+
+    # Routing errors (404 unknown path, 405 wrong method) and anything unexpected answer with
+    # OpenAI's error JSON too, never FastAPI's {"detail": ...} or a plain-text 500.
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        response = error_response(oa.APIError(exc.status_code, str(exc.detail), code=code))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> Response:
+        logger.error("unhandled error", exc_info=exc)
+        return error_response(oa.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+
+    def openapi() -> dict[str, Any]:
+        """Built on first use: the limits it publishes come from the running runtime."""
+        if app.openapi_schema is None:
+            info = state.client.info if state.client is not None else None
+            limits = openapi_schema.Limits(
+                model_name=state.model_name, max_n=state.config.max_n,
+                max_context=info.max_context if info else 1, vocab_size=info.vocab_size if info else 1,
+                api_key=state.config.api_key is not None)
+            app.openapi_schema = openapi_schema.build(app.routes, app.version, limits)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     cap = state.config.max_body_bytes
 
     async def generate(request: Request, kind: type[oa.ChatCompletionRequest] | type[oa.CompletionRequest]) -> Response:
         ctx = state.serving_context()
         try:
+            check_json_content_type(request)
             req = oa.decode_request(await read_body(request, cap), kind)
             if isinstance(req, oa.ChatCompletionRequest):
                 choices = serving.chat_choices(ctx, req)
@@ -252,8 +297,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if state.healthy:
-            return json_response({"status": "ok"})
-        return json_response({"status": "draining" if state.draining else "unavailable"}, 503)
+            return json_response(oa.Health("ok"))
+        return json_response(oa.Health("draining" if state.draining else "unavailable"), 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -266,7 +311,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def flush_cache() -> Response:
         assert state.client is not None
         if await state.client.flush_cache():
-            return json_response({"flushed": True})
+            return json_response(oa.Flushed(True))
         return error_response(oa.APIError(409, "cache not flushed: requests are running",
                                           code="requests_running"))
 

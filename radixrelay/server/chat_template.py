@@ -6,6 +6,15 @@ it work unchanged: a sandboxed immutable Jinja environment with ``trim_blocks`` 
 helper, a ``strftime_now`` helper, ``{% break %}`` / ``{% continue %}``, and the variables
 ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` (plus any extra keyword
 variables the caller passes, e.g. ``tools``).
+
+Templates are untrusted code (a model's files may carry one): the sandbox refuses access to Python
+internals (``''.__class__.__mro__`` raises ``SecurityError``), and ``_BoundedSandbox`` also refuses
+``*`` / ``**`` results past ``MAX_REPEAT`` items or ``MAX_POWER`` (``'a' * 10**10`` would
+allocate gigabytes); ranges are capped by Jinja's own sandbox. A template that reaches for internals
+while rendering a plain conversation is refused when it is loaded; any failure while rendering is a
+``ChatTemplateError`` (a 400), never an unhandled exception. What the sandbox does not bound is
+CPU time: loops over capped ranges still multiply, so a template is trusted to terminate.
+Message contents are data to the template, never template code: ``{{ ... }}`` in a message is text.
 """
 
 from __future__ import annotations
@@ -16,11 +25,15 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from radixrelay.server.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_REPEAT = 1_000_000      # items (characters) a `*` repetition may produce in a template
+MAX_POWER = 10_000          # largest exponent / base magnitude `**` may take in a template
+_PROBE = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello"}]
 
 
 class ChatTemplateError(ValueError):
@@ -45,8 +58,25 @@ def _tojson(
     return json.dumps(value, indent=indent, separators=separators, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, plus bounds on the two operators that allocate without limit."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                        and len(seq) * count > MAX_REPEAT:
+                    raise SecurityError(f"the template repeats a sequence past {MAX_REPEAT} items")
+        if operator == "**" and isinstance(right, (int, float)) and isinstance(left, (int, float)) \
+                and (abs(right) > MAX_POWER or abs(left) > MAX_POWER):
+            raise SecurityError(f"the template raises a number past {MAX_POWER} to a power")
+        return super().call_binop(context, operator, left, right)
+
+
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
@@ -106,6 +136,18 @@ class ChatTemplate:
         self._compiled = _compile(template)
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
+        self._refuse_unsafe()
+
+    def _refuse_unsafe(self) -> None:
+        """A template that reaches for Python internals on a plain conversation is refused now
+        (other render errors, e.g. a template that insists on alternating roles, are left to the
+        requests that trigger them)."""
+        try:
+            self.render(_PROBE)
+        except ChatTemplateError as exc:
+            if isinstance(exc.__cause__, SecurityError):
+                raise ChatTemplateError(f"chat template of {self.model_name!r} is unsafe: "
+                                        f"{exc.__cause__}") from exc.__cause__
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, override: str | None = None) -> ChatTemplate:
@@ -131,5 +173,11 @@ class ChatTemplate:
                 eos_token=self._eos_token,
                 **extra,
             )
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template of {self.model_name!r} failed: {exc}") from exc
+        except ChatTemplateError:
+            raise
+        except (ValueError, MemoryError):
+            raise                # validate_messages (a 400 naming the message) / out of memory
+        except Exception as exc:  # noqa: BLE001 - any render failure is the template's: TypeError,
+            # ZeroDivisionError, OverflowError (a capped range), RecursionError, SecurityError, ...
+            raise ChatTemplateError(f"chat template of {self.model_name!r} failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc

@@ -1,17 +1,25 @@
 """OpenAI-compatible request and response bodies (msgspec structs) and their validation.
 
-Requests are decoded strictly typed (a wrong type is a 400 naming the field); unknown fields are
-ignored, as OpenAI's own clients send fields this server has no use for. ``APIError`` carries the
-HTTP status and OpenAI's error JSON. Extensions beyond OpenAI's API: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``.
+Requests are decoded strictly typed (a wrong type or an out-of-range value is a 400 naming the
+field). No silent ignores: every OpenAI request field this server does not implement is listed in
+``UNSUPPORTED`` and refused with a 400 naming it, unless it holds a value that changes nothing
+(``tools: []``, ``response_format: {"type": "text"}``, ...); the same holds for the well-known
+extension fields of other servers (vLLM, SGLang) that change the output (``guided_json``,
+``min_tokens``, ...). Any other unknown field is ignored, as OpenAI's own clients send fields a
+server may have no use for. ``APIError`` carries the HTTP status and OpenAI's error JSON.
+Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from msgspec import Meta
 
 from radixrelay.sampling_params import SamplingParams
 
@@ -36,45 +44,194 @@ def invalid(message: str, param: str | None = None) -> APIError:
 _PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 
 
-def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """JSON body -> ``kind``; malformed JSON or wrong types -> 400 naming the field."""
+def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
+    """JSON body -> ``kind``; malformed JSON, wrong types, out-of-range values and unsupported
+    fields -> 400 naming the field."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])   # top level only
+        refuse_unsupported(fields, UNSUPPORTED[kind.endpoint])
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            return msgspec.json.decode(_integral_floats_as_ints(fields), type=kind)
     except msgspec.ValidationError as exc:
         match = _PATH.search(str(exc))
         raise invalid(f"invalid request: {exc}", match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise invalid("request body is not valid UTF-8") from None
+    except RecursionError:
+        # msgspec decodes nested arrays/objects recursively: a body nested thousands deep ends here.
+        raise invalid("request body is nested too deeply") from None
+
+
+# Integer fields (and the token ids in ``prompt``): JSON Schema counts 4.0 as an integer, and
+# OpenAI's own API and vLLM accept it, so an integral float is read as that integer. Only these
+# fields are touched (``messages`` reach the chat template exactly as sent), and only when the
+# strict decode failed on a float, so a well-formed body is decoded once.
+_INT_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_k", "seed", "logprobs",
+                         "top_logprobs", "stop_token_ids", "prompt"})
+
+
+def _integral_floats_as_ints(fields: dict[str, msgspec.Raw]) -> bytes:
+    def fix(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        return value
+
+    fixed = {k: msgspec.Raw(msgspec.json.encode(fix(msgspec.json.decode(v))))
+             if k in _INT_FIELDS else v for k, v in fields.items()}
+    return msgspec.json.encode(fixed)
+
+
+# -- fields this server does not implement ------------------------------------------------------
+
+Endpoint = Literal["chat", "completions"]
+_NULL: dict[str, Any] = {"type": "null"}
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A request field this server does not implement. ``accepts(value)`` is true for the values
+    that change nothing (always ``null``; e.g. ``[]`` for ``tools``), which pass; anything else is a
+    400 naming the field. ``schema`` is the JSON schema of the accepted values (for /openapi.json)."""
+
+    name: str
+    accepts: Callable[[Any], bool]
+    schema: dict[str, Any]
+    why: str = "not supported by this server"
+
+
+def _only_null(name: str, why: str = "not supported by this server") -> Unsupported:
+    return Unsupported(name, lambda v: v is None, _NULL, why)
+
+
+def _one_of(name: str, *values: Any, why: str = "not supported by this server") -> Unsupported:
+    """Accepts null and exactly ``values`` (compared as JSON: ``False`` is not ``0``)."""
+    def accepts(v: Any) -> bool:
+        return v is None or any(type(v) is type(x) and v == x for x in values)
+    return Unsupported(name, accepts, {"anyOf": [{"enum": list(values)}, _NULL]}, why)
+
+
+def _empty(name: str, json_type: Literal["array", "object"], why: str) -> Unsupported:
+    empty: list[Any] | dict[str, Any] = [] if json_type == "array" else {}
+    bound = {"maxItems": 0} if json_type == "array" else {"maxProperties": 0}
+    return Unsupported(name, lambda v: v is None or v == empty,
+                       {"anyOf": [{"type": json_type, **bound}, _NULL]}, why)
+
+
+_TEXT_FORMAT = {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+                "additionalProperties": False}
+_COMMON: tuple[Unsupported, ...] = (
+    _empty("logit_bias", "object", "not supported by this server"),
+    # Extension fields of other OpenAI-compatible servers that change the output.
+    *(_only_null(name, "structured output is not supported by this server")
+      for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "guided_decoding_backend", "structured_outputs", "json_schema", "regex", "ebnf")),
+    *(_only_null(name) for name in ("min_tokens", "min_new_tokens", "bad_words",
+                                    "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+                                    "length_penalty", "logits_processors", "lora_path",
+                                    "return_tokens_as_token_ids", "return_hidden_states")),
+    _one_of("include_stop_str_in_output", False),
+    _one_of("no_stop_trim", False),
+    _one_of("use_beam_search", False),
+    _one_of("spaces_between_special_tokens", True),
+)
+_CHAT_ONLY: tuple[Unsupported, ...] = (
+    Unsupported("response_format", lambda v: v is None or v == {"type": "text"},
+                {"anyOf": [_TEXT_FORMAT, _NULL]},
+                "structured output is not supported by this server; only {\"type\": \"text\"}"),
+    _empty("tools", "array", "tool calling is not supported by this server"),
+    _one_of("tool_choice", "none", "auto", why="tool calling is not supported by this server"),
+    Unsupported("parallel_tool_calls", lambda v: v is None or isinstance(v, bool),
+                {"type": ["boolean", "null"]}, "must be a boolean (it has no effect: tools are not supported)"),
+    _empty("functions", "array", "function calling is not supported by this server"),
+    _one_of("function_call", "none", "auto", why="function calling is not supported by this server"),
+    _only_null("audio", "audio output is not supported by this server"),
+    Unsupported("modalities", lambda v: v is None or v == ["text"],
+                {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+                           _NULL]}, "only [\"text\"] is supported"),
+    _only_null("prediction", "predicted outputs are not supported by this server"),
+    _only_null("web_search_options", "web search is not supported by this server"),
+    _one_of("reasoning_effort", "none", why="this server runs no reasoning model"),
+    _one_of("verbosity", "medium"),
+    _one_of("service_tier", "auto", "default", why="this server has one service tier"),
+    _one_of("store", False, why="this server does not store completions"),
+    _one_of("prompt_cache_retention", "in_memory",
+            why="the prompt cache lives in memory only (the radix cache)"),
+    _one_of("add_generation_prompt", True),
+    _one_of("continue_final_message", False),
+    _one_of("echo", False),
+    *(_only_null(name) for name in ("chat_template", "chat_template_kwargs", "documents",
+                                    "separate_reasoning", "best_of")),
+)
+_COMPLETIONS_ONLY: tuple[Unsupported, ...] = (
+    _one_of("suffix", "", why="suffix (insertion) is not supported by this server"),
+    _one_of("best_of", 1, why="best_of > 1 is not supported by this server; use n"),
+)
+UNSUPPORTED: Mapping[Endpoint, Mapping[str, Unsupported]] = {
+    "chat": {u.name: u for u in (*_COMMON, *_CHAT_ONLY)},
+    "completions": {u.name: u for u in (*_COMMON, *_COMPLETIONS_ONLY)},
+}
+
+
+def refuse_unsupported(fields: Mapping[str, msgspec.Raw], table: Mapping[str, Unsupported]) -> None:
+    """400 for the first field of ``table`` present in ``fields`` with a value that does something."""
+    for name, raw in fields.items():
+        unsupported = table.get(name)
+        if unsupported is not None and not unsupported.accepts(msgspec.json.decode(raw)):
+            raise invalid(f"unsupported value for `{name}`: {unsupported.why}", name)
 
 
 # -- requests ---------------------------------------------------------------------------------
 
+# Ranges enforced while decoding (and published in /openapi.json). Limits that depend on the
+# served model (n <= --max-n, max_tokens within the context, token ids < vocabulary) are checked
+# in serving.py and patched into the schema by openapi_schema.py.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NonNegative = Annotated[float, Meta(ge=0)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+TokenId = Annotated[int, Meta(ge=0)]
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None     # accepted; no effect (no obfuscation padding)
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
+    endpoint: ClassVar[Endpoint]
     model: str
-    n: int = 1
+    n: Annotated[int, Meta(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    temperature: NonNegative | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Accepted, no effect on the output: identifiers and tags for the caller's own bookkeeping, and a
+    # cache-routing hint (this server finds shared prefixes by itself).
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -90,10 +247,13 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
+    endpoint: ClassVar[Endpoint] = "chat"
+    # Decoded untyped so that templates see every key a message has (name, tool_calls, ...);
+    # chat_template.validate_messages checks roles and content. Schema: ``MessageParam``.
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -103,37 +263,60 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
+    endpoint: ClassVar[Endpoint] = "completions"
+    # A string, token ids, or a list of either (``completion_prompts``); schema: ``PROMPT_SCHEMA``.
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class MessageParam(msgspec.Struct, kw_only=True):
+    """One chat message as published in /openapi.json (requests decode messages as plain objects:
+    other keys pass to the chat template). ``content`` may also be null for an assistant turn."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """``prompt`` as a list of prompts: a string, token ids, or a list of either."""
+    """``prompt`` as a list of prompts: a string, token ids, or a list of either (token ids may be
+    integral floats, read as integers like the typed fields)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(_is_token(t) for t in prompt):
-        return [list(prompt)]
+    if prompt and (ids := _token_ids(prompt)) is not None:
+        return [ids]
     if prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
+    if prompt and all(isinstance(p, list) and p for p in prompt):
+        lists = [_token_ids(p) for p in prompt]
+        if all(ids is not None for ids in lists):
+            return lists  # type: ignore[return-value]
     raise invalid("prompt must be a string, a list of token ids, or a non-empty list of either",
                   "prompt")
 
 
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _token_ids(values: list[Any]) -> list[int] | None:
+    """``values`` as token ids, or None if one is not an integer (``True`` is not)."""
+    ids = []
+    for v in values:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            return None
+        ids.append(v)
+    return ids
 
 
 def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | None,
                     seed: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; out-of-range values -> 400."""
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     fields: dict[str, Any] = {
         "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "stop": req.stop_strings(),
@@ -264,3 +447,26 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """``APIError.body()``: every error this server answers with (/openapi.json)."""
+
+    error: ErrorDetail
+
+
+class Health(msgspec.Struct):
+    """GET /health: ``ok`` (200); ``draining`` or ``unavailable`` (503)."""
+
+    status: Literal["ok", "draining", "unavailable"]
+
+
+class Flushed(msgspec.Struct):
+    flushed: bool

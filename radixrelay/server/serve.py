@@ -54,7 +54,11 @@ class _DrainingServer(uvicorn.Server):
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until drained or the runtime dies; returns the process exit code."""
-    state = ServerState(engine_config, config)
+    try:
+        state = ServerState(engine_config, config)
+    except ValueError as exc:      # e.g. an unsafe --chat-template: refused before anything starts
+        logger.error("%s", exc)
+        return 2
     app = build_app(state)
     server = _DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,

@@ -39,6 +39,9 @@ class ServingContext:
     model_name: str
     max_n: int
     metrics: ServerMetrics
+    # Most runtime requests (prompts x n) one HTTP request may make: more could never all be
+    # admitted (running + queued), so they are a 400 rather than a 429 the client would retry.
+    max_choices: int
 
 
 @dataclass(eq=False)
@@ -154,10 +157,19 @@ def _check_common(ctx: ServingContext, req: oa.GenerationRequest) -> None:
                          "model")
     if not 1 <= req.n <= ctx.max_n:
         raise oa.invalid(f"n must be in [1, {ctx.max_n}], got {req.n}", "n")
+    vocab = ctx.client.info.vocab_size
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise oa.invalid(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+
+
+def _check_choices(ctx: ServingContext, num_prompts: int, n: int, param: str) -> None:
+    if num_prompts * n > ctx.max_choices:
+        raise oa.invalid(f"{num_prompts} prompt(s) x n={n} exceeds the {ctx.max_choices} generations "
+                         "one request may ask for", param)
 
 
 def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, default: int | None,
-                prompt_param: str) -> int:
+                prompt_param: str, param: str = "max_tokens") -> int:
     limit = ctx.client.info.max_context
     if prompt_len >= limit:
         raise oa.invalid(f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
@@ -168,10 +180,10 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, def
             raise oa.invalid(f"the prompt has {prompt_len} tokens, more than the KV cache holds "
                              f"({ctx.client.info.kv_cache_tokens})", prompt_param)
     if requested < 1:
-        raise oa.invalid(f"max_tokens must be >= 1, got {requested}", "max_tokens")
+        raise oa.invalid(f"{param} must be >= 1, got {requested}", param)
     if prompt_len + requested > limit:
         raise oa.invalid(f"this model's context is {limit} tokens; the prompt ({prompt_len} tokens) "
-                         f"plus max_tokens ({requested}) exceeds it", "max_tokens")
+                         f"plus {param} ({requested}) exceeds it", param)
     return requested
 
 
@@ -192,6 +204,7 @@ def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[
 
 def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
     _check_common(ctx, req)
+    _check_choices(ctx, 1, req.n, "n")
     if ctx.chat_template is None:
         raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                          "messages")
@@ -200,19 +213,18 @@ def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Cho
     except ValueError as exc:
         raise oa.invalid(str(exc), "messages") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)   # the template has BOS if any
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(ctx, len(ids), requested, None, "messages")
+    max_tokens = _max_tokens(ctx, len(ids), requested, None, "messages", param)
     return _choices(ctx, req, [ids], [max_tokens], req.num_logprobs)
 
 
 def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
     _check_common(ctx, req)
-    if req.suffix is not None:
-        raise oa.invalid("suffix is not supported", "suffix")
-    if req.best_of not in (None, 1):
-        raise oa.invalid("best_of is not supported; use n", "best_of")
+    texts = oa.completion_prompts(req)
+    _check_choices(ctx, len(texts), req.n, "prompt")
     prompts = []
-    for prompt in oa.completion_prompts(req):
+    for prompt in texts:
         if isinstance(prompt, str):
             ids = ctx.tokenizer.encode(prompt)
         else:

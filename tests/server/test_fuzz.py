@@ -1,0 +1,76 @@
+"""Schema-driven fuzzing of the real server: schemathesis generates requests for every operation
+in /openapi.json, valid ones (which must be served: the schema is accurate) and invalid ones (which
+must be refused with a 4xx OpenAI error). Never a 5xx, never a hang; after each batch /health is
+200 and a normal request is served. Every response must match what the schema documents."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_N, MODEL
+from tests.server.hostile import Tally, check_alive, fuzz
+
+pytestmark = pytest.mark.timeout(600)
+BATCH = 100           # generated cases per batch; two valid batches, two invalid ones
+TIMEOUT = 30.0        # seconds a request may take before it counts as a hang
+
+
+@pytest.fixture(scope="module")
+def schema_doc(hostile_server):
+    return httpx.get(f"{hostile_server.base_url}/openapi.json").json()
+
+
+def _run(server, schema_doc, *, negative: bool, seeds: tuple[int, ...]) -> Tally:
+    total = Tally()
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as http:
+        for seed in seeds:
+            part = Tally()
+            fuzz(server.base_url, schema_doc, cases=BATCH, seed=seed, negative=negative,
+                 timeout=TIMEOUT, tally=part)
+            check_alive(http, MODEL, part)
+            total.merge(part)
+    return total
+
+
+def test_valid_generated_requests_are_served(hostile_server, schema_doc):
+    tally = _run(hostile_server, schema_doc, negative=False, seeds=(1, 2))
+    assert tally.tried >= 2 * BATCH * 0.9
+    assert tally.server_errors == 0 and tally.hangs == 0
+    assert tally.problems == []              # includes every response matching the schema
+    assert tally.health_passed == tally.health_checks == 2
+    # The schema is accurate: what it calls valid is served (a prompt plus max_tokens past the
+    # context is the one thing it cannot express).
+    assert tally.by_class["2xx"] >= 0.95 * tally.tried, tally.by_status
+
+
+def test_invalid_generated_requests_get_4xx(hostile_server, schema_doc):
+    tally = _run(hostile_server, schema_doc, negative=True, seeds=(3, 4))
+    assert tally.tried >= 2 * BATCH * 0.9
+    assert tally.server_errors == 0 and tally.hangs == 0
+    assert tally.problems == []
+    assert tally.health_passed == tally.health_checks == 2
+    assert tally.by_class["4xx"] >= 0.8 * tally.tried, tally.by_status
+
+
+def test_schema_documents_every_endpoint(schema_doc):
+    paths = schema_doc["paths"]
+    schemas = schema_doc["components"]["schemas"]
+    for path, method in (("/v1/chat/completions", "post"), ("/v1/completions", "post"),
+                         ("/v1/models", "get"), ("/health", "get"), ("/metrics", "get"),
+                         ("/flush_cache", "post")):
+        responses = paths[path][method]["responses"]
+        assert "200" in responses and all("content" in r for r in responses.values()), path
+    for path, body in (("/v1/chat/completions", "ChatCompletionRequest"),
+                       ("/v1/completions", "CompletionRequest")):
+        ref = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{body}"
+        props = schemas[body]["properties"]
+        assert props["model"] == {"enum": [MODEL]}
+        assert props["n"]["maximum"] == MAX_N
+        assert props["max_tokens"]["anyOf"][0]["maximum"] == 8191      # the model's context - 1
+        assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 0    # only the no-op value
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["tools"]["anyOf"][0] == {"type": "array", "maxItems": 0}
+    assert chat["messages"]["items"] == {"$ref": "#/components/schemas/MessageParam"}
+    assert set(schemas["ErrorResponse"]["required"]) == {"error"}
