@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from radixrelay.config import EngineConfig
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.outputs import RequestOutput
@@ -129,11 +131,15 @@ class Engine:
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:                   # checked in numpy: a long prompt is not a Python loop per token
+            try:
+                arr = np.fromiter(prompt, dtype=np.int64)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"prompt token ids must be integers: {exc}") from None
+            if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+                bad = arr[(arr < 0) | (arr >= self.vocab_size)][:5].tolist()
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad}")
+            ids = arr.tolist()
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) + params.max_tokens > self.max_context:

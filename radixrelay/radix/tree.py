@@ -105,6 +105,21 @@ class RadixTree:
         self._touch(node)
         return MatchResult(node, pages, num_tokens)
 
+    def match_prefix_below(self, token_ids: list[int], node: RadixNode, salt: str | None = None,
+                           length: int | None = None) -> MatchResult:
+        """``match_prefix`` when ``node`` is known to spell a prefix of ``token_ids`` (e.g. from
+        ``peek_prefix`` of the same tokens just before): only the tokens below it are compared, the
+        pages above are read off the path."""
+        if node.parent is None:
+            return self.match_prefix(token_ids, salt, length=length)
+        above = self.path(node)
+        end = sum(len(n.key) for n in above)
+        below = self.match_prefix(token_ids, salt, start=(node, end), length=length)
+        if below.node is None:          # nothing below: the match ends at ``node``
+            self._touch(node)
+            return MatchResult(node, [p for n in above for p in n.pages], end)
+        return MatchResult(below.node, [p for n in above for p in n.pages] + below.pages, below.num_tokens)
+
     def peek_prefix(self, token_ids: list[int], salt: str | None = None,
                     start: tuple[RadixNode, int] | None = None,
                     length: int | None = None) -> tuple[RadixNode | None, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from radixrelay.radix.allocator import PageAllocator
-from radixrelay.radix.tree import RadixTree
+from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
 
@@ -33,14 +33,17 @@ class CacheManager:
         """Pages an allocation can get right now: free ones plus evictable cached ones."""
         return self.allocator.num_free + self.tree.evictable_pages
 
-    def match_and_lock(self, req: Request) -> None:
+    def match_and_lock(self, req: Request, near: RadixNode | None = None) -> None:
         """Attach the longest cached prefix to ``req`` (which holds no pages) and lock it.
 
         At least the last known token is left to compute (its logits sample the next token), and
-        every position that still owes a prompt logprob (``Request.reusable_prefix``).
+        every position that still owes a prompt logprob (``Request.reusable_prefix``). ``near``: a
+        node just found on the request's path (``RadixTree.peek_prefix``): the match starts there.
         """
         if self.config.disable_radix_cache:
             matched = None
+        elif near is not None:
+            matched = self.tree.match_prefix_below(req.token_ids, near, req.salt, length=req.reusable_prefix)
         else:
             matched = self.tree.match_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
         if matched is None or matched.node is None:

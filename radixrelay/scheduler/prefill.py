@@ -18,6 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixrelay.radix.tree import RadixNode
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.policy import order_waiting
@@ -61,9 +62,10 @@ class PrefillManager:
         for req in order_waiting(waiting, self.cache.tree, self.config):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
-            if self._waits_for_shared_prefill(req, computing):
+            waits, near = self._waits_for_shared_prefill(req, computing)
+            if waits:
                 continue
-            if not self._admit(req, reserved if running or out.admitted else None):
+            if not self._admit(req, reserved if running or out.admitted else None, near):
                 break
             out.admitted.append(req)
             computing.add(self._next_page_key(req, req.kv_len))
@@ -90,23 +92,25 @@ class PrefillManager:
         ps = self.config.page_size
         return req.salt, cached, tuple(req.token_ids[cached:cached + ps])
 
-    def _waits_for_shared_prefill(self, req: Request, computing: set[tuple]) -> bool:
+    def _waits_for_shared_prefill(self, req: Request, computing: set[tuple]) -> tuple[bool, RadixNode | None]:
         """True when a running request is computing the page ``req`` would compute next: ``req``
         then waits in the queue, and once that prefill ends (``CacheManager.share_computed_prefix``)
-        it is admitted with the shared prefix cached instead of computing a second copy."""
+        it is admitted with the shared prefix cached instead of computing a second copy. Also the
+        deepest cached node on its path, if looked up (its admission's match starts there)."""
         if self.config.disable_radix_cache or not computing:
-            return False
+            return False, None
         ps = self.config.page_size
-        _, cached = self.cache.tree.peek_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
+        node, cached = self.cache.tree.peek_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
         cached -= cached % ps
         if req.reusable_prefix - cached < ps:
-            return False                      # less than a page left to share
-        return self._next_page_key(req, cached) in computing
+            return False, node                # less than a page left to share
+        return self._next_page_key(req, cached) in computing, node
 
-    def _admit(self, req: Request, reserved: int | None) -> bool:
-        """Match, lock and allocate for ``req``; False (holding nothing) when it does not fit."""
+    def _admit(self, req: Request, reserved: int | None, near: RadixNode | None = None) -> bool:
+        """Match, lock and allocate for ``req``; False (holding nothing) when it does not fit. ``near``:
+        see ``CacheManager.match_and_lock``."""
         cache = self.cache
-        cache.match_and_lock(req)
+        cache.match_and_lock(req, near)
         need = self.config.pages_for(len(req.token_ids)) - len(req.pages)
         margin = 0 if reserved is None else reserved + self.reserve_pages(req)
         if need + margin > cache.available_pages:

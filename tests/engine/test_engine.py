@@ -152,6 +152,13 @@ def test_bad_input_raises_clear_errors(engine):
         engine.generate([""], GREEDY)
     with pytest.raises(ValueError, match="out of range"):
         engine.generate([[10**9]], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([[5, -1]], GREEDY)
+    for bad in (["x"], [2**70], [None]):
+        with pytest.raises(ValueError, match="must be integers"):
+            engine.generate([bad], GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="context"):
         engine.generate(["hi"], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="SamplingParams for"):

@@ -140,3 +140,26 @@ def test_length_limits_the_tokens_considered():
     with pytest.raises(ValueError, match="whole pages"):
         t.insert(tokens, [0, 1, 2, 3, 4], length=10)
     t.check_integrity()
+
+
+@pytest.mark.parametrize("length", [None, 10])
+def test_match_below_a_peeked_node_equals_a_full_match(length):
+    """The admission's match starting at the node a peek found gives the full match: same node, pages
+    from the root, token count (and splits the same node the same way)."""
+    def build():
+        t = RadixTree(page_size=2)
+        t.insert([1, 2, 3, 4], [10, 11])
+        t.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 12, 13])
+        t.insert([1, 2, 9, 9], [10, 14])
+        return t
+    for query in ([1, 2, 3, 4, 5, 6, 7, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8, 1, 1], [1, 2, 9, 9, 9], [5, 5], [1, 2, 3, 4]):
+        full, below = build(), build()
+        want = full.match_prefix(query, length=length)
+        node, _ = below.peek_prefix(query, length=length)
+        got = below.match_prefix_below(query, node, length=length)
+        assert (got.pages, got.num_tokens) == (want.pages, want.num_tokens), query
+        assert (got.node is None) == (want.node is None)
+        if want.node is not None:
+            assert (got.node.key, got.node.pages) == (want.node.key, want.node.pages)
+        full.check_integrity()
+        below.check_integrity()
