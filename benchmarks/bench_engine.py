@@ -6,6 +6,7 @@ Per mode, one Engine: the document is read once (the first question: its prefill
 warm-up round of as many other questions (untimed: kernels compile, CUDA graphs are captured, as a
 server does in its first minutes); then the questions arrive together; timed: that round, prefill
 of the questions included. Then a round with half the output tokens: the difference is decode alone.
+Both ``--repeats`` times with fresh questions; medians reported.
 
     python benchmarks/bench_engine.py [--layers 32] [--doc 16384] [--questions 256] [--out-dir DIR]
 """
@@ -13,6 +14,7 @@ of the questions included. Then a round with half the output tokens: the differe
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import json
 import os
 import random
@@ -46,36 +48,45 @@ def model_dir(path: str, layers: int) -> str:
     return path
 
 
-def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], questions: list[list[int]],
-        short: list[list[int]], max_tokens: int, kv_tokens: int, device: str) -> dict:
-    """The timed round, then a round of ``short`` questions with half the output tokens: the difference
-    between the two is decode steps alone (same prefill, same first half of the decode)."""
+def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Callable[[], list[list[int]]],
+        max_tokens: int, kv_tokens: int, device: str, repeats: int) -> dict:
+    """``repeats`` times: a timed round of fresh questions, then a round of other fresh questions with half
+    the output tokens: the difference between the two is decode steps alone (same prefill, same first
+    half of the decode). Reported: the round of median wall time, and the median decode step."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     half = SamplingParams(max_tokens=max_tokens // 2, temperature=0, ignore_eos=True)
     cascade, _, loop = mode.partition("-")          # e.g. "auto", "off-nooverlap"
+    rounds, decode = [], []
     with Engine(model=path, load_format="dummy", device=device, cascade=cascade, kv_cache_tokens=kv_tokens,
                 disable_overlap=loop == "nooverlap") as engine:
-        engine.generate([doc + questions[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.generate([doc + warmup[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         engine.generate([doc + q for q in warmup], params)
-        before = engine.stats()
-        t0 = time.perf_counter()
-        outs = engine.generate([doc + q for q in questions], params)
-        wall = time.perf_counter() - t0
-        after = engine.stats()
-        t1 = time.perf_counter()
-        engine.generate([doc + q for q in short], half)
-        wall_half = time.perf_counter() - t1
-        after_half = engine.stats()
-    assert all(o.error is None and len(o.token_ids) == max_tokens for o in outs)
+        for _ in range(repeats):
+            before = engine.stats()
+            t0 = time.perf_counter()
+            outs = engine.generate([doc + q for q in fresh()], params)
+            wall = time.perf_counter() - t0
+            after = engine.stats()
+            t1 = time.perf_counter()
+            engine.generate([doc + q for q in fresh()], half)
+            wall_half = time.perf_counter() - t1
+            after_half = engine.stats()
+            assert all(o.error is None and len(o.token_ids) == max_tokens for o in outs)
+            rounds.append(_round(mode, outs, wall, before, after))
+            full = {k: after[k] - before[k] for k in ("steps", "worker_device_s", "graph_captures")}
+            part = {k: after_half[k] - after[k] for k in ("steps", "worker_device_s", "graph_captures")}
+            steps = max(full["steps"] - part["steps"], 1)
+            decode.append(((wall - wall_half) / steps, (full["worker_device_s"] - part["worker_device_s"]) / steps,
+                           full["graph_captures"] - part["graph_captures"]))
+    row = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]
+    step, device_s, captures = sorted(decode)[len(decode) // 2]
+    return {**row, "decode_step_s": step, "decode_device_s": device_s, "decode_captures": captures,
+            "walls": [r["wall_s"] for r in rounds], "decode_steps_s": [d[0] for d in decode]}
+
+
+def _round(mode: str, outs, wall: float, before: dict, after: dict) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
-    full = {k: after[k] - before[k] for k in ("steps", "worker_device_s")}
-    part = {k: after_half[k] - after[k] for k in ("steps", "worker_device_s")}
-    decode_steps = max(full["steps"] - part["steps"], 1)
     return {"mode": mode, "wall_s": wall, "tok_s": tokens / wall,
-            "decode_step_s": (wall - wall_half) / decode_steps,
-            "decode_device_s": (full["worker_device_s"] - part["worker_device_s"]) / decode_steps,
-            "decode_captures": (after["graph_captures"] - before["graph_captures"])
-            - (after_half["graph_captures"] - after["graph_captures"]),
             "cached": sum(o.cached_tokens for o in outs) / len(outs),
             "computed": after["computed_tokens"] - before["computed_tokens"],
             "steps": after["steps"] - before["steps"],
@@ -96,6 +107,7 @@ def main() -> None:
     ap.add_argument("--modes", default="off,auto",
                     help="comma-separated cascade modes, each optionally suffixed -nooverlap (lock-step loop)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run only (use tiny sizes)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (medians reported)")
     ap.add_argument("--log-level", default="warning", help="of the engine's processes (info: graph captures)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
@@ -107,21 +119,24 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper())      # the engine's processes take this level
     rng = random.Random(0)
     doc = [rng.randrange(2, VOCAB) for _ in range(args.doc)]
-    warmup, questions, short = ([[rng.randrange(2, VOCAB) for _ in range(args.question_len)]
-                                 for _ in range(args.questions)] for _ in range(3))
-    kv_tokens = args.doc + 3 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
+    def fresh() -> list[list[int]]:
+        return [[rng.randrange(2, VOCAB) for _ in range(args.question_len)] for _ in range(args.questions)]
+
+    warmup = fresh()
+    kv_tokens = args.doc + 2 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(tmp, args.layers)
         for mode in args.modes.split(","):
-            rows.append(run(path, mode, doc, warmup, questions, short, args.max_tokens, kv_tokens, args.device))
+            rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats))
             print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
              f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
              f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
              f"{args.max_tokens} output tokens each (greedy, EOS ignored), after an untimed warm-up round of as many "
-             f"other questions; timed: the questions from submission to the last token, their prefill included. "
+             f"other questions; timed: the questions from submission to the last token, their prefill included "
+             f"(the round of median wall time of {args.repeats}, each with fresh questions). "
              f"torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `python benchmarks/bench_engine.py "
              f"{' '.join(sys.argv[1:])}`.", "",
@@ -143,13 +158,17 @@ def main() -> None:
                       f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} | "
                       f"{r['graph_replays']} / {r['graph_captures']} / {r['eager_steps']} |")
     lines += timing
-    lines += ["", f"Decode alone: a second round of {args.questions} other questions with {args.max_tokens // 2} output "
-              "tokens each; the difference between the rounds is decode steps only (ms per step: wall, the device's "
-              "time in those steps, wall over device; graph captures in the difference).", "",
-              "| mode | decode step, wall | device | wall / device | captures |", "|---|---|---|---|---|"]
+    lines += ["", f"Decode alone: after each timed round, a round of {args.questions} other questions with "
+              f"{args.max_tokens // 2} output tokens each; the difference between the two is decode steps only (ms "
+              "per step, median over the repeats: wall, the device's time in those steps, wall over device; graph "
+              "captures in the difference; every repeat's wall per step).", "",
+              "| mode | decode step, wall | device | wall / device | captures | each repeat | round walls s |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {1e3 * r['decode_step_s']:.2f} | {1e3 * r['decode_device_s']:.2f} | "
-                     f"{r['decode_step_s'] / max(r['decode_device_s'], 1e-9):.2f} | {r['decode_captures']} |")
+                     f"{r['decode_step_s'] / max(r['decode_device_s'], 1e-9):.2f} | {r['decode_captures']} | "
+                     f"{', '.join(f'{1e3 * x:.1f}' for x in r['decode_steps_s'])} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['walls'])} |")
     os.makedirs(args.out_dir, exist_ok=True)
     tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
     out = os.path.join(args.out_dir, f"engine_{tag}.md")
