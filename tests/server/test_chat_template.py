@@ -78,9 +78,14 @@ def test_template_helpers() -> None:
 
 
 def test_sandbox_blocks_attribute_escape() -> None:
-    escape = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", model_name="m")
-    with pytest.raises(ChatTemplateError):
-        escape.render(CONVERSATIONS[0])
+    # Reaching for internals on a plain conversation: refused when the template is loaded.
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", model_name="m")
+    # Only on some conversations: refused when rendering one of them.
+    escape = ChatTemplate("{% if messages|length > 2 %}{{ messages.__class__.__mro__ }}{% endif %}x",
+                          model_name="m")
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        escape.render(CONVERSATIONS[0] * 3)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from tests.server.conftest import MAX_N, MODEL
 from tests.server.hostile import Tally, check_alive, fuzz
 
 pytestmark = pytest.mark.timeout(600)
-BATCH = 100           # generated cases per batch; two valid batches, two invalid ones
+BATCH = 75            # generated cases per batch; two valid batches, two invalid ones
 TIMEOUT = 30.0        # seconds a request may take before it counts as a hang
 
 
