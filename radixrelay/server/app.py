@@ -155,12 +155,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            task.cancel()           # takes effect at the task's next await: it is not done yet
+    if task not in done or task.cancelled():
         raise ClientGone
     return task.result()
 
