@@ -110,6 +110,10 @@ def bind(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_new_tokens == 0:
         return None
+    if q.element_size() >= 4 and head_dim > 64:
+        # fp32 tiles take twice the shared memory: 128 x 128 tiles of a 128-wide head need 256 KB (the
+        # H100 has 227 KB a block); 64 x 64 fit with room for the pipeline's stages.
+        block_m, block_n = min(block_m, 64), min(block_n, 64)
     block_m = tile_rows(max_new_tokens, block_m)
     return KernelLaunch(_extend_kernel, (triton.cdiv(max_new_tokens, block_m), batch, num_q_heads), dict(
         q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, q_indptr=q_indptr, kv_start=kv_start,

@@ -63,3 +63,17 @@ def test_extend_rejects_bad_arguments():
 def test_extend_real_size_gpu(num_q_heads, num_kv_heads, head_dim):
     run_case([1000, 2048, 1, 333], [4096, 0, 3000, 517], [0, 0, 1024, 0], num_q_heads, num_kv_heads, head_dim, 16,
              torch.bfloat16, seed=12)
+
+
+@pytest.mark.parametrize("dtype, head_dim, tiles", [(torch.float32, 128, (64, 64)), (torch.bfloat16, 128, (128, 128)),
+                                                    (torch.float32, 64, (128, 128))])
+def test_tiles_fit_shared_memory(dtype, head_dim, tiles):
+    """fp32 with a 128-wide head takes 64 x 64 tiles: 128 x 128 need 256 KB of shared memory (an H100
+    block has 227 KB), so every fp32 extend of a Llama-3-8B-shaped model failed to compile."""
+    q = torch.zeros(200, 4, head_dim, dtype=dtype)
+    cache = torch.zeros(64, 2, head_dim, dtype=dtype)
+    one = torch.zeros(1, dtype=torch.int32)
+    launch = extend_mod.bind(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), 16, torch.tensor([0, 200], dtype=torch.int32),
+                             one, one, 1.0, torch.zeros_like(q), torch.zeros(200, 4), group=2, max_new_tokens=200)
+    names = list(launch._index)
+    assert (launch.args[names.index("BLOCK_M")], launch.args[names.index("BLOCK_N")]) == tiles
