@@ -102,6 +102,8 @@ class Engine:
                 "scheduler_busy_s": stats.scheduler_busy_s, "worker_device_s": stats.worker_device_s,
                 "jit_after_ready": stats.jit_after_ready, "graph_captures": stats.graph_captures,
                 "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps,
+                "decode_steps_advanced": stats.decode_steps_advanced,
+                "decode_steps_covered": stats.decode_steps_covered,
                 "prefill_cascade_steps": stats.prefill_cascade_steps,
                 "prefill_cascade_runs": stats.prefill_cascade_runs,
                 "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,

@@ -113,6 +113,10 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     # another channel's message), cumulative over the scheduler, the worker (as of its latest step
     # output) and the frontend's inbox:
     malformed_frames: int = 0
+    # Decode-graph steps (cumulative, of graph_replays): advanced on the device (the previous step's rows
+    # one token further: no batch packing on the host), and run on a larger graph covering their size class:
+    decode_steps_advanced: int = 0
+    decode_steps_covered: int = 0
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -166,6 +170,7 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
                                                                 # long-prefix runs (PrefillCascadeCounters)
     malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
+    decode_graph_steps: tuple[int, int] = (0, 0)   # cumulative: decode steps advanced, covered (RuntimeStats)
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

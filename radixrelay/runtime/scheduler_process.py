@@ -71,6 +71,7 @@ class SchedulerLoop:
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
+        self._decode_graph_steps = (0, 0)  # worker's cumulative decode-graph steps (advanced, covered)
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
@@ -129,6 +130,7 @@ class SchedulerLoop:
         self._device_s += message.device_s
         self._jit_after_ready = message.jit_after_ready
         self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
+        self._decode_graph_steps = message.decode_graph_steps
         self._prefill_cascade = message.prefill_cascade
         self._worker_dropped = message.malformed_frames
         try:
@@ -202,7 +204,9 @@ class SchedulerLoop:
                             self._jit_after_ready, *self._graphs, *self._prefill_cascade,
                             kv_audit=audit,
                             malformed_frames=self._frontend_msgs.dropped + self._worker_msgs.dropped
-                            + self._worker_dropped)
+                            + self._worker_dropped,
+                            decode_steps_advanced=self._decode_graph_steps[0],
+                            decode_steps_covered=self._decode_graph_steps[1])
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:

@@ -143,7 +143,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             jit_seen = jit
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps,
-                                          dataclasses.astuple(runner.prefill_cascade), commands.dropped)))
+                                          dataclasses.astuple(runner.prefill_cascade), commands.dropped,
+                                          runner.decode_graph_steps)))
         if trace is not None:
             trace.finished(step.step_id)
 

@@ -79,6 +79,10 @@ class _RuntimeCollector(Collector):
         yield counter("graph_captures", "CUDA graphs captured by the worker (start-up included).", s.graph_captures)
         yield counter("graph_replays", "Steps that replayed a captured CUDA graph.", s.graph_replays)
         yield counter("eager_steps", "Steps whose forward pass ran eagerly.", s.eager_steps)
+        yield counter("decode_steps_advanced", "Decode graph steps that repeated the previous step's rows one "
+                      "token further, advanced on the device (no batch packing on the host).", s.decode_steps_advanced)
+        yield counter("decode_steps_covered", "Decode graph steps run on a larger captured graph covering "
+                      "their size class (instead of capturing one).", s.decode_steps_covered)
         yield counter("prefill_cascade_steps", "Steps whose extend rows read a cached run shared between"
                       " requests once (prefill cascade).", s.prefill_cascade_steps)
         yield counter("prefill_cascade_runs", "Prefill cascade shared runs, summed over steps.",

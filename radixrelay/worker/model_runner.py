@@ -156,6 +156,11 @@ class ModelRunner:
                 + (self.piecewise.captures if self.piecewise is not None else 0))
 
     @property
+    def decode_graph_steps(self) -> tuple[int, int]:
+        """Decode-graph steps advanced on the device and run on a covering graph (cumulative)."""
+        return (self.graphs.advances, self.graphs.fallbacks) if self.graphs is not None else (0, 0)
+
+    @property
     def num_resident(self) -> int:
         return len(self._table)
 

@@ -61,6 +61,8 @@ def test_cascade_and_graphs_through_the_engine(model_dir):
     assert all(len(o.token_ids) == 24 for o in cascaded)
     assert flat_stats["cascade_steps"] == 0
     assert stats["cascade_steps"] > 0 and stats["cascade_tokens_read_once"] > 0
+    # steady decode steps repeat the previous step's rows: advanced on the device, no host packing
+    assert stats["decode_steps_advanced"] > 0 and flat_stats["decode_steps_advanced"] > 0
     # bf16: cascade and flat round differently. While the two sequences agree, their logprobs
     # agree within bf16 tolerance; they may only part where flat's top two choices nearly tie.
     compared = 0
