@@ -391,6 +391,8 @@ def drive(base_url: str, *, model: str, cases: int, batch: int = 50, seed: int =
             if log is not None:
                 log(f"batch {i + 1}: {part.tried} requests {dict(part.by_class)} "
                     f"({total.tried} so far, {total.server_errors} >= 500, {total.hangs} hangs)")
+                for problem in part.problems:
+                    log(f"  {problem[:1000]}")
         if with_corpus:
             part = Tally()
             send_corpus(http, corpus(model, vocab_size=vocab), part)
