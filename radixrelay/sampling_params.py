@@ -6,7 +6,11 @@ One struct crosses every boundary (Engine API -> scheduler -> worker), so it is 
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)     # a seed is a signed 64-bit integer
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,11 +39,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -53,6 +62,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 raise bad(name, f"must be None or an integer in [0, 20], got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise bad("seed", f"must be None or a signed 64-bit integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
 

@@ -187,6 +187,11 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, def
     return requested
 
 
+def _wrap_int64(value: int) -> int:
+    """``value`` wrapped into the signed 64-bit range (sample j's seed ``seed + j`` past the largest seed)."""
+    return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
 def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[int]],
              max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
              echo_only: bool = False) -> list[Choice]:
@@ -194,7 +199,7 @@ def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[
     out = []
     for p, ids in enumerate(prompts):
         for j in range(req.n):
-            seed = None if req.seed is None else req.seed + j
+            seed = None if req.seed is None else _wrap_int64(req.seed + j)
             sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed,
                                     prompt_logprobs=prompt_logprobs)
             out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),

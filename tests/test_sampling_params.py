@@ -1,0 +1,32 @@
+"""SamplingParams refuses what no sampler can use, with the field's name (the Python API's check; the
+HTTP layer checks the same before building one)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from radixrelay.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("temperature", "1"),
+    ("repetition_penalty", math.nan), ("repetition_penalty", math.inf), ("top_p", math.nan),
+    ("min_p", math.nan), ("frequency_penalty", math.inf), ("presence_penalty", math.nan),
+    ("top_k", 2.5), ("top_k", True), ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("seed", 1.5), ("seed", True),
+])
+def test_unusable_values_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_edges_that_are_valid():
+    SamplingParams(temperature=0, seed=2 ** 63 - 1, top_k=0, repetition_penalty=2)
+    SamplingParams(seed=-(2 ** 63), temperature=1)
+
+
+def test_decoding_a_message_validates_too():
+    with pytest.raises(msgspec.ValidationError, match="seed"):
+        msgspec.json.decode(b'{"seed": 18446744073709551616}', type=SamplingParams)
