@@ -114,10 +114,8 @@ class RadixTree:
             return self.match_prefix(token_ids, salt, length=length)
         above = self.path(node)
         end = sum(len(n.key) for n in above)
+        # a walk from a non-root node ends at that node or below it: never without a node
         below = self.match_prefix(token_ids, salt, start=(node, end), length=length)
-        if below.node is None:          # nothing below: the match ends at ``node``
-            self._touch(node)
-            return MatchResult(node, [p for n in above for p in n.pages], end)
         return MatchResult(below.node, [p for n in above for p in n.pages] + below.pages, below.num_tokens)
 
     def peek_prefix(self, token_ids: list[int], salt: str | None = None,
