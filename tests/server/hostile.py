@@ -79,23 +79,45 @@ def is_openai_error(body: bytes, content_type: str) -> bool:
         and isinstance(error.get("type"), str) and {"param", "code"} <= error.keys()
 
 
-def check_alive(http: httpx.Client, model: str, tally: Tally) -> bool:
-    """After a batch: /health is 200 and a normal chat request is served (200 with text)."""
+def check_alive(http: httpx.Client, model: str, tally: Tally, settle: float = 10.0) -> bool:
+    """After a batch: /health is 200, a normal chat request is served (200 with text), and within
+    ``settle`` seconds no request is left running or queued (every request of the batch has been
+    answered, and every one whose client gave up has been aborted)."""
     tally.health_checks += 1
     try:
         health = http.get("/health")
         normal = http.post("/v1/chat/completions", json={"model": model, **NORMAL})
         ok = health.status_code == 200 and normal.status_code == 200 \
             and bool(normal.json()["choices"][0]["message"]["content"] is not None)
+        left = _left_behind(http, settle)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         tally.problems.append(f"alive check failed: {type(exc).__name__}: {exc}")
         return False
-    if ok:
-        tally.health_passed += 1
-    else:
+    if not ok:
         tally.problems.append(f"alive check failed: /health {health.status_code}, "
                               f"normal request {normal.status_code}: {normal.text[:200]}")
-    return ok
+    elif left:
+        tally.problems.append(f"requests left behind {settle:.0f} s after their batch: {left}")
+    else:
+        tally.health_passed += 1
+    return ok and not left
+
+
+def _left_behind(http: httpx.Client, settle: float) -> dict[str, float]:
+    """Running and waiting request counts from /metrics that are still non-zero after ``settle`` s."""
+    deadline = time.monotonic() + settle
+    while True:
+        gauges = {}
+        for line in http.get("/metrics").text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("radixrelay_num_requests_running", "radixrelay_num_requests_waiting"):
+                gauges[name] = float(value)
+        left = {name: value for name, value in gauges.items() if value}
+        if len(gauges) != 2:
+            raise KeyError("/metrics lacks the running and waiting gauges")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 # -- the hand-written corpus ------------------------------------------------------------------
@@ -288,13 +310,14 @@ def tame(body: Any) -> None:
     """Lower valid-but-expensive values of a generated body in place (see MAX_TOKENS)."""
     if not isinstance(body, dict):
         return
+    # Integers may arrive as integral floats (470.0): the server accepts them, so tame them too.
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if _is_int(value) and value > MAX_TOKENS:
+        if _is_number(value) and value > MAX_TOKENS:
             body[name] = MAX_TOKENS
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS      # absent or null: the chat default is the rest of the context
-    if _is_int(body.get("n")) and body["n"] > MAX_N:
+    if _is_number(body.get("n")) and body["n"] > MAX_N:
         body["n"] = MAX_N
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -315,9 +338,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _label(case: Any) -> str:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _label(case: Any, limit: int | None = 300) -> str:
+    """``METHOD path body``; the body cut to ``limit`` characters (None: whole, to replay a hang)."""
     body = case.body if isinstance(case.body, (dict, list, str, int, float)) else None
-    text = json.dumps(body, default=str)[:300] if body is not None else ""
+    text = json.dumps(body, default=str)[:limit] if body is not None else ""
     return f"{case.method} {case.formatted_path} {text}"
 
 
@@ -353,7 +381,7 @@ def fuzz(base_url: str, schema_doc: dict[str, Any], *, cases: int, seed: int, ne
         try:
             response = case.call(base_url=base_url, session=session, timeout=timeout)
         except requests.Timeout:
-            tally.record(_label(case), None, b"", "")
+            tally.record(_label(case, limit=None), None, b"", "")
             return
         except requests.ConnectionError as exc:
             tally.record(_label(case), 599, str(exc).encode(), "")   # the server is gone: a failure
@@ -392,7 +420,7 @@ def drive(base_url: str, *, model: str, cases: int, batch: int = 50, seed: int =
                 log(f"batch {i + 1}: {part.tried} requests {dict(part.by_class)} "
                     f"({total.tried} so far, {total.server_errors} >= 500, {total.hangs} hangs)")
                 for problem in part.problems:
-                    log(f"  {problem[:1000]}")
+                    log(f"  {problem if problem.startswith('no answer') else problem[:1000]}")
         if with_corpus:
             part = Tally()
             send_corpus(http, corpus(model, vocab_size=vocab), part)
