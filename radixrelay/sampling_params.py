@@ -11,6 +11,7 @@ import math
 import msgspec
 
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)     # a seed is a signed 64-bit integer
+INT64_MAX = 2 ** 63 - 1                    # every integer crosses process boundaries as msgpack int64
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,8 +38,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{field}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or not 1 <= self.max_tokens <= INT64_MAX:
+            raise bad("max_tokens", f"must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             value = getattr(self, name)
@@ -48,8 +50,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or in [1, 2**63 - 1], got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -65,6 +67,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise bad("seed", f"must be None or a signed 64-bit integer, got {self.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
+               for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {list(self.stop_token_ids)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
 

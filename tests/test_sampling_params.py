@@ -15,7 +15,8 @@ from radixrelay.sampling_params import SamplingParams
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("temperature", "1"),
     ("repetition_penalty", math.nan), ("repetition_penalty", math.inf), ("top_p", math.nan),
     ("min_p", math.nan), ("frequency_penalty", math.inf), ("presence_penalty", math.nan),
-    ("top_k", 2.5), ("top_k", True), ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("seed", 1.5), ("seed", True),
+    ("top_k", 2.5), ("top_k", True), ("seed", 2 ** 64), ("top_k", 2 ** 70), ("max_tokens", 2 ** 64), ("max_tokens", True),
+    ("stop_token_ids", (2 ** 64,)), ("stop_token_ids", (-1,)), ("seed", -(2 ** 63) - 1), ("seed", 1.5), ("seed", True),
 ])
 def test_unusable_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

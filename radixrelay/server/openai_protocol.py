@@ -215,7 +215,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
     temperature: NonNegative | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] | None = None
     min_p: Probability | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
