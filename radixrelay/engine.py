@@ -27,6 +27,7 @@ from radixrelay.runtime.sync_client import SyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.server.output_text import OutputAssembler
 from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.structured.grammar import GrammarEngine
 
 Prompt = str | Sequence[int]
 
@@ -48,8 +49,17 @@ class Engine:
         self.kv_cache_tokens = self._client.info.kv_cache_tokens
         self._rids = itertools.count()
         self._outputs: dict[int, OutputAssembler] = {}
+        self._grammars: GrammarEngine | None = None     # built on the first structured output
 
     # -- public API ----------------------------------------------------------------------------
+
+    def _check_structured(self, params: Sequence[SamplingParams]) -> None:
+        """Compile each structured output once here (cached): a bad one raises
+        ``InvalidStructuredOutput`` (a ValueError) before anything is submitted."""
+        for spec in {p.structured for p in params if p.structured is not None}:
+            if self._grammars is None:
+                self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)
+            self._grammars.compile(spec)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -57,6 +67,7 @@ class Engine:
         """Run every prompt to completion; outputs in prompt order. A prompt is text or token ids."""
         prompt_list = _as_prompt_list(prompts)
         params = _params_for(prompt_list, sampling_params)
+        self._check_structured(params)
         encoded = [self._encode(p, sp) for p, sp in zip(prompt_list, params)]
         rids = [self._submit(ids, sp, cache_salt) for ids, sp in zip(encoded, params)]
         try:
@@ -72,6 +83,7 @@ class Engine:
                         *, cache_salt: str | None = None) -> Iterator[str]:
         """Yield text deltas of one request as they are produced."""
         params = sampling_params or SamplingParams()
+        self._check_structured([params])
         rid = self._submit(self._encode(prompt, params), params, cache_salt)
         output = self._outputs[rid]
         try:

@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from radixrelay.structured.spec import StructuredOutput
+
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)     # a seed is a signed 64-bit integer
 INT64_MAX = 2 ** 63 - 1                    # every integer crosses process boundaries as msgpack int64
 
@@ -33,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # positions have no logits), though its KV is still inserted into the radix cache afterwards.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Output constraint (JSON schema, JSON object, regex, choice): disallowed tokens are masked before
+    # sampling; a grammar that reaches its end allows only EOS, so the request ends with "stop".
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -72,6 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {list(self.stop_token_ids)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if self.structured is not None and self.ignore_eos:
+            raise bad("ignore_eos", "cannot be combined with a structured output: the constraint ends the "
+                                    "output with EOS")
 
     @property
     def has_penalties(self) -> bool:

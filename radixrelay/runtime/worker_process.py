@@ -27,10 +27,14 @@ from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import profile_dir, trace_steps
 from radixrelay.model.loader import load_model
+from radixrelay.model.registry import tokenizer_path
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
+from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.structured.grammar import GrammarEngine
+from radixrelay.worker.constraints import Constraints
 from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
 
@@ -75,8 +79,13 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
         piecewise = PiecewiseGraphs(model, kv_cache, backend, scratch_slot=num_pages * cfg.page_size,
                                     token_buckets=token_buckets(cfg.chunked_prefill_tokens + cfg.max_running_requests))
         piecewise.capture_all()
+    vocab_size = mc.vocab_size
+
+    def grammar_engine() -> GrammarEngine:       # built when the first constrained request arrives
+        return GrammarEngine(load_tokenizer(tokenizer_path(cfg)), vocab_size)
+
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
-                         graphs=graphs, piecewise=piecewise)
+                         graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device))
     ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids))
     return runner, ready
 

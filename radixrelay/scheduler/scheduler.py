@@ -28,7 +28,7 @@ from radixrelay.scheduler.prefill import PrefillManager
 from radixrelay.scheduler.request import FinishReason, Phase, Request, RequestUpdate, SchedulerStats
 from radixrelay.scheduler.stop import Detokenize, StopChecker
 from radixrelay.worker.protocol import (AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan,
-                                       needs_all_tokens)
+                                       needs_all_tokens, needs_outputs)
 
 
 @dataclass(frozen=True)
@@ -248,6 +248,8 @@ class Scheduler:
     def _admission(req: Request) -> AdmittedRequest:
         """The worker needs the tokens it will compute, not the cached prefix (O(new tokens))."""
         offset = 0 if needs_all_tokens(req.sampling) else req.kv_len
+        if needs_outputs(req.sampling):
+            offset = min(offset, req.num_prompt)
         return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.pages), req.sampling,
                                offset)
 

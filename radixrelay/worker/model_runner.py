@@ -44,11 +44,12 @@ from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
-from radixrelay.worker.protocol import ExtendItem, StepOutput, StepPlan
+from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
+    from radixrelay.worker.constraints import Constraints
     from radixrelay.worker.cuda_graphs import DecodeGraphs
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
 
@@ -97,6 +98,12 @@ class LaunchedStep:
         self._events = events          # CUDA: (start, done) around the step's device work
         self.device_s = 0.0            # device time of the step (CUDA), known after finish()
 
+    def host_tokens(self) -> list[int]:
+        """The sampled tokens, waiting for the device if needed (grammar matchers read them)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+        return [] if self._tokens is None else self._tokens.tolist()
+
     def ready(self) -> bool:
         """Whether ``finish()`` would return without waiting for the device."""
         return self._events is None or self._events[1].query()
@@ -119,10 +126,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  *, seed: int = 0, prefill_cost: CostModel | None = None,
                  graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None,
-                 split_long_prefixes: bool | None = None) -> None:
+                 split_long_prefixes: bool | None = None, constraints: Constraints | None = None) -> None:
         """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
         ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend);
-        ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them)."""
+        ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them);
+        ``constraints``: structured-output grammars (None: such requests are refused at admission)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -149,6 +157,7 @@ class ModelRunner:
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
         self.prefill_cascade = PrefillCascadeCounters()
         self._appends: list[tuple[int, int, list[int]]] = []   # this step's (rid, first column, pages)
+        self.constraints = constraints
 
     @property
     def graph_captures(self) -> int:
@@ -187,12 +196,16 @@ class ModelRunner:
                 self._page_table.release(rid)
                 self._tokens.release(rid)
                 self._decode_runs.release(rid)
+                if self.constraints is not None:
+                    self.constraints.release(rid)
         for req in plan.admitted:
             self._decode_runs.release(req.rid)        # a new page list: nothing checked of the old one holds
             self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
                                              req.token_offset + len(req.token_ids), list(req.pages), req.sampling)
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
+            if req.sampling.structured is not None:
+                self._admit_constrained(req)
         self._appends = []
         for append in plan.page_appends:           # page lists only grow while resident (DecodeRunsCache)
             pages = self._table[append.rid].pages
@@ -248,7 +261,10 @@ class ModelRunner:
             residents = [self._table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
             tensors = self._sampling.get(residents, _params_of, _outputs_of, self._tokens.penalties(samplers),
                                          vocab_size=logits.shape[-1], device=self.device)
-            out = self.sampler(logits.float(), tensors)
+            logits = logits.float()
+            if self.constraints:                  # constrained rows resident: mask what their grammars forbid
+                logits = self.constraints.mask(samplers, logits)
+            out = self.sampler(logits, tensors)
             self._tokens.record(samplers, out.token_ids)
             for res in residents:
                 res.num_tokens += 1
@@ -257,8 +273,19 @@ class ModelRunner:
             num_logprobs = tensors.num_logprobs
         if events is not None:
             events[1].record()
-        return LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
-                            num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
+        launched = LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
+                                num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
+        if self.constraints and samplers:
+            self.constraints.sampled(samplers, launched.host_tokens)
+        return launched
+
+    def _admit_constrained(self, req: AdmittedRequest) -> None:
+        """Its grammar replays the outputs it has (a re-admission): they must have been sent."""
+        if self.constraints is None:
+            raise ValueError(f"request {req.rid}: structured outputs need a worker built with a grammar engine")
+        if req.token_offset > req.num_prompt_tokens:
+            raise ValueError(f"request {req.rid}: admitted without its output tokens (offset past the prompt)")
+        self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
 
     def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
         """logits of a decode-only step that repeats the last graph step one token further (``DecodeGraphs.

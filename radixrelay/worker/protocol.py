@@ -36,6 +36,12 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
                                # (0 when the worker needs them all: ``needs_all_tokens``)
 
 
+def needs_outputs(sampling: SamplingParams) -> bool:
+    """A structured output's grammar replays the request's outputs on (re-)admission: such admissions
+    carry every output token even where the cached prefix covers them."""
+    return sampling.structured is not None
+
+
 def needs_all_tokens(sampling: SamplingParams) -> bool:
     """Penalties count every prompt token and prompt logprobs read them as targets: such requests'
     admissions carry the cached prefix's tokens too."""

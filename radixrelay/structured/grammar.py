@@ -1,0 +1,91 @@
+"""Compile ``StructuredOutput`` constraints to token-level grammars (xgrammar) for one vocabulary.
+
+The vocabulary comes from our ``Tokenizer``: byte-level BPE tokens are passed as their BPE strings,
+sentencepiece-style tokens (``▁``, ``<0x0A>``) as byte-fallback pieces; special tokens are passed as
+empty strings, so no grammar ever allows them, and the model's EOS ids are the grammar's stop
+tokens: a grammar that has reached its end allows only EOS, and the request finishes with ``stop``.
+
+xgrammar is imported on first use (it imports transformers: ~2 s) and releases the GIL while it
+compiles, so a compile in a worker thread does not stall the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
+
+if TYPE_CHECKING:
+    from radixrelay.server.tokenizer import Tokenizer
+
+CACHE_ENTRIES = 256
+_ENGINE_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")       # "[01:15:21] /project/cpp/x.cc:83: "
+
+
+class GrammarEngine:
+    """Compiles constraints for one tokenizer; thread-safe, with an LRU cache of compiled grammars."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, *, threads: int = 1) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size or tokenizer.vocab_size         # logits width (may pad the vocabulary)
+        self.info = xgr.TokenizerInfo(_vocabulary(tokenizer), vocab_type=_vocab_type(tokenizer, xgr),
+                                      vocab_size=self.vocab_size, stop_token_ids=sorted(tokenizer.eos_token_ids))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar of ``spec`` (an ``xgrammar.CompiledGrammar``); refusals raise
+        ``InvalidStructuredOutput`` with the engine's message."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.value)
+            return compiler.compile_grammar(choice_grammar(spec.choices))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = _ENGINE_NOISE.sub("", str(exc).strip()).strip()
+            raise InvalidStructuredOutput(f"{spec.kind}: {message}") from None
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """EBNF whose language is exactly ``choices`` (JSON string escapes are EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _vocabulary(tokenizer: Tokenizer) -> list[str]:
+    special = tokenizer.special_token_ids
+    return ["" if i in special else (tokenizer.convert_ids_to_tokens([i])[0] or "")
+            for i in range(tokenizer.vocab_size)]
+
+
+def _vocab_type(tokenizer: Tokenizer, xgr: Any) -> Any:
+    """Byte-level BPE (GPT-2 style ``Ġ`` pieces) or sentencepiece-style byte fallback (``▁``)."""
+    pieces = tokenizer.convert_ids_to_tokens(range(min(tokenizer.vocab_size, 4096)))
+    if any(p is not None and p.startswith("▁") for p in pieces):
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.BYTE_LEVEL

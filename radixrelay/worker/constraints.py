@@ -1,0 +1,134 @@
+"""Structured-output constraints on the worker: a grammar matcher per constrained resident request,
+and the mask of a step's sampling rows.
+
+Timing (overlap): step N+1 is launched before step N's tokens reach the host. A constrained row of
+step N+1 needs its matcher advanced by its step-N token, so ``mask`` runs after step N+1's forward
+has been queued on the device: it waits for step N's tokens (``sampled`` queued a reader for them),
+advances the matchers, fills the next-token bitmask on the host while the device computes the
+forward, and masks the logits before sampling. Steps without constrained rows never wait.
+
+Grammars compile in a worker thread from admission on (xgrammar releases the GIL), so a new schema
+is compiled while the request's prompt is prefilled; the first mask waits for it if needed.
+
+A matcher that has terminated (its request emitted EOS and the scheduler drops the extra token it
+planned one step late) leaves its row unmasked; one that rejects a token (which the mask should make
+impossible) allows only EOS from then on, so its request ends rather than leaving its grammar.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from radixrelay.structured.grammar import GrammarEngine
+from radixrelay.structured.spec import StructuredOutput
+
+logger = logging.getLogger("radixrelay.worker")
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class _Matcher:
+    """One request's grammar state; ``replay``: its output tokens so far (a re-admitted request)."""
+
+    def __init__(self, rid: int, grammar: Future, replay: list[int]) -> None:
+        self.rid = rid
+        self._grammar = grammar
+        self._replay = replay
+        self._matcher: Any = None
+        self.broken = False
+
+    def get(self, engine: GrammarEngine) -> Any:
+        if self._matcher is None:
+            try:
+                self._matcher = engine.matcher(self._grammar.result())
+            except Exception as exc:  # noqa: BLE001 - frontends compile first; this is a safety net
+                logger.error("request %d: grammar unusable on the worker: %s", self.rid, exc)
+                self.broken = True
+                return None
+            for token in self._replay:
+                self.accept(engine, token)
+            self._replay = []
+        return self._matcher
+
+    def accept(self, engine: GrammarEngine, token: int) -> None:
+        matcher = self.get(engine)
+        if matcher is None or self.broken or matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):
+            logger.error("request %d: token %d rejected by its grammar; only EOS is allowed from now on",
+                         self.rid, token)
+            self.broken = True
+
+
+class Constraints:
+    def __init__(self, make_engine: Callable[[], GrammarEngine], device: torch.device) -> None:
+        self._make_engine = make_engine
+        self._engine: GrammarEngine | None = None
+        self._device = device
+        self._pool: ThreadPoolExecutor | None = None
+        self._matchers: dict[int, _Matcher] = {}
+        # Sampled tokens not yet accepted: (matcher of each row or None, reader of the step's tokens).
+        self._pending: deque[tuple[list[_Matcher | None], Callable[[], list[int]]]] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def admit(self, rid: int, spec: StructuredOutput, outputs: list[int]) -> None:
+        if self._engine is None:
+            self._engine = self._make_engine()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._matchers[rid] = _Matcher(rid, self._pool.submit(self._engine.compile, spec), list(outputs))
+
+    def release(self, rid: int) -> None:
+        self._matchers.pop(rid, None)
+
+    def sampled(self, rids: list[int], tokens: Callable[[], list[int]]) -> None:
+        """A step sampled ``rids``; ``tokens()`` returns their tokens (waiting for the device)."""
+        rows = [self._matchers.get(rid) for rid in rids]
+        if any(m is not None for m in rows):
+            self._pending.append((rows, tokens))
+
+    def mask(self, rids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [len(rids), V] with every token a constrained row's grammar forbids at -inf (a new
+        tensor; unconstrained rows unchanged)."""
+        engine = self._engine
+        assert engine is not None
+        while self._pending:
+            rows, tokens = self._pending.popleft()
+            for matcher, token in zip(rows, tokens(), strict=True):
+                if matcher is not None:
+                    matcher.accept(engine, token)
+        xgr = engine._xgr
+        constrained = [(i, self._matchers[rid]) for i, rid in enumerate(rids) if rid in self._matchers]
+        rows: list[int] = []
+        bitmask = xgr.allocate_token_bitmask(len(constrained), engine.vocab_size)   # [k, ceil(V / 32)] int32
+        for i, matcher in constrained:
+            state = matcher.get(engine)
+            if matcher.broken or state is None:
+                bitmask[len(rows)] = 0
+                for eos in engine.info.stop_token_ids:
+                    bitmask[len(rows), eos // 32] |= 1 << (eos % 32)
+            elif state.is_terminated():
+                continue
+            else:
+                state.fill_next_token_bitmask(bitmask, len(rows))
+            rows.append(i)
+        if not rows:
+            return logits
+        return apply_bitmask(logits, rows, bitmask[:len(rows)])
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, V] with row ``rows[j]`` keeping only the tokens whose bit is set in
+    ``bitmask[j]`` (int32 [len(rows), ceil(V / 32)], bit ``t % 32`` of word ``t // 32``); a new tensor."""
+    device, vocab = logits.device, logits.shape[-1]
+    bits = bitmask.to(device, non_blocking=True).unsqueeze(-1) >> _SHIFTS.to(device)    # [k, W, 32]
+    allowed = (bits & 1).view(len(rows), -1)[:, :vocab].bool()                           # [k, V]
+    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)
