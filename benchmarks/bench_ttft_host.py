@@ -88,7 +88,8 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     from radixrelay.server import openai_protocol as oa
     from radixrelay.server import serving
     from radixrelay.server.chat_template import ChatTemplate
-    from radixrelay.server.metrics import ServerMetrics
+    from radixrelay.server.grammar_check import GrammarCheck
+from radixrelay.server.metrics import ServerMetrics
     from radixrelay.server.tokenizer import load_tokenizer
     from radixrelay.worker.protocol import StepOutput
 
@@ -131,7 +132,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
         row["tokenize"] = median_ms(lambda: tok.encode(next(extended), add_special_tokens=False), repeats)
         req = oa.decode_request(body, oa.ChatCompletionRequest)
         ctx = serving.ServingContext(_Info(32768, 65536, tok.vocab_size), tok, template, "m", 1,
-                                     ServerMetrics())
+                                     ServerMetrics(), max_choices=1, grammars=GrammarCheck(tok))
         row["request -> choices"] = median_ms(lambda: serving._choices(ctx, req, [ids], [1], None), repeats)
         sampling = serving._choices(ctx, req, [ids], [1], None)[0].sampling
         msg = GenerateRequest(1, ids, sampling)

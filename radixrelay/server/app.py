@@ -31,6 +31,7 @@ from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, serving
 from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.metrics import ServerMetrics
 from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
 
@@ -52,6 +53,7 @@ class ServerState:
         self.chat_template = _chat_template(self.tokenizer, config.chat_template)
         self.model_name = config.served_model_name or engine_config.model
         self.metrics = ServerMetrics()
+        self.grammars = GrammarCheck(self.tokenizer)
         self.client: AsyncRuntimeClient | None = None
         self.draining = False
         self.exit_code = 0
@@ -66,7 +68,8 @@ class ServerState:
         assert self.client is not None
         max_choices = self.engine_config.max_running_requests + self.engine_config.max_queued_requests
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
-                                      self.model_name, self.config.max_n, self.metrics, max_choices)
+                                      self.model_name, self.config.max_n, self.metrics, max_choices,
+                                      self.grammars)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""
@@ -260,6 +263,7 @@ def build_app(state: ServerState) -> FastAPI:
                 choices = serving.chat_choices(ctx, req)
             else:
                 choices = serving.completion_choices(ctx, req)
+            await until_disconnect(request, serving.check_structured(ctx, req, choices))
             job = serving.GenerationJob(ctx, choices, req.cache_salt)
             if req.stream:
                 first = await until_disconnect(request, serving.start_stream(job))

@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta
 
 from radixrelay.sampling_params import SamplingParams
+from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 # -- errors -----------------------------------------------------------------------------------
 
@@ -125,14 +126,14 @@ def _empty(name: str, json_type: Literal["array", "object"], why: str) -> Unsupp
                        {"anyOf": [{"type": json_type, **bound}, _NULL]}, why)
 
 
-_TEXT_FORMAT = {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-                "additionalProperties": False}
 _COMMON: tuple[Unsupported, ...] = (
     _empty("logit_bias", "object", "not supported by this server"),
     # Extension fields of other OpenAI-compatible servers that change the output.
-    *(_only_null(name, "structured output is not supported by this server")
-      for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "guided_decoding_backend", "structured_outputs", "json_schema", "regex", "ebnf")),
+    *(_only_null(name, "not supported by this server; structured outputs are `response_format`, "
+                       "`guided_json`, `guided_regex` and `guided_choice`")
+      for name in ("guided_grammar", "structured_outputs", "json_schema", "regex", "ebnf")),
+    _one_of("guided_decoding_backend", "xgrammar", why="the grammar engine of this server is xgrammar"),
+    _only_null("guided_whitespace_pattern", "JSON outputs use compact whitespace"),
     *(_only_null(name) for name in ("min_tokens", "min_new_tokens", "bad_words",
                                     "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
                                     "length_penalty", "logits_processors", "lora_path",
@@ -143,9 +144,6 @@ _COMMON: tuple[Unsupported, ...] = (
     _one_of("spaces_between_special_tokens", True),
 )
 _CHAT_ONLY: tuple[Unsupported, ...] = (
-    Unsupported("response_format", lambda v: v is None or v == {"type": "text"},
-                {"anyOf": [_TEXT_FORMAT, _NULL]},
-                "structured output is not supported by this server; only {\"type\": \"text\"}"),
     _empty("tools", "array", "tool calling is not supported by this server"),
     _one_of("tool_choice", "none", "auto", why="tool calling is not supported by this server"),
     Unsupported("parallel_tool_calls", lambda v: v is None or isinstance(v, bool),
@@ -201,6 +199,25 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 TokenId = Annotated[int, Meta(ge=0)]
 
 
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None       # schemas are always compiled strictly (no properties beyond them)
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        if self.type == "json_object":
+            return StructuredOutput.json_object()
+        if self.json_schema is None or self.json_schema.schema is None:
+            raise InvalidStructuredOutput('type "json_schema" needs json_schema.schema')
+        return StructuredOutput.json_schema(self.json_schema.schema)
+
+
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     include_obfuscation: bool | None = None     # accepted; no effect (no obfuscation padding)
@@ -226,6 +243,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Structured outputs: OpenAI's ``response_format`` and vLLM's ``guided_*`` extensions (one at a time).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # Accepted, no effect on the output: identifiers and tags for the caller's own bookkeeping, and a
     # cache-routing hint (this server finds shared prefixes by itself).
     user: str | None = None
@@ -236,6 +258,37 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that holds the request's output constraint (for errors), if any."""
+        return next(iter(self._structured_given()), None)
+
+    def _structured_given(self) -> dict[str, Any]:
+        return {name: value for name, value in (("response_format", self.response_format),
+                                                ("guided_json", self.guided_json),
+                                                ("guided_regex", self.guided_regex),
+                                                ("guided_choice", self.guided_choice))
+                if value is not None and not (isinstance(value, ResponseFormat) and value.type == "text")}
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's output constraint, or None; 400 for two at once or an unusable one."""
+        given = self._structured_given()
+        if len(given) > 1:
+            raise invalid(f"at most one structured output per request, got {', '.join(given)}", list(given)[1])
+        if not given:
+            return None
+        (name, value), = given.items()
+        try:
+            if isinstance(value, ResponseFormat):
+                return value.structured_output()
+            if name == "guided_json":
+                return StructuredOutput.json_schema(value)
+            if name == "guided_regex":
+                return StructuredOutput.regex(value)
+            return StructuredOutput.choice(value)
+        except (ValueError, RecursionError) as exc:   # InvalidStructuredOutput; json.dumps of a deep dict
+            raise invalid(f"{name}: {exc}", name) from None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -321,7 +374,7 @@ def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | 
         "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "stop": req.stop_strings(),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "structured": req.structured_output(),
     }
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "min_p": req.min_p, "presence_penalty": req.presence_penalty,

@@ -27,7 +27,9 @@ from radixrelay.server.chat_template import ChatTemplate
 from radixrelay.server.metrics import ServerMetrics
 from radixrelay.server.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
+from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.structured.spec import InvalidStructuredOutput
 from radixrelay.worker.protocol import TokenLogprobs
 
 
@@ -42,6 +44,7 @@ class ServingContext:
     # Most runtime requests (prompts x n) one HTTP request may make: more could never all be
     # admitted (running + queued), so they are a 400 rather than a 429 the client would retry.
     max_choices: int
+    grammars: GrammarCheck
 
 
 @dataclass(eq=False)
@@ -160,6 +163,15 @@ def _check_common(ctx: ServingContext, req: oa.GenerationRequest) -> None:
     vocab = ctx.client.info.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
         raise oa.invalid(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+
+
+async def check_structured(ctx: ServingContext, req: oa.GenerationRequest, choices: list[Choice]) -> None:
+    """400 unless the request's output constraint compiles (once per distinct constraint)."""
+    for spec in {c.sampling.structured for c in choices if c.sampling.structured is not None}:
+        try:
+            await ctx.grammars.check(spec)
+        except InvalidStructuredOutput as exc:
+            raise oa.invalid(str(exc), req.structured_field) from None
 
 
 def _check_choices(ctx: ServingContext, num_prompts: int, n: int, param: str) -> None:
