@@ -250,7 +250,7 @@ def corpus(model: str, *, vocab_size: int = 49152) -> list[Hostile]:
         # Unknown and unsupported fields.
         Hostile("unknown non-OpenAI field (ignored)", comp, _json(_completion(model, frobnicate={"x": [1]})), 200),
         Hostile("response_format json_object", chat, _json(_chat(model, response_format={"type": "json_object"})),
-                400, param="response_format"),
+                200),
         Hostile("response_format text (no-op)", chat, _json(_chat(model, response_format={"type": "text"})), 200),
         Hostile("tools", chat, _json(_chat(model, tools=[{"type": "function", "function": {"name": "f"}}])),
                 400, param="tools"),
@@ -259,8 +259,36 @@ def corpus(model: str, *, vocab_size: int = 49152) -> list[Hostile]:
         Hostile("functions", chat, _json(_chat(model, functions=[{"name": "f"}])), 400, param="functions"),
         Hostile("audio", chat, _json(_chat(model, audio={"voice": "alloy", "format": "mp3"})), 400, param="audio"),
         Hostile("modalities audio", chat, _json(_chat(model, modalities=["text", "audio"])), 400, param="modalities"),
-        Hostile("guided_json (vLLM)", chat, _json(_chat(model, guided_json={"type": "object"})), 400,
+        Hostile("guided_json (vLLM)", chat, _json(_chat(model, guided_json={"type": "object"})), 200),
+        Hostile("guided_grammar (vLLM)", chat, _json(_chat(model, guided_grammar='root ::= "a"')), 400,
+                param="guided_grammar"),
+        Hostile("guided_decoding_backend outlines", comp,
+                _json(_completion(model, guided_regex="a", guided_decoding_backend="outlines")), 400,
+                param="guided_decoding_backend"),
+        # Hostile structured outputs: refused before anything reaches the grammar compiler's worst cases.
+        Hostile("schema nested 200 deep", comp, _json(_completion(model, guided_json=_nested_schema(200))), 400,
                 param="guided_json"),
+        Hostile("schema nested 30 deep in response_format", chat, _json(_chat(model, response_format={
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(30)}})), 400,
+                param="response_format"),
+        Hostile("schema of 100k characters", comp, _json(_completion(model, guided_json={
+            "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}})), 400,
+                param="guided_json"),
+        Hostile("recursive schema", comp, _json(_completion(model, guided_json={
+            "$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+            "$ref": "#/$defs/n"})), 200),
+        Hostile("schema of an unknown type", comp, _json(_completion(model, guided_json={"type": "nonsense"})), 400,
+                param="guided_json"),
+        Hostile("unbalanced regex", comp, _json(_completion(model, guided_regex="(a")), 400, param="guided_regex"),
+        Hostile("regex a{100000}", comp, _json(_completion(model, guided_regex="a{100000}")), 200),
+        Hostile("regex of 40k characters", comp, _json(_completion(model, guided_regex="a" * 40_000)), 400,
+                param="guided_regex"),
+        Hostile("guided_choice []", comp, _json(_completion(model, guided_choice=[])), 400, param="guided_choice"),
+        Hostile("guided_choice 10k choices", comp, _json(_completion(model, guided_choice=[str(i) for i in range(10_000)])),
+                400, param="guided_choice"),
+        Hostile("two constraints", comp, _json(_completion(model, guided_regex="a", guided_choice=["a"])), 400),
+        Hostile("constraint with ignore_eos", comp, _json(_completion(model, guided_regex="a", ignore_eos=True)), 400,
+                param="ignore_eos"),
         Hostile("logit_bias", comp, _json(_completion(model, logit_bias={"50": 100})), 400, param="logit_bias"),
         Hostile("suffix", comp, _json(_completion(model, suffix="end")), 400, param="suffix"),
         Hostile("best_of 2", comp, _json(_completion(model, best_of=2)), 400, param="best_of"),
@@ -333,6 +361,13 @@ def tame(body: Any) -> None:
         for message in messages:
             if isinstance(message, dict) and isinstance(message.get("content"), str):
                 message["content"] = message["content"][:MAX_CHARS]
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return schema
 
 
 def _is_int(value: Any) -> bool:
