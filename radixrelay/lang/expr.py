@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from radixrelay.lang.errors import ProgramError, caller_origin
+from radixrelay.structured.spec import StructuredOutput
 
 Role = Literal["system", "user", "assistant"]
 
@@ -26,6 +27,8 @@ class Gen:
     temperature: float | None
     top_p: float | None
     n: int
+    # Output constraint (at most one), sent as the server's guided_regex / guided_json / guided_choice.
+    structured: StructuredOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,12 @@ Expr = Union[str, Gen, Select, RoleBlock, RoleEdge]
 
 
 def gen(name: str | None = None, *, max_tokens: int = 128, stop: str | Sequence[str] | None = None,
-        temperature: float | None = None, top_p: float | None = None, n: int = 1) -> Gen:
-    """``temperature`` / ``top_p`` left as None use the backend's defaults."""
+        temperature: float | None = None, top_p: float | None = None, n: int = 1,
+        regex: str | None = None, json_schema: dict[str, Any] | str | None = None,
+        choices: Sequence[str] | None = None) -> Gen:
+    """``temperature`` / ``top_p`` left as None use the backend's defaults. At most one constraint:
+    ``regex`` (the output matches it in full), ``json_schema`` (the output is JSON valid against it)
+    or ``choices`` (the output is one of them, generated; ``select`` instead scores each choice)."""
     if max_tokens < 1:
         raise _invalid(f"gen: max_tokens must be >= 1, got {max_tokens}")
     if n < 1:
@@ -71,7 +78,27 @@ def gen(name: str | None = None, *, max_tokens: int = 128, stop: str | Sequence[
         raise _invalid(f"gen: temperature must be >= 0, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise _invalid(f"gen: top_p must be in (0, 1], got {top_p}")
-    return Gen(name, max_tokens, stops, temperature, top_p, n)
+    return Gen(name, max_tokens, stops, temperature, top_p, n, _constraint(regex, json_schema, choices))
+
+
+def _constraint(regex: str | None, json_schema: dict[str, Any] | str | None,
+                choices: Sequence[str] | None) -> StructuredOutput | None:
+    given = [name for name, value in (("regex", regex), ("json_schema", json_schema), ("choices", choices))
+             if value is not None]
+    if len(given) > 1:
+        raise _invalid(f"gen: at most one of regex, json_schema and choices, got {', '.join(given)}")
+    if isinstance(choices, str):
+        raise _invalid("gen: choices must be a list of strings, not one string")
+    try:
+        if regex is not None:
+            return StructuredOutput.regex(regex)
+        if json_schema is not None:
+            return StructuredOutput.json_schema(json_schema)
+        if choices is not None:
+            return StructuredOutput.choice(tuple(choices))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise _invalid(f"gen: {exc}") from None
+    return None
 
 
 def select(name: str | None = None, *, choices: Sequence[str]) -> Select:

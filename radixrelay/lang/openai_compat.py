@@ -22,17 +22,21 @@ from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.errors import BackendError
 from radixrelay.lang.expr import Gen
 from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.structured.spec import StructuredOutput
 
 
 class OpenAICompatible:
     """``base_url`` ends with the API root (``http://host:8000/v1``). ``chat_template``: role
     markers for ``rl.system/user/assistant``, as ``RoleMarkers`` or a Jinja chat template;
-    default ``RoleMarkers.plain()`` (``User: ...`` lines), as the template is not served."""
+    default ``RoleMarkers.plain()`` (``User: ...`` lines), as the template is not served.
+    ``structured_outputs``: whether the server takes ``guided_regex`` / ``guided_json`` /
+    ``guided_choice`` (radixrelay, vLLM); a server that refuses them answers 400, a ``BackendError``."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, *,
                  chat_template: RoleMarkers | str | None = None, timeout: float = 600.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, structured_outputs: bool = True) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
@@ -46,6 +50,8 @@ class OpenAICompatible:
                                 "n": gen.n, "stream": True, "stream_options": {"include_usage": True}}
         optional = {"stop": list(gen.stop) or None, "temperature": gen.temperature, "top_p": gen.top_p}
         body.update((k, v) for k, v in optional.items() if v is not None)
+        if gen.structured is not None:
+            body.update(self._constraint_fields(gen.structured))
         texts = [""] * gen.n
         reasons: list[str | None] = [None] * gen.n
         usage = None
@@ -60,6 +66,17 @@ class OpenAICompatible:
                     reasons[i] = choice["finish_reason"]
             usage = _usage(chunk.get("usage")) or usage
         return Generation(tuple(texts), CallMeta(started, time.monotonic(), usage, tuple(reasons)))
+
+    def _constraint_fields(self, spec: StructuredOutput) -> dict[str, Any]:
+        """vLLM's names, which radixrelay serves too; a backend built with ``structured_outputs=False``
+        (a server known to lack them) refuses here rather than have them ignored."""
+        if not self.structured_outputs:
+            raise BackendError(f"gen with a {spec.kind} constraint: this backend has no structured outputs")
+        if spec.kind == "regex":
+            return {"guided_regex": spec.value}
+        if spec.kind == "choice":
+            return {"guided_choice": list(spec.choices)}
+        return {"guided_json": json.loads(spec.value) if spec.kind == "json_schema" else {"type": "object"}}
 
     def score(self, prefix: str, choices: Sequence[str]) -> CallMeta:
         if not prefix:

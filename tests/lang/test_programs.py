@@ -45,6 +45,39 @@ def test_gen_n_top_p_and_max_tokens(endpoint):
     assert state.meta("out").finish_reasons == ("length",) * 3
 
 
+def test_gen_with_regex_json_schema_and_choices(endpoint):
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["answer", "score"]}
+
+    @rl.function
+    def constrained(s):
+        s += "Phone: "
+        s += rl.gen("phone", regex=r"\d{3}-\d{4}", max_tokens=16, temperature=0.8)
+        s += "\nCity: "
+        s += rl.gen("city", choices=["Paris", "Rome"], max_tokens=8, temperature=0)
+        s += "\nVerdict: "
+        s += rl.gen("verdict", json_schema=schema, max_tokens=40, temperature=0)
+
+    state = constrained.run(backend=endpoint)
+    assert re.fullmatch(r"\d{3}-\d{4}", state["phone"]) and state["city"] in ("Paris", "Rome")
+    verdict = json.loads(state["verdict"])
+    assert verdict["answer"] in ("yes", "no") and 1 <= verdict["score"] <= 5
+    assert state.meta("verdict").finish_reasons == ("stop",)
+
+
+def test_a_backend_without_structured_outputs_refuses_them(server):
+    backend = rl.OpenAICompatible(f"{server.base_url}/v1", model="default", structured_outputs=False)
+    try:
+        with pytest.raises(rl.ProgramError, match="no structured outputs"):
+            complete.run(text="x", regex="a+", max_tokens=4, backend=backend)
+    finally:
+        backend.close()
+
+
 def test_roles_render_with_the_model_chat_template(endpoint):
     @rl.function
     def chat(s):

@@ -107,7 +107,11 @@ def test_bad_arguments_fail_on_their_own_line():
                           (lambda: rl.gen(max_tokens=0), "max_tokens"),
                           (lambda: rl.gen(stop=[""]), "stop"),
                           (lambda: rl.gen(top_p=0), "top_p"),
-                          (lambda: rl.assistant(rl.gen(n=2)), "n=1")]:
+                          (lambda: rl.assistant(rl.gen(n=2)), "n=1"),
+                          (lambda: rl.gen(regex="a", choices=["a"]), "at most one"),
+                          (lambda: rl.gen(choices="yes"), "list of strings"),
+                          (lambda: rl.gen(choices=[]), "choice"),
+                          (lambda: rl.gen(json_schema="{not json"), "not valid JSON")]:
         with pytest.raises(rl.ProgramError, match=message):
             call()
 
