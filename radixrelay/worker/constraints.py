@@ -70,6 +70,7 @@ class Constraints:
         self._make_engine = make_engine
         self._engine: GrammarEngine | None = None
         self._device = device
+        self._host = _MaskBuffers(device)
         self._pool: ThreadPoolExecutor | None = None
         self._matchers: dict[int, _Matcher] = {}
         # Sampled tokens not yet accepted: (matcher of each row or None, reader of the step's tokens).
@@ -103,10 +104,9 @@ class Constraints:
             for matcher, token in zip(rows, tokens(), strict=True):
                 if matcher is not None:
                     matcher.accept(engine, token)
-        xgr = engine._xgr
         constrained = [(i, self._matchers[rid]) for i, rid in enumerate(rids) if rid in self._matchers]
         rows: list[int] = []
-        bitmask = xgr.allocate_token_bitmask(len(constrained), engine.vocab_size)   # [k, ceil(V / 32)] int32
+        bitmask = self._host.bitmask(len(constrained), engine.vocab_size)        # [k, ceil(V / 32)] int32
         for i, matcher in constrained:
             state = matcher.get(engine)
             if matcher.broken or state is None:
@@ -120,15 +120,54 @@ class Constraints:
             rows.append(i)
         if not rows:
             return logits
-        return apply_bitmask(logits, rows, bitmask[:len(rows)])
+        return self._host.apply(logits, rows, bitmask[:len(rows)])
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+class _MaskBuffers:
+    """Host buffers of the masks, page-locked on CUDA: a copy from pageable memory would make the host
+    wait until the device reaches it in the stream, that is for the whole forward just queued. One
+    set is reused: before refilling it, the host waits for the copy of the previous mask (long done:
+    the previous step's tokens, which the host has waited for, were sampled after it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pin = device.type == "cuda"
+        self._bits = torch.empty(0, 0, dtype=torch.int32)
+        self._rows = torch.empty(0, dtype=torch.int64)
+        self._shifts = _SHIFTS.to(device)
+        self._copied: torch.cuda.Event | None = None
+
+    def bitmask(self, rows: int, vocab: int) -> torch.Tensor:
+        """A [rows, ceil(vocab / 32)] int32 buffer to fill (all bits clear)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        words = -(-vocab // 32)
+        if self._bits.shape[0] < rows or self._bits.shape[1] != words:
+            self._bits = torch.empty(max(rows, 2 * self._bits.shape[0]), words, dtype=torch.int32, pin_memory=self._pin)
+            self._rows = torch.empty(self._bits.shape[0], dtype=torch.int64, pin_memory=self._pin)
+        out = self._bits[:rows]
+        out.zero_()
+        return out
+
+    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+        index = self._rows[:len(rows)]
+        index.copy_(torch.tensor(rows, dtype=torch.int64))
+        masked = apply_bitmask(logits, index.to(self._device, non_blocking=True),
+                               bitmask.to(self._device, non_blocking=True), self._shifts)
+        if self._pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return masked
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                  shifts: torch.Tensor | None = None) -> torch.Tensor:
     """``logits`` [B, V] with row ``rows[j]`` keeping only the tokens whose bit is set in
-    ``bitmask[j]`` (int32 [len(rows), ceil(V / 32)], bit ``t % 32`` of word ``t // 32``); a new tensor."""
-    device, vocab = logits.device, logits.shape[-1]
-    bits = bitmask.to(device, non_blocking=True).unsqueeze(-1) >> _SHIFTS.to(device)    # [k, W, 32]
-    allowed = (bits & 1).view(len(rows), -1)[:, :vocab].bool()                           # [k, V]
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    ``bitmask[j]`` (int32 [len(rows), ceil(V / 32)], bit ``t % 32`` of word ``t // 32``); a new tensor.
+    ``rows`` int64 and ``bitmask`` on ``logits``' device."""
+    vocab = logits.shape[-1]
+    shifts = _SHIFTS.to(logits.device) if shifts is None else shifts
+    bits = bitmask.unsqueeze(-1) >> shifts                                       # [k, W, 32]
+    allowed = (bits & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()            # [k, V]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)

@@ -38,6 +38,7 @@ class Tally:
     tried: int = 0
     by_class: Counter[str] = field(default_factory=Counter)     # "2xx", "4xx", "5xx", "hang"
     by_status: Counter[int] = field(default_factory=Counter)
+    refused_params: Counter[str] = field(default_factory=Counter)   # the `param` of each 4xx error JSON
     server_errors: int = 0
     hangs: int = 0
     health_checks: int = 0
@@ -59,12 +60,15 @@ class Tally:
             self.problems.append(f"{status}: {label}: {body[:300]!r}")
         elif status >= 400 and not is_openai_error(body, content_type):
             self.problems.append(f"{status} without OpenAI error JSON: {label}: {body[:300]!r}")
+        elif status >= 400:
+            self.refused_params[str(json.loads(body)["error"]["param"])] += 1
 
     def merge(self, other: Tally) -> None:
         for name in ("tried", "server_errors", "hangs", "health_checks", "health_passed", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.by_class.update(other.by_class)
         self.by_status.update(other.by_status)
+        self.refused_params.update(other.refused_params)
         self.problems.extend(other.problems)
 
 

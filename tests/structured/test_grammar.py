@@ -94,12 +94,12 @@ def test_apply_bitmask_masks_only_the_constrained_rows():
     logits = torch.randn(3, 70)
     bitmask = torch.zeros(1, 3, dtype=torch.int32)                # row 1 allows tokens 0, 33 and 69
     bitmask[0, 0], bitmask[0, 1], bitmask[0, 2] = 1, 1 << 1, 1 << 5
-    out = apply_bitmask(logits, [1], bitmask)
+    out = apply_bitmask(logits, torch.tensor([1]), bitmask)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     kept = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert kept == [0, 33, 69] and torch.equal(out[1, kept], logits[1, kept])
     sign = torch.full((1, 3), -1, dtype=torch.int32)             # bit 31 set: the sign bit
-    assert torch.equal(apply_bitmask(logits, [0], sign), logits)
+    assert torch.equal(apply_bitmask(logits, torch.tensor([0]), sign), logits)
 
 
 def test_schema_outputs_follow_the_schema(engine, tokenizer):
