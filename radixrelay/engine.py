@@ -53,14 +53,6 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def _check_structured(self, params: Sequence[SamplingParams]) -> None:
-        """Compile each structured output once here (cached): a bad one raises
-        ``InvalidStructuredOutput`` (a ValueError) before anything is submitted."""
-        for spec in {p.structured for p in params if p.structured is not None}:
-            if self._grammars is None:
-                self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)
-            self._grammars.compile(spec)
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:
@@ -141,6 +133,14 @@ class Engine:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_structured(self, params: Sequence[SamplingParams]) -> None:
+        """Compile each structured output once here (cached): a bad one raises
+        ``InvalidStructuredOutput`` (a ValueError) before anything is submitted."""
+        for spec in {p.structured for p in params if p.structured is not None}:
+            if self._grammars is None:
+                self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)
+            self._grammars.compile(spec)
 
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):

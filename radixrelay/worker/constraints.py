@@ -69,7 +69,6 @@ class Constraints:
     def __init__(self, make_engine: Callable[[], GrammarEngine], device: torch.device) -> None:
         self._make_engine = make_engine
         self._engine: GrammarEngine | None = None
-        self._device = device
         self._host = _MaskBuffers(device)
         self._pool: ThreadPoolExecutor | None = None
         self._matchers: dict[int, _Matcher] = {}
