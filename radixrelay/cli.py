@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from radixrelay.config import (
-    ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, LOAD_FORMATS, LOG_LEVELS, EngineConfig,
+    ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS, EngineConfig,
     ServerConfig,
 )
 
@@ -56,6 +56,18 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run the scheduler and worker in lock step (one step in flight) instead of "
                         "overlapping the next step's planning and launch with the device's work; "
                         "for debugging and comparison")
+    t = parser.add_argument_group("KV tiers (host memory and disk behind the radix cache)")
+    t.add_argument("--host-kv-gib", type=float, default=None,
+                   help="host memory for KV pages evicted from the device, in GiB; 0 turns the tiers off "
+                        "(default: 0 on the CPU; on CUDA 40%% of available RAM, at most 64, pinned)")
+    t.add_argument("--disk-kv-path", default=None,
+                   help="directory for a disk tier below host memory (default: no disk tier); pages are "
+                        "keyed by model and KV layout, so a restart with the same path reuses them")
+    t.add_argument("--disk-kv-gib", type=float, default=64.0,
+                   help="disk tier capacity in GiB (default: %(default)s)")
+    t.add_argument("--kv-tier-policy", default="scheduler", choices=KV_TIER_POLICIES,
+                   help="host-memory eviction: 'scheduler' spares the pages of queued requests, 'lru' "
+                        "does not (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)")
 
 
@@ -69,7 +81,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_tokens=args.chunked_prefill_tokens,
         attention_backend=args.attention_backend, cascade=args.cascade,
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
-        disable_overlap=args.disable_overlap, seed=args.seed)
+        disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
+        disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy, seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:

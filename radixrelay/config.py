@@ -14,6 +14,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")   # auto: triton on CUDA, torch on CPU
 CASCADE_MODES = ("auto", "on", "off")
+KV_TIER_POLICIES = ("scheduler", "lru")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -46,6 +47,12 @@ class EngineConfig:
     # Run the scheduler and worker in lock step (one step in flight) instead of overlapping the
     # next step's planning and launch with the device's work; for debugging and comparison.
     disable_overlap: bool = False
+    # KV tiers below the device (AttentionStore): host memory in GiB (None: 0 on the CPU; on CUDA
+    # 40% of available RAM, at most 64 GiB), disk in GiB under ``disk_kv_path`` (None: no disk tier).
+    host_kv_gib: float | None = None
+    disk_kv_gib: float = 64.0
+    disk_kv_path: str | None = None
+    kv_tier_policy: str = "scheduler"   # host eviction: "scheduler" (spares queued requests) | "lru"
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
     startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
 
@@ -79,6 +86,16 @@ class EngineConfig:
             raise bad("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
         if self.chunked_prefill_tokens < self.page_size:
             raise bad("chunked_prefill_tokens", f"must be >= page_size, got {self.chunked_prefill_tokens}")
+        if self.host_kv_gib is not None and not 0 <= self.host_kv_gib < 1 << 20:
+            raise bad("host_kv_gib", f"must be >= 0 (0: no host tier), got {self.host_kv_gib}")
+        if not 0 <= self.disk_kv_gib < 1 << 30:
+            raise bad("disk_kv_gib", f"must be >= 0, got {self.disk_kv_gib}")
+        if self.disk_kv_path is not None and not self.disk_kv_path:
+            raise bad("disk_kv_path", "must be non-empty when set (None: no disk tier)")
+        if self.disk_kv_path is not None and self.host_kv_gib == 0:
+            raise bad("disk_kv_path", "the disk tier stages pages through host memory: host_kv_gib must be > 0")
+        if self.kv_tier_policy not in KV_TIER_POLICIES:
+            raise bad("kv_tier_policy", f"must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}")
         if self.startup_timeout <= 0:
             raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
 

@@ -162,13 +162,18 @@ class ShareGPTLike:
 class MultiTurn:
     """Chat sessions of ``turns`` turns over one system prompt each; every turn sends the whole
     history so far (the server's real replies included) plus a new user message. Sessions start
-    by the arrival process; think times between turns are exponential with mean ``think_time``."""
+    by the arrival process; think times between turns are exponential with mean ``think_time``.
+    With ``history_len`` > 0, each session's first user message starts with a document of
+    ``history_len`` tokens (its own text), so that histories are long from the second turn on:
+    the benchmark of KV tiers, where many sessions' KV exceeds GPU memory (e.g. ``sessions=64
+    turns=4 history_len=4000``: every later turn has a history of 4K+ tokens)."""
     sessions: int = 16
     turns: int = 4
     system_len: int = 256
     turn_len: int = 64
     output_len: int = 64
     think_time: float = 1.0
+    history_len: int = 0
 
     def __post_init__(self) -> None:
         _validate(self, "sessions", "turns", "output_len")
@@ -179,8 +184,10 @@ class MultiTurn:
     def generate(self, num_requests: int, rng: np.random.Generator) -> list[Session]:
         sessions = []
         for start in range(0, num_requests, self.turns):
+            # no draw for the document without one: history_len=0 gives the same text as ever
+            document = f"{words(rng, self.history_len)}\n\n" if self.history_len else ""
             turns = tuple(
-                Turn(words(rng, self.turn_len), self.output_len,
+                Turn((document if k == 0 else "") + words(rng, self.turn_len), self.output_len,
                      float(rng.exponential(self.think_time)) if k and self.think_time else 0.0)
                 for k in range(min(self.turns, num_requests - start)))
             sessions.append(Session(f"session-{len(sessions)}", words(rng, self.system_len), turns))

@@ -156,6 +156,10 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
     max_context: int
     vocab_size: int
     eos_token_ids: list[int]          # from the model's config (the tokenizer adds its own)
+    host_pages: int = 0               # KV tier pages in host memory (0: no tiers)
+    disk_pages: int = 0               # KV tier pages on disk (0: no disk tier)
+    kv_namespace: str = ""            # model + KV layout identity (keys of the lower tiers)
+    page_bytes: int = 0               # bytes of one page's KV (all layers, K and V)
 
 
 class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):

@@ -34,6 +34,9 @@ import zmq
 
 from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
+from radixrelay.config import EngineConfig
+from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.radix.tiers import KVTiers
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
@@ -260,6 +263,18 @@ class _Pending:
         return TokenUpdate(update, logprobs, prompt)
 
 
+def make_tiers(cfg: EngineConfig, ready: WorkerReady) -> KVTiers | None:
+    """The scheduler's index of the worker's KV tiers; pages a disk tier kept from an earlier run of
+    the same model and layout (same namespace directory, same page size) are found again."""
+    if ready.host_pages < 1:
+        return None
+    keys: list[bytes] = []
+    if ready.disk_pages and cfg.disk_kv_path is not None:
+        found = DiskKVStore(cfg.disk_kv_path, ready.kv_namespace).scan()
+        keys = [key for key, size in found.items() if size == ready.page_bytes]
+    return KVTiers(ready.host_pages, ready.disk_pages, keys, cfg.kv_tier_policy)
+
+
 def _wait_for_worker(args: ChildArgs, worker_in: zmq.Socket) -> WorkerReady | RuntimeFailed | None:
     """The worker's first message (malformed frames dropped); None when the parent died meanwhile."""
     frames = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
@@ -296,8 +311,9 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                             max_running_requests=cfg.max_running_requests,
                             chunked_prefill_tokens=cfg.chunked_prefill_tokens,
                             schedule_policy=cfg.schedule_policy,
-                            disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos),
-            detokenize=tokenizer.decode)
+                            disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos,
+                            kv_namespace=ready.kv_namespace, kv_page_bytes=ready.page_bytes),
+            detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready))
         planner = make_cascade_planner(cfg.cascade, cfg.page_size)
         scheduler.set_cascade_planner(planner)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it

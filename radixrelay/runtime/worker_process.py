@@ -18,6 +18,7 @@ import time
 import traceback
 from collections import deque
 
+import msgspec
 import torch
 import zmq
 
@@ -35,6 +36,7 @@ from radixrelay.runtime.messages import (
 from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.worker.constraints import Constraints
+from radixrelay.worker.kv_tiers import build_tiers, page_bytes
 from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
 
@@ -84,9 +86,12 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     def grammar_engine() -> GrammarEngine:       # built when the first constrained request arrives
         return GrammarEngine(load_tokenizer(tokenizer_path(cfg)), vocab_size)
 
+    tiers, host_pages, disk_pages, namespace = build_tiers(cfg, mc, kv_cache)
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
-                         graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device))
-    ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids))
+                         graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
+                         tiers=tiers)
+    ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids),
+                        host_pages, disk_pages, namespace, page_bytes(kv_cache))
     return runner, ready
 
 
@@ -133,7 +138,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
 def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs) -> int:
     encode = encoder().encode
     commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
-    in_flight: deque[tuple[LaunchedStep, float]] = deque()      # (step, host seconds spent on it)
+    in_flight: deque[tuple[LaunchedStep, float, bool]] = deque()  # (step, host seconds, has rows)
     jit_after_ready = _jit_variants_since_now(runner)
     jit_seen = 0
     window = trace_steps()
@@ -141,9 +146,13 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
 
     def send_oldest() -> None:
         nonlocal jit_seen
-        step, host_s = in_flight.popleft()
+        step, host_s, has_rows = in_flight.popleft()
         start = time.perf_counter()
         output = step.finish()
+        if runner.tiers is not None:     # a plan without rows answers once all transfers are done
+            acks = runner.tiers.acks(wait=not has_rows)
+            if acks is not None:
+                output = msgspec.structs.replace(output, kv_acks=acks)
         busy = host_s + time.perf_counter() - start
         jit = jit_after_ready()
         if jit > jit_seen:
@@ -180,7 +189,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
         else:
             with trace.launch(command.plan.step_id):
                 launched = runner.launch(command.plan)
-        in_flight.append((launched, time.perf_counter() - start))
+        plan = command.plan
+        in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
 
 
 def _jit_variants_since_now(runner: ModelRunner):

@@ -9,6 +9,12 @@ a running request's ``pages[:num_shared_pages]`` are the pages of its locked tre
 A request leaves (finish, retraction) by inserting its computed whole pages into the tree (the next
 turn of a chat, or its own resumption, hits them), freeing pages the tree already had (duplicates
 computed concurrently) and its last partial page, and unlocking its path. Aborts just free.
+
+Lower tiers (``radixrelay.radix.tiers``, optional): whole pages that enter the tree are saved to host
+memory once (their node stays locked until the worker acknowledges the copy, so device eviction never
+waits for one); an admission continues its device match with the pages host memory holds, loading
+them into fresh device pages (``promote``); requests near the head of the queue get their pages on
+disk read into host memory ahead of their turn (``prefetch_window``).
 """
 
 from __future__ import annotations
@@ -16,17 +22,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from radixrelay.radix.allocator import PageAllocator
+from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
+from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 
 class CacheManager:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, tiers: KVTiers | None = None) -> None:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.tree = RadixTree(config.page_size)
+        self.tiers = None if config.disable_radix_cache else tiers
+        self._seeds: dict[str | None, bytes] = {}
+        self._save_locks: list[RadixNode] = []              # locked for saves not yet sent
+        self._locks_by_step: dict[int, list[RadixNode]] = {}  # locked for saves sent with a step
+        self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
+        self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
 
     @property
     def available_pages(self) -> int:
@@ -95,6 +110,7 @@ class CacheManager:
             self.tree.unlock(req.lock_node)
         req.lock_node = node
         req.num_shared_pages = num_full
+        self._save(req, node, req.pages[:num_full])
 
     def _locked_start(self, req: Request):
         """Where a walk for ``req``'s tokens may begin: its locked node (which the lock keeps, ending
@@ -121,13 +137,138 @@ class CacheManager:
             # pages[existing // ps:num_full] now belong to the tree.
             self.allocator.free(req.pages[own_from: existing // ps])
             self.allocator.free(req.pages[num_full:])
+            if self.tiers is not None and num_full:
+                found = self.tree.match_prefix_below(req.token_ids, req.lock_node, req.salt, length=num_full * ps) \
+                    if req.lock_node is not None else self.tree.match_prefix(req.token_ids, req.salt, length=num_full * ps)
+                if found.num_tokens == num_full * ps:
+                    self._save(req, found.node, found.pages)
         else:
             self.allocator.free(req.pages[own_from:])
         self.unlock(req)
 
+    # -- lower tiers ---------------------------------------------------------------------------
+
+    def page_keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request)."""
+        seed = self._seeds.get(req.salt)
+        if seed is None:
+            seed = self._seeds[req.salt] = chain_seed(self.config.kv_namespace, req.salt)
+        return extend_keys(req.page_keys, seed, req.token_ids, self.page_size, num_pages)
+
+    def promote(self, req: Request) -> int:
+        """Continue ``req``'s device match (``match_and_lock``) with the pages host memory holds:
+        fresh device pages, a load for each, inserted into the tree and locked as ``req``'s path.
+        Returns the pages promoted (0 without tiers, hits or free device pages)."""
+        tiers, ps = self.tiers, self.page_size
+        limit = req.reusable_prefix // ps
+        have = req.num_shared_pages
+        if tiers is None or limit <= have:
+            return 0
+        keys = self.page_keys(req, limit)
+        slots = tiers.host_run(keys, have, limit)
+        if not slots:
+            return 0
+        pages = self.alloc(len(slots))
+        if pages is None:
+            return 0
+        n = (have + len(slots)) * ps
+        start = self._locked_start(req)
+        existing = self.tree.insert(req.token_ids, req.pages[:have] + pages, req.salt, start, length=n)
+        if existing != have * ps:        # never expected: the match was the longest; keep it simple
+            self.allocator.free(pages)
+            raise AssertionError(f"request {req.rid}: promotion found {existing} tokens cached, "
+                                 f"expected {have * ps}")
+        node = self.tree.match_prefix(req.token_ids, req.salt, start, length=n).node
+        self.tree.lock(node)
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        from_disk_before = tiers.counters.loaded_from_disk
+        tiers.load(keys[have:have + len(slots)], pages)
+        self.tier_hit_tokens += len(slots) * ps
+        self.disk_hit_tokens += (tiers.counters.loaded_from_disk - from_disk_before) * ps
+        req.pages = req.pages[:have] + pages
+        req.lock_node = node
+        req.num_shared_pages = have + len(slots)
+        req.kv_len = req.kv_committed = n
+        return len(slots)
+
+    def waits_for_fetch(self, req: Request) -> bool:
+        """Whether a disk read for one of ``req``'s next pages is in flight (admit it afterwards)."""
+        if self.tiers is None or not req.page_keys:
+            return False
+        limit = min(len(req.page_keys), req.reusable_prefix // self.page_size)
+        return self.tiers.fetching_in(req.page_keys, 0, limit)
+
+    def prefetch_window(self, window: Iterable[Request]) -> None:
+        """Queue disk reads for the pages of ``window`` (the next requests to admit) that host
+        memory lacks, and protect their keys from host eviction (policy ``scheduler``)."""
+        tiers = self.tiers
+        if tiers is None or (not tiers.has_disk and tiers.policy != "scheduler"):
+            return
+        protected: set[bytes] = set()
+        for req in window:
+            limit = req.reusable_prefix // self.page_size
+            if limit <= 0:
+                continue
+            keys = self.page_keys(req, limit)
+            _, cached = self.tree.peek_prefix(req.token_ids, req.salt, length=limit * self.page_size)
+            first = cached // self.page_size
+            if tiers.policy == "scheduler":
+                protected.update(keys[first:])
+            if tiers.has_disk:
+                tiers.prefetch(keys, first, limit)
+        tiers.protect(protected)
+
+    def take_transfers(self, step_id: int) -> KVTransfers | None:
+        """The tier copies to send with plan ``step_id``; the nodes locked for its saves stay
+        locked until ``on_acks`` sees them done."""
+        if self.tiers is None:
+            return None
+        transfers = self.tiers.take(step_id)
+        if transfers is not None and transfers.saves:
+            self._locks_by_step[step_id] = self._save_locks
+            self._save_locks = []
+        return transfers
+
+    def on_acks(self, acks: KVAcks | None) -> None:
+        if self.tiers is None or acks is None:
+            return
+        for step in self.tiers.on_acks(acks):
+            for node in self._locks_by_step.pop(step, []):
+                self.tree.unlock(node)
+
+    def tier_stats(self) -> dict[str, int | float]:
+        """``SchedulerStats`` tier fields (empty without tiers)."""
+        tiers = self.tiers
+        if tiers is None:
+            return {}
+        c, size = tiers.counters, self.config.kv_page_bytes
+        return dict(tier_host_pages=tiers.host_pages, tier_host_used_pages=tiers.num_host_entries,
+                    tier_disk_pages=tiers.disk_pages, tier_disk_used_pages=tiers.num_disk_entries,
+                    tier_host_hit_tokens=self.tier_hit_tokens, tier_disk_hit_tokens=self.disk_hit_tokens,
+                    tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
+                    tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
+                    tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
+                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s)
+
+    def tiers_busy(self) -> bool:
+        return self.tiers is not None and self.tiers.busy()
+
+    def _save(self, req: Request, node: RadixNode, pages: list[int]) -> None:
+        """Save the path's pages that host memory lacks; ``node`` (the path's end) stays locked
+        until the copy is acknowledged."""
+        if self.tiers is None or not pages:
+            return
+        keys = self.page_keys(req, len(pages))
+        if self.tiers.save(keys, pages):
+            self.tree.lock(node)
+            self._save_locks.append(node)
+
     def check_integrity(self, running: Iterable[Request]) -> None:
         self.allocator.check_integrity()
         self.tree.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         free = self.allocator.free_pages()
         cached = [p for node in self.tree.nodes() for p in node.pages]
         in_use: list[int] = []

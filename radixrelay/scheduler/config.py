@@ -28,6 +28,11 @@ class SchedulerConfig:
     # decode growth; when the guess is too low, decode retracts requests instead of failing.
     decode_reservation_ratio: float = 0.3
     eos_token_ids: tuple[int, ...] = ()
+    # Model + KV layout identity: seeds the content keys of the lower KV tiers (radix/page_keys.py).
+    kv_namespace: str = ""
+    kv_page_bytes: int = 0                    # bytes of one page's KV (tier byte counters)
+    # Waiting requests whose disk-resident pages are read into host memory ahead of their turn.
+    tier_lookahead: int = 32
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:

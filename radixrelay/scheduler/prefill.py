@@ -63,7 +63,7 @@ class PrefillManager:
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
             waits, near = self._waits_for_shared_prefill(req, computing)
-            if waits:
+            if waits or self.cache.waits_for_fetch(req):
                 continue
             if not self._admit(req, reserved if running or out.admitted else None, near):
                 break
@@ -116,6 +116,7 @@ class PrefillManager:
         if need + margin > cache.available_pages:
             cache.unlock(req)
             return False
+        need -= cache.promote(req)             # pages host memory holds: loaded, not computed
         pages = cache.alloc(need)
         assert pages is not None  # need <= available_pages
         req.pages.extend(pages)

@@ -59,6 +59,8 @@ class Request:
     # -- cascade: the locked path as the planner sees it, valid while path_key holds -------------
     path_key: tuple[object, int] | None = None      # (lock_node, the tree's split count)
     path: list = field(default_factory=list)        # list[PathSegment], root first
+    # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
+    page_keys: list[bytes] = field(default_factory=list)
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     num_emitted: int = 0                        # output tokens already handed to the caller
@@ -132,6 +134,21 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     cache_hit_tokens: int                       # cumulative prompt tokens served from the cache
     prompt_tokens: int                          # cumulative prompt tokens of first admissions
     num_retractions: int
+    # -- KV tiers (0 without): pages held, prompt tokens served, bytes moved, load time --------
+    tier_host_pages: int = 0
+    tier_host_used_pages: int = 0
+    tier_disk_pages: int = 0
+    tier_disk_used_pages: int = 0
+    tier_host_hit_tokens: int = 0               # prompt tokens promoted from host memory
+    tier_disk_hit_tokens: int = 0               # of which read from disk ahead of the turn
+    tier_prefetch_used_pages: int = 0
+    tier_read_failed_pages: int = 0             # disk pages found missing or corrupt: misses
+    tier_saved_bytes: int = 0                   # device -> host
+    tier_loaded_bytes: int = 0                  # host -> device
+    tier_written_bytes: int = 0                 # host -> disk
+    tier_read_bytes: int = 0                    # disk -> host
+    tier_load_s: float = 0.0                    # device seconds of host -> device loads
+    tier_load_exposed_s: float = 0.0            # of which steps waited for
 
     @property
     def kv_usage(self) -> float:

@@ -15,9 +15,13 @@ its pages are reused only by later plans, which the worker runs after the in-fli
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+
+import msgspec
 from dataclasses import dataclass
 
+from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import KVAudit, audit_kv
 from radixrelay.scheduler.cache import CacheManager
@@ -48,9 +52,10 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, detokenize: Detokenize | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, detokenize: Detokenize | None = None,
+                 tiers: KVTiers | None = None) -> None:
         self.config = config
-        self.cache = CacheManager(config)
+        self.cache = CacheManager(config, tiers)
         self._stop = StopChecker(config.eos_token_ids, detokenize)
         self._prefill = PrefillManager(config, self.cache)
         self._decode = DecodeManager(config, self.cache, self._retract)
@@ -100,7 +105,8 @@ class Scheduler:
         return self._final_update(req, [], "abort")
 
     def has_work(self) -> bool:
-        return bool(self._requests)
+        """Live requests, or KV tier copies to send or to hear back about."""
+        return bool(self._requests) or self.cache.tiers_busy()
 
     @property
     def num_in_flight(self) -> int:
@@ -138,10 +144,13 @@ class Scheduler:
         dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
         if dec is None:
             return None
+        if self.cache.tiers is not None and self._waiting:
+            window = itertools.islice(self._waiting, self.config.tier_lookahead)
+            self.cache.prefetch_window(window)
         budget = self.config.chunked_prefill_tokens - len(dec.decodes)
         pre = self._prefill.schedule(running, self._waiting, budget)
         if not dec.decodes and not pre.extends:
-            return None
+            return self._transfers_only()
         for req in pre.admitted:
             self._running[req.rid] = req
         admitted = [self._admission(r) for r in pre.admitted]
@@ -164,6 +173,7 @@ class Scheduler:
             extends=items,
             decodes=[r.rid for r in dec.decodes],
             cascade=cascade,
+            transfers=self.cache.take_transfers(self._next_step),
         )
         for e in extends:
             e.req.kv_len += e.num_tokens
@@ -181,6 +191,7 @@ class Scheduler:
         if not self._inflight or out.step_id != self._inflight[0].step_id:
             raise ValueError(f"StepOutput {out.step_id} does not answer the oldest step in flight")
         step = self._inflight.popleft()
+        self.cache.on_acks(out.kv_acks)
         for req in step.samplers.values():
             req.num_pending -= 1
         if out.error is not None:   # fail every request of the step
@@ -217,6 +228,9 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         alloc, tree = self.cache.allocator, self.cache.tree
+        return msgspec.structs.replace(self._base_stats(alloc, tree), **self.cache.tier_stats())
+
+    def _base_stats(self, alloc, tree) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self._running), num_waiting=len(self._waiting),
             kv_total_pages=alloc.num_pages, kv_free_pages=alloc.num_free,
@@ -243,6 +257,18 @@ class Scheduler:
             raise AssertionError("request table disagrees with the queue and the running set")
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _transfers_only(self) -> StepPlan | None:
+        """A plan without rows when KV tier copies wait to be sent, or (nothing in flight) their
+        acknowledgements are awaited: the worker answers it once every copy has completed."""
+        if not self.cache.tiers_busy() or (self._inflight and not self.cache.tiers.has_outgoing()):
+            return None
+        plan = StepPlan(step_id=self._next_step, released=self._released,
+                        transfers=self.cache.take_transfers(self._next_step))
+        self._released = []
+        self._inflight.append(_InFlight(self._next_step, [], [], {}))
+        self._next_step += 1
+        return plan
 
     @staticmethod
     def _admission(req: Request) -> AdmittedRequest:

@@ -24,6 +24,28 @@ PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _tier_metrics(sched, gauge, counter) -> Iterator[Metric]:
+    """KV tiers below the device (host memory, disk): capacity, hits, bytes moved, load time."""
+    for tier in ("host", "disk"):
+        yield gauge(f"kv_tier_{tier}_pages", f"KV pages the {tier} tier can hold.", getattr(sched, f"tier_{tier}_pages"))
+        yield gauge(f"kv_tier_{tier}_used_pages", f"KV pages held by the {tier} tier.",
+                    getattr(sched, f"tier_{tier}_used_pages"))
+    yield counter("kv_tier_host_hit_tokens", "Prompt tokens loaded from host memory instead of computed.",
+                  sched.tier_host_hit_tokens)
+    yield counter("kv_tier_disk_hit_tokens", "Prompt tokens loaded from disk (through host memory).",
+                  sched.tier_disk_hit_tokens)
+    yield counter("kv_tier_prefetch_used_pages", "Pages read from disk ahead of a turn and then used.",
+                  sched.tier_prefetch_used_pages)
+    yield counter("kv_tier_read_failed_pages", "Disk pages found missing, truncated or corrupt (misses).",
+                  sched.tier_read_failed_pages)
+    for name, doc in (("saved", "device to host"), ("loaded", "host to device"),
+                      ("written", "host to disk"), ("read", "disk to host")):
+        yield counter(f"kv_tier_{name}_bytes", f"KV bytes copied {doc}.", getattr(sched, f"tier_{name}_bytes"))
+    yield counter("kv_tier_load_seconds", "Device seconds of host-to-device KV loads.", sched.tier_load_s)
+    yield counter("kv_tier_load_exposed_seconds", "Seconds of those loads that steps waited for.",
+                  sched.tier_load_exposed_s)
+
+
 class _RuntimeCollector(Collector):
     """Exposes the latest ``RuntimeStats`` snapshot."""
 
@@ -56,6 +78,7 @@ class _RuntimeCollector(Collector):
                       sched.prompt_tokens)
         yield counter("retractions", "Requests retracted to the queue for lack of KV.",
                       sched.num_retractions)
+        yield from _tier_metrics(sched, gauge, counter)
         yield counter("steps", "Model steps run by the worker.", s.steps)
         yield counter("computed_tokens", "Tokens run through the model.", s.computed_tokens)
         yield counter("decode_steps", "Steps with decode rows.", s.decode_steps)

@@ -51,6 +51,7 @@ from radixrelay.worker.step_state import ResidentTokens
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
     from radixrelay.worker.constraints import Constraints
     from radixrelay.worker.cuda_graphs import DecodeGraphs
+    from radixrelay.worker.kv_tiers import TierStore
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
 
 
@@ -126,11 +127,14 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  *, seed: int = 0, prefill_cost: CostModel | None = None,
                  graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None,
-                 split_long_prefixes: bool | None = None, constraints: Constraints | None = None) -> None:
+                 split_long_prefixes: bool | None = None, constraints: Constraints | None = None,
+                 tiers: TierStore | None = None) -> None:
         """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
         ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend);
         ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them);
-        ``constraints``: structured-output grammars (None: such requests are refused at admission)."""
+        ``constraints``: structured-output grammars (None: such requests are refused at admission);
+        ``tiers``: host-memory / disk KV tiers (None: plans carrying transfers fail)."""
+        self.tiers = tiers
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -184,6 +188,10 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             self._apply_diff(plan)
+            if plan.transfers is not None:
+                if self.tiers is None:
+                    raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
+                self.tiers.apply(plan.step_id, plan.transfers)    # loads finish before the forward
             return self._launch(plan, start)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
             if self.graphs is not None:

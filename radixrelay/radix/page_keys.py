@@ -1,0 +1,39 @@
+"""Content keys of KV pages for the lower cache tiers (host memory, disk).
+
+Page ``i`` of a token sequence is keyed by a chained digest:
+``key[-1] = H(namespace, salt)``, ``key[i] = H(key[i - 1], tokens[i * page_size : (i + 1) * page_size])``
+(blake2b, 16 bytes). A key therefore names the KV of a whole prefix: equal keys mean equal tokens from
+position 0 under the same salt and the same model and KV layout (``namespace``), so the lower tiers can
+be content-addressed without a tree of their own, never serve KV across salts, and a disk directory
+reused by a restart with another model or page size never matches (different namespace, different keys).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+
+KEY_BYTES = 16
+
+
+def chain_seed(namespace: str, salt: str | None) -> bytes:
+    """The key before page 0: distinct per (namespace, salt); ``None`` and ``""`` salts differ."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"radixrelay-ns")
+    h.update(namespace.encode())
+    h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
+    return h.digest()
+
+
+def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], page_size: int, num_pages: int) -> list[bytes]:
+    """Append the keys of pages ``len(keys) .. num_pages - 1`` of ``token_ids`` to ``keys`` (in place;
+    earlier keys are kept: token lists only grow) and return it. ``num_pages`` whole pages must exist."""
+    if num_pages * page_size > len(token_ids):
+        raise ValueError(f"extend_keys: {num_pages} pages of {page_size} need {num_pages * page_size} "
+                         f"tokens, got {len(token_ids)}")
+    prev = keys[-1] if keys else seed
+    for i in range(len(keys), num_pages):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
+        h.update(array.array("q", token_ids[i * page_size:(i + 1) * page_size]).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys

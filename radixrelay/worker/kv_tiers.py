@@ -1,0 +1,263 @@
+"""Worker side of the lower KV tiers: the host-memory pool, the disk store, and the copies between
+them and the device KV cache (``protocol.KVTransfers``, planned by ``radixrelay.radix.tiers``).
+
+Host pool: ``host: [host_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]``, page-major
+so that one page is one contiguous block (one disk file, one copy); pinned on CUDA.
+
+Ordering (what the scheduler relies on, ``KVTransfers``):
+- on CUDA every save and load runs on one copy stream, after everything the compute stream was given
+  before (an event): a save reads KV that earlier steps wrote; a load may fill pages that a step still
+  in flight last used. The step's forward waits for the loads (``load_exposed_s``); saves run while
+  later steps compute (the scheduler keeps their pages locked until acknowledged);
+- disk reads and writes run on one I/O thread, in plan order, each after the copy-stream work queued
+  before it (so a slot is never read for disk while its save is in flight, nor overwritten while a
+  load from it is);
+- on the CPU everything runs synchronously in plan order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from radixrelay.attention import KVCache
+from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.worker.protocol import KVAcks, KVTransfers
+
+logger = logging.getLogger("radixrelay.worker")
+_MAX_RUN = 64      # pages per staged copy: bounds the device staging buffer (64 x page bytes)
+
+
+def page_bytes(kv: KVCache) -> int:
+    k = kv.k[0]
+    return 2 * kv.num_layers * kv.page_size * k.shape[1] * k.shape[2] * k.element_size()
+
+
+class TierStore:
+    def __init__(self, kv: KVCache, host_pages: int, disk: DiskKVStore | None = None) -> None:
+        if host_pages < 1:
+            raise ValueError(f"TierStore: host_pages must be >= 1, got {host_pages}")
+        self.kv = kv
+        self.disk = disk
+        k = kv.k[0]
+        self._cuda = kv.device.type == "cuda"
+        shape = (host_pages, kv.num_layers, 2, kv.page_size, k.shape[1], k.shape[2])
+        self.host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._cuda)
+        self.page_bytes = page_bytes(kv)
+        self._stream = torch.cuda.Stream(kv.device) if self._cuda else None
+        self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
+        self._loads: deque[tuple[object, object]] = deque()       # (start, done) timing events
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
+        self._io_jobs: deque[Future] = deque()
+        self._failed: list[int] = []
+
+    # -- applying a plan's transfers -------------------------------------------------------------
+
+    def apply(self, step_id: int, t: KVTransfers) -> None:
+        """Queue ``t`` (before the step's forward). A failed save is reported in ``KVAcks.failed_steps``."""
+        after = self._after_compute()
+        if t.saves:
+            try:
+                self._copy(t.saves, save=True, after=after)
+                self._saves.append((step_id, self._record()))
+            except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
+                logger.exception("KV save of step %d failed", step_id)
+                self._failed.append(step_id)
+        if t.loads:
+            start = self._record(timing=True)
+            self._copy(t.loads, save=False, after=after)
+            done = self._record(timing=True)
+            if self._cuda:      # the forward reads these pages: it starts after the loads
+                torch.cuda.current_stream(self.kv.device).wait_event(done)
+            self._loads.append((start, done))
+        if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
+            fence = self._record()
+            for slot, key in t.disk_writes:
+                self._io_jobs.append(self._io.submit(self._write, fence, slot, key))
+            for key, slot in t.disk_reads:
+                self._io_jobs.append(self._io.submit(self._read, fence, key, slot))
+            for key in t.disk_deletes:
+                self._io_jobs.append(self._io.submit(self._delete, key))
+
+    def acks(self, wait: bool) -> KVAcks | None:
+        """Transfers completed since the last call; ``wait``: block until all queued ones are."""
+        saved = []
+        while self._saves and (wait or _done(self._saves[0][1])):
+            step, event = self._saves.popleft()
+            _sync(event)
+            saved.append(step)
+        load_s = 0.0
+        while self._loads and (wait or _done(self._loads[0][1])):
+            start, done = self._loads.popleft()
+            _sync(done)
+            if self._cuda:
+                load_s += start.elapsed_time(done) / 1e3
+        written, write_failed, read, read_failed = [], [], [], []
+        while self._io_jobs and (wait or self._io_jobs[0].done()):
+            kind, key, ok = self._io_jobs.popleft().result()
+            if kind == "write":
+                (written if ok else write_failed).append(key)
+            elif kind == "read":
+                (read if ok else read_failed).append(key)
+        failed, self._failed = self._failed, []
+        if not (saved or failed or written or write_failed or read or read_failed or load_s):
+            return None
+        # On CUDA a load is exposed unless layer-wise loading overlaps it (not yet): all of it.
+        exposed = load_s if self._cuda else 0.0
+        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after) -> None:
+        """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
+        runs of consecutive host slots: one host-side copy per run."""
+        if save:
+            pairs = [(slot, page) for page, slot in pairs]
+        for slots, pages in _runs(pairs):
+            if self._stream is None:
+                self._copy_run(slots, pages, save)
+                continue
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(after)
+                self._copy_run(slots, pages, save)
+
+    def _copy_run(self, slots: range, pages: list[int], save: bool) -> None:
+        kv, ps = self.kv, self.kv.page_size
+        idx = torch.tensor(pages, dtype=torch.int64).to(kv.device, non_blocking=True)
+        host = self.host[slots.start:slots.stop]                    # [n, L, 2, ps, Hkv, D]
+        if save:
+            staged = torch.stack([torch.stack([c.view(-1, ps, *c.shape[1:])[idx] for c in (kv.k[l], kv.v[l])], 1)
+                                  for l in range(kv.num_layers)], 1)
+            host.copy_(staged, non_blocking=self._cuda)
+            return
+        staged = host.to(kv.device, non_blocking=True) if self._cuda else host
+        for l in range(kv.num_layers):
+            for j, cache in enumerate((kv.k[l], kv.v[l])):
+                cache.view(-1, ps, *cache.shape[1:]).index_copy_(0, idx, staged[:, l, j])
+
+    def _after_compute(self):
+        """An event after everything queued on the compute stream so far (None on the CPU)."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.kv.device))
+        return event
+
+    def _record(self, timing: bool = False):
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self._stream)
+        return event
+
+    # -- disk (on the I/O thread) ----------------------------------------------------------------
+
+    def _slot_bytes(self, slot: int):
+        return self.host[slot].view(torch.uint8).reshape(-1).numpy()
+
+    def _write(self, fence, slot: int, key: bytes) -> tuple[str, bytes, bool]:
+        _sync(fence)
+        try:
+            self.disk.write(key, self._slot_bytes(slot))
+            return "write", key, True
+        except OSError:
+            logger.exception("KV page write to disk failed")
+            return "write", key, False
+
+    def _read(self, fence, key: bytes, slot: int) -> tuple[str, bytes, bool]:
+        _sync(fence)
+        return "read", key, self.disk.read_into(key, self._slot_bytes(slot))
+
+    def _delete(self, key: bytes) -> tuple[str, bytes, bool]:
+        try:
+            self.disk.delete(key)
+        except OSError:
+            logger.exception("KV page delete on disk failed")
+        return "delete", key, True
+
+
+def _runs(pairs: list[tuple[int, int]]):
+    """(slot, page) pairs -> (range of consecutive slots, their pages), at most ``_MAX_RUN`` long."""
+    pairs = sorted(pairs)
+    i = 0
+    while i < len(pairs):
+        j = i + 1
+        while j < len(pairs) and j - i < _MAX_RUN and pairs[j][0] == pairs[j - 1][0] + 1:
+            j += 1
+        yield range(pairs[i][0], pairs[j - 1][0] + 1), [p for _, p in pairs[i:j]]
+        i = j
+
+
+def _done(event) -> bool:
+    return event is None or event.query()
+
+
+def _sync(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+# -- start-up -------------------------------------------------------------------------------------
+
+_AUTO_HOST_FRACTION = 0.4
+_AUTO_HOST_MAX_GIB = 64.0
+
+
+def kv_namespace(cfg, mc, kv: KVCache) -> str:
+    """Model + KV layout identity for the tiers' content keys: a different model file (size, mtime),
+    dummy seed, dtype, page size or shape gives different keys, so a disk tier reused across restarts
+    never serves another model's or layout's KV."""
+    import os
+
+    from radixrelay.model.registry import resolve_model_path
+
+    path = resolve_model_path(cfg.model)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.json"))
+    stamp = ",".join(f"{f.name}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in files)
+    k = kv.k[0]
+    seed = f";seed={cfg.seed}" if cfg.load_format == "dummy" else ""
+    return (f"model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
+            f"layers={kv.num_layers};page_size={kv.page_size};kv_heads={k.shape[1]};head_dim={k.shape[2]};"
+            f"vocab={mc.vocab_size}")
+
+
+def host_tier_bytes(cfg, device: torch.device) -> int:
+    """``cfg.host_kv_gib`` in bytes; unset: none on the CPU, on CUDA a share of available RAM."""
+    if cfg.host_kv_gib is not None:
+        return int(cfg.host_kv_gib * (1 << 30))
+    if device.type != "cuda":
+        return 0
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(min(available * _AUTO_HOST_FRACTION, _AUTO_HOST_MAX_GIB * (1 << 30)))
+
+
+def build_tiers(cfg, mc, kv: KVCache) -> tuple[TierStore | None, int, int, str]:
+    """(store, host pages, disk pages, namespace) for ``cfg``; no store when host memory is 0."""
+    namespace = kv_namespace(cfg, mc, kv)
+    size = page_bytes(kv)
+    host_pages = host_tier_bytes(cfg, kv.device) // size
+    if host_pages < 1 or cfg.disable_radix_cache:
+        return None, 0, 0, namespace
+    disk = None
+    disk_pages = 0
+    if cfg.disk_kv_path is not None:
+        disk = DiskKVStore(cfg.disk_kv_path, namespace)
+        disk_pages = int(cfg.disk_kv_gib * (1 << 30)) // disk.file_bytes(size)
+        if disk_pages < 1:
+            disk = None
+    store = TierStore(kv, host_pages, disk)
+    logger.info("KV tiers: host memory %d pages (%.1f GiB%s), disk %s", host_pages, host_pages * size / (1 << 30),
+                ", pinned" if kv.device.type == "cuda" else "",
+                f"{disk_pages} pages ({disk_pages * size / (1 << 30):.1f} GiB) in {disk.directory}" if disk else "off")
+    return store, host_pages, disk_pages, namespace
