@@ -1,8 +1,10 @@
 """Worker side of the lower KV tiers: the host-memory pool, the disk store, and the copies between
 them and the device KV cache (``protocol.KVTransfers``, planned by ``radixrelay.radix.tiers``).
 
-Host pool: ``host: [host_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]``, page-major
-so that one page is one contiguous block (one disk file, one copy); pinned on CUDA.
+Host pool: ``host: [num_layers, 2 (K, V), host_pages * page_size, num_kv_heads, head_dim]``, laid out
+like the device cache, so a run of pages consecutive on both sides moves as one plain copy per layer
+and K/V (the copy engines' work, no gather kernels); pinned on CUDA. A disk file holds one page's
+``[num_layers, 2, page_size, num_kv_heads, head_dim]``, gathered / scattered on the I/O thread.
 
 Ordering (what the scheduler relies on, ``KVTransfers``):
 - on CUDA every save and load runs on one copy stream, after everything the compute stream was given
@@ -18,6 +20,7 @@ Ordering (what the scheduler relies on, ``KVTransfers``):
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,7 +31,6 @@ from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 logger = logging.getLogger("radixrelay.worker")
-_MAX_RUN = 64      # pages per staged copy: bounds the device staging buffer (64 x page bytes)
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -44,7 +46,7 @@ class TierStore:
         self.disk = disk
         k = kv.k[0]
         self._cuda = kv.device.type == "cuda"
-        shape = (host_pages, kv.num_layers, 2, kv.page_size, k.shape[1], k.shape[2])
+        shape = (kv.num_layers, 2, host_pages * kv.page_size, k.shape[1], k.shape[2])
         self.host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._cuda)
         self.page_bytes = page_bytes(kv)
         self._stream = torch.cuda.Stream(kv.device) if self._cuda else None
@@ -53,6 +55,7 @@ class TierStore:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
         self._io_jobs: deque[Future] = deque()
         self._failed: list[int] = []
+        self._cpu_load_s = 0.0
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -68,7 +71,10 @@ class TierStore:
                 self._failed.append(step_id)
         if t.loads:
             start = self._record(timing=True)
+            begun = time.perf_counter()
             self._copy(t.loads, save=False, after=after)
+            if not self._cuda:               # synchronous: the step waits for all of it
+                self._cpu_load_s += time.perf_counter() - begun
             done = self._record(timing=True)
             if self._cuda:      # the forward reads these pages: it starts after the loads
                 torch.cuda.current_stream(self.kv.device).wait_event(done)
@@ -89,7 +95,7 @@ class TierStore:
             step, event = self._saves.popleft()
             _sync(event)
             saved.append(step)
-        load_s = 0.0
+        load_s, self._cpu_load_s = self._cpu_load_s, 0.0
         while self._loads and (wait or _done(self._loads[0][1])):
             start, done = self._loads.popleft()
             _sync(done)
@@ -105,9 +111,8 @@ class TierStore:
         failed, self._failed = self._failed, []
         if not (saved or failed or written or write_failed or read or read_failed or load_s):
             return None
-        # On CUDA a load is exposed unless layer-wise loading overlaps it (not yet): all of it.
-        exposed = load_s if self._cuda else 0.0
-        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed)
+        # The step's forward waits for its loads (layer-wise overlap is not built yet): all exposed.
+        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, load_s)
 
     def close(self) -> None:
         if self._io is not None:
@@ -117,30 +122,30 @@ class TierStore:
 
     def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after) -> None:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
-        runs of consecutive host slots: one host-side copy per run."""
+        runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
+        copy engines move the KV and no kernel competes with the step's forward for the SMs."""
         if save:
             pairs = [(slot, page) for page, slot in pairs]
-        for slots, pages in _runs(pairs):
-            if self._stream is None:
+        if self._stream is None:
+            for slots, pages in _runs(pairs):
                 self._copy_run(slots, pages, save)
-                continue
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(after)
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(after)
+            for slots, pages in _runs(pairs):
                 self._copy_run(slots, pages, save)
 
-    def _copy_run(self, slots: range, pages: list[int], save: bool) -> None:
+    def _copy_run(self, slots: range, pages: range, save: bool) -> None:
         kv, ps = self.kv, self.kv.page_size
-        idx = torch.tensor(pages, dtype=torch.int64).to(kv.device, non_blocking=True)
-        host = self.host[slots.start:slots.stop]                    # [n, L, 2, ps, Hkv, D]
-        if save:
-            staged = torch.stack([torch.stack([c.view(-1, ps, *c.shape[1:])[idx] for c in (kv.k[l], kv.v[l])], 1)
-                                  for l in range(kv.num_layers)], 1)
-            host.copy_(staged, non_blocking=self._cuda)
-            return
-        staged = host.to(kv.device, non_blocking=True) if self._cuda else host
-        for l in range(kv.num_layers):
-            for j, cache in enumerate((kv.k[l], kv.v[l])):
-                cache.view(-1, ps, *cache.shape[1:]).index_copy_(0, idx, staged[:, l, j])
+        host_rows = slice(slots.start * ps, slots.stop * ps)
+        dev_rows = slice(pages.start * ps, pages.stop * ps)
+        for layer in range(kv.num_layers):
+            for j, cache in enumerate((kv.k[layer], kv.v[layer])):
+                host = self.host[layer, j, host_rows]            # [n * ps, Hkv, D], contiguous
+                if save:
+                    host.copy_(cache[dev_rows], non_blocking=self._cuda)
+                else:
+                    cache[dev_rows].copy_(host, non_blocking=self._cuda)
 
     def _after_compute(self):
         """An event after everything queued on the compute stream so far (None on the CPU)."""
@@ -159,13 +164,16 @@ class TierStore:
 
     # -- disk (on the I/O thread) ----------------------------------------------------------------
 
-    def _slot_bytes(self, slot: int):
-        return self.host[slot].view(torch.uint8).reshape(-1).numpy()
+    def _slot(self, slot: int) -> torch.Tensor:
+        """Host slot ``slot`` as a strided view ``[num_layers, 2, page_size, Hkv, D]``."""
+        ps = self.kv.page_size
+        return self.host[:, :, slot * ps:(slot + 1) * ps]
 
     def _write(self, fence, slot: int, key: bytes) -> tuple[str, bytes, bool]:
         _sync(fence)
         try:
-            self.disk.write(key, self._slot_bytes(slot))
+            page = self._slot(slot).contiguous()
+            self.disk.write(key, page.view(torch.uint8).reshape(-1).numpy())
             return "write", key, True
         except OSError:
             logger.exception("KV page write to disk failed")
@@ -173,7 +181,12 @@ class TierStore:
 
     def _read(self, fence, key: bytes, slot: int) -> tuple[str, bytes, bool]:
         _sync(fence)
-        return "read", key, self.disk.read_into(key, self._slot_bytes(slot))
+        view = self._slot(slot)
+        page = torch.empty(view.shape, dtype=view.dtype)
+        if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()):
+            return "read", key, False
+        view.copy_(page)
+        return "read", key, True
 
     def _delete(self, key: bytes) -> tuple[str, bytes, bool]:
         try:
@@ -184,14 +197,14 @@ class TierStore:
 
 
 def _runs(pairs: list[tuple[int, int]]):
-    """(slot, page) pairs -> (range of consecutive slots, their pages), at most ``_MAX_RUN`` long."""
+    """(slot, page) pairs -> (range of slots, range of pages), runs consecutive on both sides."""
     pairs = sorted(pairs)
     i = 0
     while i < len(pairs):
         j = i + 1
-        while j < len(pairs) and j - i < _MAX_RUN and pairs[j][0] == pairs[j - 1][0] + 1:
+        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1:
             j += 1
-        yield range(pairs[i][0], pairs[j - 1][0] + 1), [p for _, p in pairs[i:j]]
+        yield range(pairs[i][0], pairs[j - 1][0] + 1), range(pairs[i][1], pairs[j - 1][1] + 1)
         i = j
 
 
@@ -223,7 +236,7 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
     stamp = ",".join(f"{f.name}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in files)
     k = kv.k[0]
     seed = f";seed={cfg.seed}" if cfg.load_format == "dummy" else ""
-    return (f"model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
+    return (f"kvfile=layer-major-v1;model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
             f"layers={kv.num_layers};page_size={kv.page_size};kv_heads={k.shape[1]};head_dim={k.shape[2]};"
             f"vocab={mc.vocab_size}")
 

@@ -1,0 +1,67 @@
+"""TierStore (worker side of the KV tiers): copies between device pages, host slots and disk files
+are exact, in plan order, and acknowledged once; on CUDA the same through the copy stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrelay.attention import KVCache
+from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.worker.kv_tiers import TierStore, page_bytes
+from radixrelay.worker.protocol import KVTransfers
+
+PS = 4
+
+
+def _cache(device: str, dtype=torch.float32) -> KVCache:
+    kv = KVCache(num_layers=3, num_pages=12, page_size=PS, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    return kv
+
+
+def _page(kv: KVCache, page: int) -> torch.Tensor:
+    rows = slice(page * PS, (page + 1) * PS)
+    return torch.stack([torch.stack([kv.k[l][rows], kv.v[l][rows]]) for l in range(kv.num_layers)]).cpu()
+
+
+def _round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
+    kv = _cache(device, dtype)
+    store = TierStore(kv, host_pages=6, disk=DiskKVStore(tmp_path, "ns"))
+    before = {p: _page(kv, p) for p in range(12)}
+    # pages 2, 3, 4 (a run) and 9 -> slots 0, 1, 2 and 5; then written to disk
+    store.apply(0, KVTransfers(saves=[(2, 0), (3, 1), (4, 2), (9, 5)]))
+    store.apply(1, KVTransfers(disk_writes=[(5, b"k" * 16)]))
+    acks = store.acks(wait=True)
+    assert acks.saved_steps == [0] and acks.written == [b"k" * 16] and not acks.failed_steps
+    # reuse slot 5 for another page, read the disk copy back into slot 4, load everything into 6..10
+    store.apply(2, KVTransfers(saves=[(0, 5)], disk_reads=[(b"k" * 16, 4)]))
+    acks = store.acks(wait=True)
+    assert acks.saved_steps == [2] and acks.read == [b"k" * 16]
+    store.apply(3, KVTransfers(loads=[(0, 6), (1, 7), (2, 8), (4, 10), (5, 11)]))
+    acks = store.acks(wait=True)
+    assert acks.load_s > 0 and acks.load_exposed_s == acks.load_s
+    for src, dst in ((2, 6), (3, 7), (4, 8), (9, 10), (0, 11)):
+        assert torch.equal(_page(kv, dst), before[src]), (src, dst)
+    assert store.acks(wait=True) is None          # each completion is acknowledged once
+    # a missing file is a failed read, never an exception
+    store.apply(4, KVTransfers(disk_reads=[(b"m" * 16, 3)]))
+    assert store.acks(wait=True).read_failed == [b"m" * 16]
+    assert store.page_bytes == page_bytes(kv) == 3 * 2 * PS * 2 * 8 * torch.tensor([], dtype=dtype).element_size()
+    store.close()
+
+
+def test_round_trip_cpu(tmp_path):
+    _round_trip("cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_cuda(tmp_path, dtype):
+    _round_trip("cuda", tmp_path, dtype)
+    kv = _cache("cuda", dtype)
+    store = TierStore(kv, host_pages=4)
+    assert store.host.is_pinned()
+    store.close()
