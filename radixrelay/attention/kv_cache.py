@@ -34,6 +34,7 @@ class KVCache:
         # k[l], v[l]: [num_slots, num_kv_heads, head_dim]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layer_ready: list | None = None     # see wait_for_layer
 
     @property
     def num_layers(self) -> int:
@@ -50,6 +51,14 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.k[0].device
+
+    def wait_for_layer(self, layer_id: int) -> None:
+        """Before layer ``layer_id``'s attention reads the cache: wait (on the device) for the KV tier
+        loads of that layer (``layer_ready``: one CUDA event per layer, set by the worker's
+        ``TierStore`` for one step; None when nothing is loading)."""
+        events = self.layer_ready
+        if events is not None:
+            torch.cuda.current_stream(self.device).wait_event(events[layer_id])
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V. slots: int64 [T]; k, v: [T, num_kv_heads, head_dim]."""

@@ -49,6 +49,7 @@ class Attention(nn.Module):
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         # x: [T, hidden]
         q = self.before_attention(x, cos, sin, batch.out_slots, kv_cache)
+        kv_cache.wait_for_layer(self.layer_id)                                 # KV tier loads
         o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -49,44 +49,56 @@ class TierStore:
         shape = (kv.num_layers, 2, host_pages * kv.page_size, k.shape[1], k.shape[2])
         self.host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._cuda)
         self.page_bytes = page_bytes(kv)
-        self._stream = torch.cuda.Stream(kv.device) if self._cuda else None
+        # CUDA: saves and loads on two copy streams (a load never queues behind a large save);
+        # a copy touching a host slot waits for the last copy on the other stream that touched it.
+        self._save_stream = torch.cuda.Stream(kv.device) if self._cuda else None
+        self._load_stream = torch.cuda.Stream(kv.device) if self._cuda else None
+        self._slot_events: dict[int, torch.cuda.Event] = {}
         self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
-        self._loads: deque[tuple[object, object]] = deque()       # (start, done) timing events
+        self._loads: deque[tuple[object, object, object]] = deque()  # (step start, load start, done)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
         self._io_jobs: deque[Future] = deque()
         self._failed: list[int] = []
-        self._cpu_load_s = 0.0
+        self._cpu_load_s = self._cpu_exposed_s = 0.0
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
     def apply(self, step_id: int, t: KVTransfers) -> None:
-        """Queue ``t`` (before the step's forward). A failed save is reported in ``KVAcks.failed_steps``."""
+        """Queue ``t`` (before the step's forward). A failed save is reported in ``KVAcks.failed_steps``.
+        Loads are layer-wise on CUDA: layer l's attention waits only for layer l's pages
+        (``KVCache.wait_for_layer``), so loading later layers overlaps computing earlier ones."""
         after = self._after_compute()
         if t.saves:
             try:
-                self._copy(t.saves, save=True, after=after)
-                self._saves.append((step_id, self._record()))
+                self._saves.append((step_id, self._copy(t.saves, save=True, after=after)[-1]))
             except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
                 logger.exception("KV save of step %d failed", step_id)
                 self._failed.append(step_id)
         if t.loads:
-            start = self._record(timing=True)
             begun = time.perf_counter()
-            self._copy(t.loads, save=False, after=after)
-            if not self._cuda:               # synchronous: the step waits for all of it
+            events = self._copy(t.loads, save=False, after=after)
+            if self._cuda:
+                self.kv.layer_ready = events[1:]
+                self._loads.append((after, events[0], events[-1]))
+            else:                               # synchronous: the step waits for all of it
                 self._cpu_load_s += time.perf_counter() - begun
-            done = self._record(timing=True)
-            if self._cuda:      # the forward reads these pages: it starts after the loads
-                torch.cuda.current_stream(self.kv.device).wait_event(done)
-            self._loads.append((start, done))
+                self._cpu_exposed_s += time.perf_counter() - begun
         if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
-            fence = self._record()
+            fence = (self._record(self._save_stream), self._record(self._load_stream))
             for slot, key in t.disk_writes:
                 self._io_jobs.append(self._io.submit(self._write, fence, slot, key))
             for key, slot in t.disk_reads:
                 self._io_jobs.append(self._io.submit(self._read, fence, key, slot))
             for key in t.disk_deletes:
                 self._io_jobs.append(self._io.submit(self._delete, key))
+
+    def after_forward(self) -> None:
+        """After the step's forward was queued: a forward that did not wait for every layer (an
+        error, a path without attention hooks) makes the compute stream wait for all loads."""
+        events = self.kv.layer_ready
+        if events:
+            torch.cuda.current_stream(self.kv.device).wait_event(events[-1])
+        self.kv.layer_ready = None
 
     def acks(self, wait: bool) -> KVAcks | None:
         """Transfers completed since the last call; ``wait``: block until all queued ones are."""
@@ -96,11 +108,12 @@ class TierStore:
             _sync(event)
             saved.append(step)
         load_s, self._cpu_load_s = self._cpu_load_s, 0.0
-        while self._loads and (wait or _done(self._loads[0][1])):
-            start, done = self._loads.popleft()
+        exposed, self._cpu_exposed_s = self._cpu_exposed_s, 0.0
+        while self._loads and (wait or _done(self._loads[0][2])):
+            step_start, start, done = self._loads.popleft()
             _sync(done)
-            if self._cuda:
-                load_s += start.elapsed_time(done) / 1e3
+            load_s += start.elapsed_time(done) / 1e3
+            exposed += max(0.0, step_start.elapsed_time(done) / 1e3)
         written, write_failed, read, read_failed = [], [], [], []
         while self._io_jobs and (wait or self._io_jobs[0].done()):
             kind, key, ok = self._io_jobs.popleft().result()
@@ -111,8 +124,9 @@ class TierStore:
         failed, self._failed = self._failed, []
         if not (saved or failed or written or write_failed or read or read_failed or load_s):
             return None
-        # The step's forward waits for its loads (layer-wise overlap is not built yet): all exposed.
-        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, load_s)
+        # exposed: how far loads ran past the point their step could start (an upper bound of the
+        # wait: layer-wise loading overlaps part of it with the step's first layers).
+        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed)
 
     def close(self) -> None:
         if self._io is not None:
@@ -120,46 +134,64 @@ class TierStore:
 
     # -- copies ---------------------------------------------------------------------------------
 
-    def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after) -> list:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
         runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
-        copy engines move the KV and no kernel competes with the step's forward for the SMs."""
+        copy engines move the KV and no kernel competes with the step's forward for the SMs.
+        Returns CUDA events: for a save [done]; for a load [start, layer 0 done, ..., layer L-1 done]."""
         if save:
             pairs = [(slot, page) for page, slot in pairs]
-        if self._stream is None:
-            for slots, pages in _runs(pairs):
-                self._copy_run(slots, pages, save)
-            return
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(after)
-            for slots, pages in _runs(pairs):
-                self._copy_run(slots, pages, save)
+        runs = list(_runs(pairs))
+        if not self._cuda:
+            for layer in range(self.kv.num_layers):
+                for slots, pages in runs:
+                    self._copy_run(layer, slots, pages, save)
+            return [None]
+        stream = self._save_stream if save else self._load_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
+            for slots, _ in runs:
+                for slot in slots:
+                    event = self._slot_events.get(slot)
+                    if event is not None and not event.query():
+                        stream.wait_event(event)
+            events = [] if save else [self._record(stream, timing=True)]
+            for layer in range(self.kv.num_layers):
+                for slots, pages in runs:
+                    self._copy_run(layer, slots, pages, save)
+                if not save:
+                    events.append(self._record(stream, timing=True))
+            done = events[-1] if events else self._record(stream)
+            for slots, _ in runs:
+                for slot in slots:
+                    self._slot_events[slot] = done
+        return events or [done]
 
-    def _copy_run(self, slots: range, pages: range, save: bool) -> None:
+    def _copy_run(self, layer: int, slots: range, pages: range, save: bool) -> None:
         kv, ps = self.kv, self.kv.page_size
         host_rows = slice(slots.start * ps, slots.stop * ps)
         dev_rows = slice(pages.start * ps, pages.stop * ps)
-        for layer in range(kv.num_layers):
-            for j, cache in enumerate((kv.k[layer], kv.v[layer])):
-                host = self.host[layer, j, host_rows]            # [n * ps, Hkv, D], contiguous
-                if save:
-                    host.copy_(cache[dev_rows], non_blocking=self._cuda)
-                else:
-                    cache[dev_rows].copy_(host, non_blocking=self._cuda)
+        for j, cache in enumerate((kv.k[layer], kv.v[layer])):
+            host = self.host[layer, j, host_rows]            # [n * ps, Hkv, D], contiguous
+            if save:
+                host.copy_(cache[dev_rows], non_blocking=self._cuda)
+            else:
+                cache[dev_rows].copy_(host, non_blocking=self._cuda)
 
     def _after_compute(self):
-        """An event after everything queued on the compute stream so far (None on the CPU)."""
+        """A timing event after everything queued on the compute stream so far (None on the CPU)."""
         if not self._cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.kv.device))
         return event
 
-    def _record(self, timing: bool = False):
-        if self._stream is None:
+    @staticmethod
+    def _record(stream, timing: bool = False):
+        if stream is None:
             return None
         event = torch.cuda.Event(enable_timing=timing)
-        event.record(self._stream)
+        event.record(stream)
         return event
 
     # -- disk (on the I/O thread) ----------------------------------------------------------------
@@ -213,8 +245,10 @@ def _done(event) -> bool:
 
 
 def _sync(event) -> None:
-    if event is not None:
-        event.synchronize()
+    """Wait for an event, or for each of a tuple of events (None: nothing to wait for)."""
+    for e in event if isinstance(event, tuple) else (event,):
+        if e is not None:
+            e.synchronize()
 
 
 # -- start-up -------------------------------------------------------------------------------------

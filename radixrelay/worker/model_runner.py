@@ -191,7 +191,11 @@ class ModelRunner:
             if plan.transfers is not None:
                 if self.tiers is None:
                     raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
-                self.tiers.apply(plan.step_id, plan.transfers)    # loads finish before the forward
+                self.tiers.apply(plan.step_id, plan.transfers)    # loads: layer l before layer l's attention
+                try:
+                    return self._launch(plan, start)
+                finally:
+                    self.tiers.after_forward()
             return self._launch(plan, start)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
             if self.graphs is not None:

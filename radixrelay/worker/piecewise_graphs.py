@@ -149,6 +149,7 @@ class PiecewiseGraphs:
             else:
                 graphs[i].replay()
             if i < len(self.layers):
+                self.kv_cache.wait_for_layer(self.layers[i].self_attn.layer_id)     # KV tier loads
                 self.backend.forward(q, self.layers[i].self_attn.layer_id, self.kv_cache, batch, out=o)
         self.replays += 1
         return self.model.logits(self._x[batch.logits_indices])
