@@ -81,8 +81,9 @@ class TierStore:
                 self.kv.layer_ready = events[1:]
                 self._loads.append((after, events[0], events[-1]))
             else:                               # synchronous: the step waits for all of it
-                self._cpu_load_s += time.perf_counter() - begun
-                self._cpu_exposed_s += time.perf_counter() - begun
+                took = time.perf_counter() - begun
+                self._cpu_load_s += took
+                self._cpu_exposed_s += took
         if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
             fence = (self._record(self._save_stream), self._record(self._load_stream))
             for slot, key in t.disk_writes:

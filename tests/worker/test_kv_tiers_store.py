@@ -42,7 +42,10 @@ def _round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
     assert acks.saved_steps == [2] and acks.read == [b"k" * 16]
     store.apply(3, KVTransfers(loads=[(0, 6), (1, 7), (2, 8), (4, 10), (5, 11)]))
     acks = store.acks(wait=True)
-    assert acks.load_s > 0 and acks.load_exposed_s == acks.load_s
+    assert acks.load_s > 0 and acks.load_exposed_s >= 0
+    if device == "cpu":                      # synchronous: all of it exposed
+        assert acks.load_exposed_s == acks.load_s
+    assert kv.layer_ready is None or len(kv.layer_ready) == kv.num_layers
     for src, dst in ((2, 6), (3, 7), (4, 8), (9, 10), (0, 11)):
         assert torch.equal(_page(kv, dst), before[src]), (src, dst)
     assert store.acks(wait=True) is None          # each completion is acknowledged once
