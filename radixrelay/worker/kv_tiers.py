@@ -11,9 +11,9 @@ Ordering (what the scheduler relies on, ``KVTransfers``):
   before (an event): a save reads KV that earlier steps wrote; a load may fill pages that a step still
   in flight last used. The step's forward waits for the loads (``load_exposed_s``); saves run while
   later steps compute (the scheduler keeps their pages locked until acknowledged);
-- disk reads and writes run on one I/O thread, in plan order, each after the copy-stream work queued
-  before it (so a slot is never read for disk while its save is in flight, nor overwritten while a
-  load from it is);
+- disk reads and writes run on one I/O thread, in plan order, each handed over only once the copies
+  queued before it are done (so a slot is never read for disk while its save is in flight, nor
+  overwritten while a load from it is);
 - on the CPU everything runs synchronously in plan order.
 """
 
@@ -57,7 +57,8 @@ class TierStore:
         self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
         self._loads: deque[tuple[object, object, object]] = deque()  # (step start, load start, done)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
-        self._io_jobs: deque[Future] = deque()
+        self._io_jobs: deque[Future] = deque()            # on the I/O thread, in plan order
+        self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
         self._cpu_load_s = self._cpu_exposed_s = 0.0
 
@@ -86,12 +87,20 @@ class TierStore:
                 self._cpu_exposed_s += took
         if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
             fence = (self._record(self._save_stream), self._record(self._load_stream))
-            for slot, key in t.disk_writes:
-                self._io_jobs.append(self._io.submit(self._write, fence, slot, key))
-            for key, slot in t.disk_reads:
-                self._io_jobs.append(self._io.submit(self._read, fence, key, slot))
-            for key in t.disk_deletes:
-                self._io_jobs.append(self._io.submit(self._delete, key))
+            jobs = [(self._write, (slot, key)) for slot, key in t.disk_writes]
+            jobs += [(self._read, (key, slot)) for key, slot in t.disk_reads]
+            jobs += [(self._delete, (key,)) for key in t.disk_deletes]
+            self._io_fenced.append((fence, jobs))
+            self._pump_io(wait=False)
+
+    def _pump_io(self, wait: bool) -> None:
+        """Hand disk jobs to the I/O thread once the copies queued before them are done. CUDA is
+        only ever touched here, on the worker's thread: the I/O thread never queries or waits for
+        events (not permitted while the worker captures a CUDA graph)."""
+        while self._io_fenced and (wait or all(_done(e) for e in self._io_fenced[0][0])):
+            fence, jobs = self._io_fenced.popleft()
+            _sync(fence)
+            self._io_jobs.extend(self._io.submit(fn, *args) for fn, args in jobs)
 
     def after_forward(self) -> None:
         """After the step's forward was queued: a forward that did not wait for every layer (an
@@ -116,6 +125,8 @@ class TierStore:
             load_s += start.elapsed_time(done) / 1e3
             exposed += max(0.0, step_start.elapsed_time(done) / 1e3)
         written, write_failed, read, read_failed = [], [], [], []
+        if self._io is not None:
+            self._pump_io(wait)
         while self._io_jobs and (wait or self._io_jobs[0].done()):
             kind, key, ok = self._io_jobs.popleft().result()
             if kind == "write":
@@ -202,8 +213,7 @@ class TierStore:
         ps = self.kv.page_size
         return self.host[:, :, slot * ps:(slot + 1) * ps]
 
-    def _write(self, fence, slot: int, key: bytes) -> tuple[str, bytes, bool]:
-        _sync(fence)
+    def _write(self, slot: int, key: bytes) -> tuple[str, bytes, bool]:
         try:
             page = self._slot(slot).contiguous()
             self.disk.write(key, page.view(torch.uint8).reshape(-1).numpy())
@@ -212,8 +222,7 @@ class TierStore:
             logger.exception("KV page write to disk failed")
             return "write", key, False
 
-    def _read(self, fence, key: bytes, slot: int) -> tuple[str, bytes, bool]:
-        _sync(fence)
+    def _read(self, key: bytes, slot: int) -> tuple[str, bytes, bool]:
         view = self._slot(slot)
         page = torch.empty(view.shape, dtype=view.dtype)
         if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()):
