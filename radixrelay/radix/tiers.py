@@ -183,12 +183,15 @@ class KVTiers:
         """Read ``keys[start:stop]`` from disk into host memory where host memory lacks them, in
         order, stopping at the first key on neither tier; returns the reads queued."""
         queued = 0
-        for key in keys[start:stop]:
+        chain = keys[start:stop]
+        self._touch(chain)
+        spare = set(chain)           # never evict the chain's own pages to fetch its next ones
+        for key in chain:
             if key in self._host:
                 continue
             if key not in self._disk:
                 break
-            slots = self._alloc(1)
+            slots = self._alloc(1, spare)
             if not slots:
                 break
             self._host[key] = HostEntry(slots[0], "fetching")
@@ -265,7 +268,7 @@ class KVTiers:
             raise AssertionError("KVTiers: fetching count is stale")
         if self._num_writing != sum(e.writing for e in self._host.values()):
             raise AssertionError("KVTiers: writing count is stale")
-        saving = {k for keys in self._saving.values() for k in keys}
+        saving = {k for keys in self._saving.values() for k in keys} | set(self._out.save_keys)
         if any(e.state == "saving" and k not in saving for k, e in self._host.items()):
             raise AssertionError("KVTiers: a saving slot belongs to no step")
 
@@ -280,7 +283,7 @@ class KVTiers:
             if key in self._disk:
                 self._disk.move_to_end(key)
 
-    def _alloc(self, n: int) -> list[int]:
+    def _alloc(self, n: int, spare: set[bytes] = frozenset()) -> list[int]:
         """Up to ``n`` free host slots, evicting LRU entries that are neither in flight nor (policy
         ``scheduler``) protected."""
         if n <= 0:
@@ -293,7 +296,7 @@ class KVTiers:
                     break
                 if entry.state != "ready" or entry.writing:
                     continue
-                if self.policy == "scheduler" and key in self._protected:
+                if key in spare or (self.policy == "scheduler" and key in self._protected):
                     continue
                 victims.append(key)
             for key in victims:

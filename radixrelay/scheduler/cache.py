@@ -153,7 +153,8 @@ class CacheManager:
         seed = self._seeds.get(req.salt)
         if seed is None:
             seed = self._seeds[req.salt] = chain_seed(self.config.kv_namespace, req.salt)
-        return extend_keys(req.page_keys, seed, req.token_ids, self.page_size, num_pages)
+        keys = extend_keys(req.page_keys, seed, req.token_ids, self.page_size, num_pages)
+        return keys if len(keys) == num_pages else keys[:num_pages]
 
     def promote(self, req: Request) -> int:
         """Continue ``req``'s device match (``match_and_lock``) with the pages host memory holds:

@@ -87,9 +87,10 @@ class TierStore:
                 self._cpu_exposed_s += took
         if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
             fence = (self._record(self._save_stream), self._record(self._load_stream))
-            jobs = [(self._write, (slot, key)) for slot, key in t.disk_writes]
+            # deletes first: a key trimmed from disk and saved again in one plan must end up on disk
+            jobs = [(self._delete, (key,)) for key in t.disk_deletes]
+            jobs += [(self._write, (slot, key)) for slot, key in t.disk_writes]
             jobs += [(self._read, (key, slot)) for key, slot in t.disk_reads]
-            jobs += [(self._delete, (key,)) for key in t.disk_deletes]
             self._io_fenced.append((fence, jobs))
             self._pump_io(wait=False)
 

@@ -64,7 +64,7 @@ class ExtendItem(msgspec.Struct, frozen=True):
 
 class KVTransfers(msgspec.Struct, frozen=True):
     """Copies between device KV pages and the lower tiers (``radixrelay.radix.tiers``), applied by the
-    worker before the step's forward, in this order. Every copy touching a host slot runs after every
+    worker before the step's forward (disk jobs: deletes, then writes, then reads). Every copy touching a host slot runs after every
     earlier one touching host slots (plan order), so the scheduler may reuse a slot in a later plan.
 
     - ``saves`` read device pages written by earlier steps (never by this one); the scheduler keeps
