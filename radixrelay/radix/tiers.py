@@ -179,13 +179,13 @@ class KVTiers:
         self.counters.loaded += len(keys)
         self._touch(keys)
 
-    def prefetch(self, keys: list[bytes], start: int, stop: int) -> int:
+    def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset()) -> int:
         """Read ``keys[start:stop]`` from disk into host memory where host memory lacks them, in
         order, stopping at the first key on neither tier; returns the reads queued."""
         queued = 0
         chain = keys[start:stop]
         self._touch(chain)
-        spare = set(chain)           # never evict the chain's own pages to fetch its next ones
+        spare = set(chain) | spare   # never evict the chain's own pages to fetch its next ones
         for key in chain:
             if key in self._host:
                 continue

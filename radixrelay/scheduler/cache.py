@@ -206,19 +206,19 @@ class CacheManager:
         tiers = self.tiers
         if tiers is None or (not tiers.has_disk and tiers.policy != "scheduler"):
             return
-        protected: set[bytes] = set()
+        chains: list[tuple[list[bytes], int, int]] = []
         for req in window:
             limit = req.reusable_prefix // self.page_size
             if limit <= 0:
                 continue
             keys = self.page_keys(req, limit)
             _, cached = self.tree.peek_prefix(req.token_ids, req.salt, length=limit * self.page_size)
-            first = cached // self.page_size
-            if tiers.policy == "scheduler":
-                protected.update(keys[first:])
-            if tiers.has_disk:
-                tiers.prefetch(keys, first, limit)
-        tiers.protect(protected)
+            chains.append((keys, cached // self.page_size, limit))
+        window_keys = {k for keys, first, _ in chains for k in keys[first:]}
+        tiers.protect(window_keys if tiers.policy == "scheduler" else set())   # this window's, not the last one's
+        if tiers.has_disk:
+            for keys, first, limit in chains:       # never evict one window request's pages for another's
+                tiers.prefetch(keys, first, limit, spare=window_keys)
 
     def take_transfers(self, step_id: int) -> KVTransfers | None:
         """The tier copies to send with plan ``step_id``; the nodes locked for its saves stay

@@ -144,7 +144,7 @@ class Scheduler:
         dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
         if dec is None:
             return None
-        if self.cache.tiers is not None and self._waiting:
+        if self.cache.tiers is not None:            # an empty window clears the protection too
             window = itertools.islice(self._waiting, self.config.tier_lookahead)
             self.cache.prefetch_window(window)
         budget = self.config.chunked_prefill_tokens - len(dec.decodes)

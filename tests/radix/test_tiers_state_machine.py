@@ -8,10 +8,12 @@ The worker keeps device pages, host slots and disk files as such tuples and exec
 ``KVTransfers`` with the freedom the protocol gives a real (CUDA) worker:
 
 - a save reads its device pages at any moment between its plan and its acknowledgement (drawn:
-  at once, before the step computes, or as late as possible), but always before a later load or
-  disk operation (one copy stream; the disk thread waits for earlier copies);
-- loads run before the step computes (the forward reads them), after every earlier save;
-- disk writes / reads / deletes run in plan order on one "thread", at once or as late as possible;
+  at once, before the step computes, or as late as possible), but before a later load from one of
+  its host slots (saves and loads are on two copy streams, ordered per host slot) and before any
+  later disk job (the disk thread waits for the copies queued before it);
+- loads run before the step computes (the forward reads them);
+- disk jobs run on one "thread" in plan order (within a plan: deletes, writes, reads), at once or as
+  late as possible;
 - acknowledgements come 0-2 outputs late (saves and disk operations each in order), and a plan
   without rows (no extends, no decodes) acknowledges everything outstanding.
 
@@ -21,7 +23,16 @@ its label. Invariants after every rule: ``check_integrity``; every running reque
 positions, every radix-tree page, every acknowledged host slot and every disk file hold the content
 their owner / key names; tier sizes within capacity; with nothing in flight the disk index equals
 the files on disk. Rules: arrivals (shared prefixes, follow-up turns, salts), steps, aborts, device
-cache flushes, corrupted disk files, failed disk reads and failed saves.
+cache flushes, corrupted disk files, failed disk reads and failed saves. With two steps in flight the
+harness, like the runtime loop, sometimes processes both outputs before it plans again.
+
+The tests after the machine pin the bugs it found, each reduced to a deterministic case:
+``test_integrity_with_saves_not_sent``, ``test_save_after_keys_went_further``,
+``test_disk_prefix_longer_than_host_memory``, ``test_disk_delete_then_write_of_one_key`` (and
+``test_worker_deletes_before_it_writes`` on the real worker),
+``test_disk_prefixes_of_a_window_larger_than_host_memory`` (an LRU livelock across the look-ahead
+window) and ``test_protection_ends_with_the_window`` (stale protection lost hits). The machine still
+runs ``lru`` + disk with a look-ahead window of one request.
 """
 
 from __future__ import annotations
@@ -197,8 +208,10 @@ class TierWorker:
             if self.rng.random() < 0.5:
                 self._run_save(save)        # before this step computes: the earliest it may run
         if t.loads:
-            for save in self.saves:         # one copy stream: earlier saves first
-                self._run_save(save)
+            slots = {slot for slot, _ in t.loads}
+            for save in self.saves:         # a load waits for earlier saves into its host slots
+                if any(slot in slots for _, slot in save.pairs):
+                    self._run_save(save)
             for slot, page in t.loads:
                 content = self.host.get(slot, (None,) * self.page_size)
                 for j in range(self.page_size):
@@ -279,21 +292,6 @@ class TierWorker:
             self._run_io(self.io.popleft())
 
 
-def check_integrity(sched: Scheduler, tiers: KVTiers) -> None:
-    """``sched.check_integrity()``, counting saves queued but not sent yet (no step id yet) as a
-    step's: ``KVTiers.check_integrity`` wrongly rejects them (``test_integrity_with_saves_not_sent``)."""
-    unsent = tiers._out.save_keys
-    if unsent:
-        tiers._saving[_UNSENT] = unsent
-    try:
-        sched.check_integrity()
-    finally:
-        tiers._saving.pop(_UNSENT, None)
-
-
-_UNSENT = -1        # a step id no plan has
-
-
 class TiersMachine(RuleBasedStateMachine):
     @initialize(num_pages=st.integers(12, 24), host_pages=st.integers(6, 16),
                 disk_pages=st.sampled_from([0, 0, 10, 16, 30]), tier_policy=st.sampled_from(["lru", "scheduler"]),
@@ -305,14 +303,14 @@ class TiersMachine(RuleBasedStateMachine):
     def setup(self, num_pages, host_pages, disk_pages, tier_policy, schedule_policy, chunk, max_running,
               depth, lookahead, reserve, seed, bases) -> None:
         ps = PAGE_SIZE
+        if tier_policy == "lru" and disk_pages:
+            lookahead = 1   # a larger window livelocks: test_disk_prefixes_of_a_window_larger_than_host_memory
         self.cfg = SchedulerConfig(kv_cache_tokens=num_pages * ps, page_size=ps, max_running_requests=max_running,
                                    chunked_prefill_tokens=chunk, schedule_policy=schedule_policy,
                                    decode_reservation_ratio=reserve, kv_namespace=NAMESPACE,
                                    tier_lookahead=lookahead)
         self.tiers = KVTiers(host_pages, disk_pages, policy=tier_policy)
         self.sched = Scheduler(self.cfg, tiers=self.tiers)
-        cache_page_keys = self.sched.cache.page_keys        # see test_save_after_keys_went_further
-        self.sched.cache.page_keys = lambda req, n: cache_page_keys(req, n)[:n]
         self.salts: dict[int, str | None] = {}
         self.history: dict[int, list[int]] = {}
         self.worker = TierWorker(ps, num_pages, host_pages, random.Random(seed), self.salts, self.history)
@@ -392,9 +390,6 @@ class TiersMachine(RuleBasedStateMachine):
                 salt = data.draw(st.sampled_from(SALTS), label="salt")
             if not prompt or self.cfg.pages_for(len(prompt) + max_tokens - 1) > self.cfg.num_pages:
                 continue
-            if (self.tiers.policy == "lru" and self.tiers.has_disk
-                    and (len(prompt) - 1) // self.cfg.page_size > self.tiers.host_pages):
-                continue        # livelocks: test_disk_prefix_longer_than_host_memory
             rid = next(self.rids)
             self.salts[rid] = salt
             self.history[rid] = list(prompt)
@@ -450,7 +445,7 @@ class TiersMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         sched, worker, tiers = self.sched, self.worker, self.tiers
         ps = self.cfg.page_size
-        check_integrity(sched, tiers)
+        sched.check_integrity()
         # every running request's committed KV (its cached prefix included) is its own
         for req in sched._running.values():
             for t in range(req.kv_committed):
@@ -525,7 +520,7 @@ def test_integrity_with_saves_not_sent() -> None:
 def test_save_after_keys_went_further() -> None:
     """A request retracted mid-prefill saves its committed whole pages. Its admission computed the
     keys of its whole reusable prefix (``promote``), more than it committed: the save must use the
-    first keys only. (The state machine patches ``page_keys`` to slice, as a fix would.)"""
+    first keys only (it indexed past its page list: IndexError, host slots leaked)."""
     cfg = SchedulerConfig(kv_cache_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, chunked_prefill_tokens=4,
                           decode_reservation_ratio=0.0, kv_namespace=NAMESPACE)
     sched = Scheduler(cfg, tiers=KVTiers(host_pages=16))
@@ -541,13 +536,13 @@ def test_save_after_keys_went_further() -> None:
     assert sched.stats().num_retractions > 0
 
 
-@pytest.mark.parametrize("policy", [
-    pytest.param("lru"),
-    "scheduler"])
+@pytest.mark.parametrize("policy", ["lru", "scheduler"])
 def test_disk_prefix_longer_than_host_memory(policy: str) -> None:
     """A request whose cached prefix is on disk only (here: found at start-up, as after a restart)
     and longer than host memory: prefetching must stop when host memory is full, and the request
-    must be admitted with the pages that arrived (and compute the rest)."""
+    must be admitted with the pages that arrived (and compute the rest). With ``lru`` it was never
+    admitted: fetching the chain's next page evicted its first ones, the request waited for the
+    fetch, and the next ``schedule()`` fetched the evicted pages again."""
     prompt = list(range(1, 31))                     # 7 whole reusable pages; host memory holds 6
     keys = extend_keys([], chain_seed(NAMESPACE, None), prompt, PAGE_SIZE, 7)
     cfg = SchedulerConfig(kv_cache_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
@@ -570,8 +565,9 @@ def test_disk_delete_then_write_of_one_key() -> None:
     """Two outputs processed without a plan in between (the runtime drains every output that has
     arrived, or ``schedule()`` returns None to wait before a retraction): the first acknowledges a
     write that pushes key A off the full disk (delete A queued), the second the save of A (saved
-    again from the device while it was on disk: write A queued). One plan then carries both, and
-    the worker applies writes before deletes."""
+    again from the device while it was on disk: write A queued). One plan then carries both: the
+    worker must delete before it writes (it wrote first, leaving a key in the index whose file was
+    gone)."""
     A, B = b"A" * 16, b"B" * 16
     others = [bytes([i]) * 16 for i in range(4)]
     tiers = KVTiers(host_pages=4, disk_pages=1)
@@ -604,3 +600,94 @@ def test_disk_delete_then_write_of_one_key() -> None:
     send()                                                  # step 6: both
     tiers.on_acks(KVAcks(written=[A]))
     assert not tiers.on_disk(A) or A in files, "the disk index holds a key whose file was deleted"
+
+
+def test_worker_deletes_before_it_writes(tmp_path) -> None:
+    """The real worker (``TierStore`` on the CPU, a real ``DiskKVStore``) given the plan above: a
+    delete and a write of one key. The file must exist afterwards and hold the new page."""
+    import torch
+
+    from radixrelay.attention import KVCache
+    from radixrelay.radix.disk_store import DiskKVStore
+    from radixrelay.worker.kv_tiers import TierStore
+
+    kv = KVCache(num_layers=2, num_pages=4, page_size=PAGE_SIZE, num_kv_heads=1, head_dim=4,
+                 dtype=torch.float32, device="cpu")
+    for i, t in enumerate(kv.k + kv.v):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) + 1000 * i)
+    disk = DiskKVStore(tmp_path, "ns")
+    store = TierStore(kv, host_pages=2, disk=disk)
+    key = b"A" * 16
+    store.apply(0, KVTransfers(saves=[(1, 0)], disk_writes=[(0, key)]))    # page 1 -> slot 0 -> disk
+    assert store.acks(wait=True).written == [key]
+    store.apply(1, KVTransfers(saves=[(2, 1)]))                             # page 2 -> slot 1
+    store.acks(wait=True)
+    store.apply(2, KVTransfers(disk_writes=[(1, key)], disk_deletes=[key]))  # trimmed, then saved again
+    assert store.acks(wait=True).written == [key]
+    assert disk.read_into(key, bytearray(store.page_bytes)), "the key's file was deleted after its write"
+    store.apply(3, KVTransfers(disk_reads=[(key, 0)]))                      # back into slot 0 ...
+    assert store.acks(wait=True).read == [key]
+    store.apply(4, KVTransfers(loads=[(0, 3)]))                             # ... and onto page 3
+    store.acks(wait=True)
+    for layer in range(kv.num_layers):
+        for cache in (kv.k[layer], kv.v[layer]):
+            rows = slice(3 * PAGE_SIZE, 4 * PAGE_SIZE)
+            assert torch.equal(cache[rows], cache[2 * PAGE_SIZE:3 * PAGE_SIZE]), "not page 2's KV"
+    store.close()
+
+
+@pytest.mark.parametrize("policy", [
+    pytest.param("lru"),
+    "scheduler"])
+def test_disk_prefixes_of_a_window_larger_than_host_memory(policy: str) -> None:
+    """Three queued requests (look-ahead window 32) whose prefixes are on disk only: 3, 2 and 2
+    pages, host memory 4 pages. Each fits host memory alone, together they do not; every request
+    must still be admitted."""
+    prompts = [[100 + i for i in range(13)], [200 + i for i in range(9)], [300 + i for i in range(9)]]
+    keys = [extend_keys([], chain_seed(NAMESPACE, None), p, PAGE_SIZE, (len(p) - 1) // PAGE_SIZE) for p in prompts]
+    cfg = SchedulerConfig(kv_cache_tokens=24 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    tiers = KVTiers(host_pages=4, disk_pages=30, disk_keys=[k for ks in keys for k in ks], policy=policy)
+    sched = Scheduler(cfg, tiers=tiers)
+    worker = TierWorker(PAGE_SIZE, cfg.num_pages, 4, random.Random(0), dict.fromkeys(range(3)),
+                        {rid: list(p) for rid, p in enumerate(prompts)})
+    worker.disk = {k: page_content(None, p, i, PAGE_SIZE) for p, ks in zip(prompts, keys) for i, k in enumerate(ks)}
+    for rid, prompt in enumerate(prompts):
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=1))
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        out = worker.step(plan)
+        acks = worker.collect_acks(wait=not (plan.extends or plan.decodes))
+        sched.process_output(msgspec.structs.replace(out, kv_acks=acks))
+        sched.check_integrity()
+    assert not sched.has_work(), f"requests never admitted ({worker.counts['reads']} disk reads)"
+
+
+@pytest.mark.parametrize("policy", [
+    pytest.param("scheduler"),
+    "lru"])
+def test_protection_ends_with_the_window(policy: str) -> None:
+    """Request D (4 pages) runs alone and fills host memory (4 slots) with its pages; then request
+    S arrives, whose 2 pages are on disk. D is long gone, so its pages must not be protected any
+    more: S's pages are read into host memory and promoted (8 tokens from disk)."""
+    prompts = {0: [1, 2, 3, 4] * 4 + [5], 1: [9] * 9}
+    keys = extend_keys([], chain_seed(NAMESPACE, None), prompts[1], PAGE_SIZE, 2)
+    cfg = SchedulerConfig(kv_cache_tokens=24 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    sched = Scheduler(cfg, tiers=KVTiers(host_pages=4, disk_pages=30, disk_keys=keys, policy=policy))
+    worker = TierWorker(PAGE_SIZE, cfg.num_pages, 4, random.Random(0), dict.fromkeys(prompts),
+                        {rid: list(p) for rid, p in prompts.items()})
+    worker.disk = {k: page_content(None, prompts[1], i, PAGE_SIZE) for i, k in enumerate(keys)}
+    finals: dict[int, RequestUpdate] = {}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        while sched.has_work():
+            plan = sched.schedule()
+            out = worker.step(plan)
+            acks = worker.collect_acks(wait=not (plan.extends or plan.decodes))
+            finals.update((u.rid, u) for u in sched.process_output(msgspec.structs.replace(out, kv_acks=acks))
+                          if u.finished)
+        if rid == 0:
+            assert sched.cache.tiers.num_host_entries == 4
+    assert finals[1].cached_tokens == 2 * PAGE_SIZE
+    assert sched.stats().tier_disk_hit_tokens == 2 * PAGE_SIZE
