@@ -9,7 +9,7 @@ source "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_ops.py tests/kernels/test_decode_rows.py \
     && python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/cascade/test_gpu.py \
     tests/model/test_cuda.py tests/worker/test_sampling.py tests/worker/test_piecewise_graphs.py \
-    tests/engine/test_engine_gpu.py 2>&1 | tee "$dest/gpu_tests.log"
+    tests/engine/test_engine_gpu.py tests/worker/test_kv_tiers_store.py 2>&1 | tee "$dest/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout "${BENCH_SECONDS:-360}" python3 benchmarks/bench_throughput.py --out-dir "$dest" "$@" 2>&1 \
     | tee "$dest/bench_throughput.log"

@@ -116,6 +116,10 @@ class KVTiers:
         return len(self._host)
 
     @property
+    def num_free_slots(self) -> int:
+        return self._slots.num_free
+
+    @property
     def num_disk_entries(self) -> int:
         return len(self._disk)
 

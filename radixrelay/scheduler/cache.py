@@ -206,6 +206,9 @@ class CacheManager:
         tiers = self.tiers
         if tiers is None or (not tiers.has_disk and tiers.policy != "scheduler"):
             return
+        if not tiers.has_disk and tiers.num_free_slots * 8 > tiers.host_pages:
+            tiers.protect(set())      # host memory far from full: no eviction to steer, skip the scan
+            return
         chains: list[tuple[list[bytes], int, int]] = []
         for req in window:
             limit = req.reusable_prefix // self.page_size
