@@ -68,6 +68,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-tier-policy", default="scheduler", choices=KV_TIER_POLICIES,
                    help="host-memory eviction: 'scheduler' spares the pages of queued requests, 'lru' "
                         "does not (default: %(default)s)")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="context window in tokens, at most the model's (default: the model's)")
+    g.add_argument("--truncation", type=float, default=None, metavar="RATIO",
+                   help="context overflow: a prompt that does not fit loses its oldest tokens in chunks "
+                        "of RATIO x the context instead of being refused; the KV tiers keep the kept "
+                        "tokens' cached KV usable, re-positioned (default: off, such prompts get a 400)")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)")
 
 
@@ -82,7 +88,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, cascade=args.cascade,
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
         disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
-        disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy, seed=args.seed)
+        disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
+        context_length=args.context_length, truncation=args.truncation, seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -53,6 +53,11 @@ class EngineConfig:
     disk_kv_gib: float = 64.0
     disk_kv_path: str | None = None
     kv_tier_policy: str = "scheduler"   # host eviction: "scheduler" (spares queued requests) | "lru"
+    # Context window in tokens (None: the model's); at most the model's maximum positions.
+    context_length: int | None = None
+    # Context overflow (``radixrelay.radix.truncation``): a prompt that does not fit loses its oldest
+    # tokens in chunks of this share of the context, instead of being refused. None: refused.
+    truncation: float | None = None
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
     startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
 
@@ -96,6 +101,11 @@ class EngineConfig:
             raise bad("disk_kv_path", "the disk tier stages pages through host memory: host_kv_gib must be > 0")
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             raise bad("kv_tier_policy", f"must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}")
+        if self.context_length is not None and self.context_length < 2:
+            raise bad("context_length", f"must be >= 2 tokens, got {self.context_length}")
+        if self.truncation is not None and not 0 < self.truncation < 1:
+            raise bad("truncation", f"must be in (0, 1) (the share of the context dropped per overflow), "
+                                    f"got {self.truncation}")
         if self.startup_timeout <= 0:
             raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
 

@@ -21,6 +21,7 @@ import numpy as np
 from radixrelay.config import EngineConfig
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.outputs import RequestOutput
+from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.client import QueueFullError
 from radixrelay.runtime.messages import RequestRejected, UpdateBatch
 from radixrelay.runtime.sync_client import SyncRuntimeClient
@@ -47,6 +48,8 @@ class Engine:
         self.max_context = self._client.info.max_context
         self.vocab_size = self._client.info.vocab_size
         self.kv_cache_tokens = self._client.info.kv_cache_tokens
+        self._truncation = (None if self.config.truncation is None else
+                            Truncation(self.config.truncation, self.max_context, self.config.page_size))
         self._rids = itertools.count()
         self._outputs: dict[int, OutputAssembler] = {}
         self._grammars: GrammarEngine | None = None     # built on the first structured output
@@ -61,7 +64,7 @@ class Engine:
         params = _params_for(prompt_list, sampling_params)
         self._check_structured(params)
         encoded = [self._encode(p, sp) for p, sp in zip(prompt_list, params)]
-        rids = [self._submit(ids, sp, cache_salt) for ids, sp in zip(encoded, params)]
+        rids = [self._submit(prompt, sp, cache_salt) for prompt, sp in zip(encoded, params)]
         try:
             while not all(self._outputs[rid].finished for rid in rids):
                 self._pump()
@@ -142,7 +145,8 @@ class Engine:
                 self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)
             self._grammars.compile(spec)
 
-    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> Truncated:
+        """Token ids of ``prompt``, truncated on context overflow with ``truncation`` set."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:                   # checked in numpy: a long prompt is not a Python loop per token
@@ -157,14 +161,16 @@ class Engine:
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) + params.max_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's context of {self.max_context} tokens")
-        return ids
+            if self._truncation is None or params.max_tokens >= self.max_context:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                 f"model's context of {self.max_context} tokens")
+            return self._truncation.apply(ids, params.max_tokens)
+        return Truncated(ids)
 
-    def _submit(self, ids: list[int], params: SamplingParams, cache_salt: str | None) -> int:
+    def _submit(self, prompt: Truncated, params: SamplingParams, cache_salt: str | None) -> int:
         rid = next(self._rids)
-        self._outputs[rid] = OutputAssembler(self.tokenizer, ids, params)
-        self._client.submit(rid, ids, params, cache_salt)
+        self._outputs[rid] = OutputAssembler(self.tokenizer, prompt.ids, params)
+        self._client.submit(rid, prompt.ids, params, cache_salt, prompt.shifted_prefix, prompt.shifted_at)
         return rid
 
     def _pump(self) -> list[tuple[int, str]]:

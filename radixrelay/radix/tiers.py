@@ -69,12 +69,13 @@ class _Outbox:
     saves: list[tuple[int, int]] = field(default_factory=list)
     save_keys: list[bytes] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
+    shifted_loads: list[tuple[int, int, int]] = field(default_factory=list)
     disk_writes: list[tuple[int, bytes]] = field(default_factory=list)
     disk_reads: list[tuple[bytes, int]] = field(default_factory=list)
     disk_deletes: list[bytes] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.disk_writes or self.disk_reads or self.disk_deletes)
+        return not (self.saves or self.loads or self.shifted_loads or self.disk_writes or self.disk_reads or self.disk_deletes)
 
 
 class KVTiers:
@@ -171,11 +172,15 @@ class KVTiers:
         self.counters.saved += len(slots)
         return len(slots)
 
-    def load(self, keys: list[bytes], pages: list[int]) -> None:
-        """Promote ``keys`` (each loadable: ``host_run``) into device ``pages``."""
+    def load(self, keys: list[bytes], pages: list[int], shift: int = 0) -> None:
+        """Promote ``keys`` (each loadable: ``host_run``) into device ``pages``; ``shift``: a
+        position delta the worker rotates the loaded keys by (a truncated prompt's re-positioned KV)."""
         for key, page in zip(keys, pages, strict=True):
             entry = self._host[key]
-            self._out.loads.append((entry.slot, page))
+            if shift:
+                self._out.shifted_loads.append((entry.slot, page, shift))
+            else:
+                self._out.loads.append((entry.slot, page))
             if entry.from_disk:
                 self.counters.loaded_from_disk += 1
                 self.counters.prefetch_used += 1
@@ -217,7 +222,8 @@ class KVTiers:
         if out.saves:
             self._saving[step_id] = out.save_keys
         self._out = _Outbox()
-        return KVTransfers(out.saves, out.loads, out.disk_writes, out.disk_reads, out.disk_deletes)
+        return KVTransfers(out.saves, out.loads, out.disk_writes, out.disk_reads, out.disk_deletes,
+                           out.shifted_loads)
 
     def on_acks(self, acks: KVAcks) -> list[int]:
         """Apply the worker's acknowledgements; returns the steps whose saves completed or failed

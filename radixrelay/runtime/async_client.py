@@ -82,14 +82,17 @@ class AsyncRuntimeClient:
         return self._info
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
-                       cache_salt: str | None = None, rid: int | None = None) -> AsyncIterator[TokenUpdate]:
+                       cache_salt: str | None = None, rid: int | None = None,
+                       shifted_prefix: list[int] | None = None,
+                       shifted_at: int = 0) -> AsyncIterator[TokenUpdate]:
         self._check_usable()
         rid = next(self._rids) if rid is None else rid
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[rid] = queue
         done = False
         try:
-            await self._outbox.send(self._encode(GenerateRequest(rid, token_ids, sampling, cache_salt)))
+            await self._outbox.send(self._encode(GenerateRequest(rid, token_ids, sampling, cache_salt,
+                                                                     shifted_prefix or [], shifted_at)))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

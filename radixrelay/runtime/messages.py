@@ -31,6 +31,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     token_ids: list[int]
     sampling: SamplingParams
     cache_salt: str | None = None
+    shifted_prefix: list[int] = []    # truncated prompt: see Scheduler.add_request
+    shifted_at: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

@@ -49,8 +49,9 @@ class SyncRuntimeClient:
             raise
 
     def submit(self, rid: int, token_ids: list[int], sampling: SamplingParams,
-               cache_salt: str | None = None) -> None:
-        self._send(GenerateRequest(rid, token_ids, sampling, cache_salt))
+               cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
+               shifted_at: int = 0) -> None:
+        self._send(GenerateRequest(rid, token_ids, sampling, cache_salt, shifted_prefix or [], shifted_at))
 
     def abort(self, rid: int) -> None:
         self._send(AbortRequest(rid))

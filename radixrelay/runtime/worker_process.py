@@ -90,7 +90,13 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
                          tiers=tiers)
-    ready = WorkerReady(num_pages, mc.max_position_embeddings, mc.vocab_size, list(mc.eos_token_ids),
+    max_context = mc.max_position_embeddings
+    if cfg.context_length is not None:
+        if cfg.context_length > max_context:
+            raise ValueError(f"context_length {cfg.context_length} exceeds the model's maximum positions "
+                             f"({max_context})")
+        max_context = cfg.context_length
+    ready = WorkerReady(num_pages, max_context, mc.vocab_size, list(mc.eos_token_ids),
                         host_pages, disk_pages, namespace, page_bytes(kv_cache))
     return runner, ready
 

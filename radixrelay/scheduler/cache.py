@@ -42,6 +42,7 @@ class CacheManager:
         self._locks_by_step: dict[int, list[RadixNode]] = {}  # locked for saves sent with a step
         self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
         self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
+        self.repositioned_tokens = 0                        # of which re-positioned (truncated prompts)
 
     @property
     def available_pages(self) -> int:
@@ -150,23 +151,49 @@ class CacheManager:
 
     def page_keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request)."""
+        keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
+        return keys if len(keys) == num_pages else keys[:num_pages]
+
+    def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
+        sequence (``Request.shifted_prefix``, ``radixrelay.radix.truncation``)."""
+        if len(req.shifted_keys) < num_pages:
+            at = req.shifted_at
+            previous = req.token_ids[:at] + req.shifted_prefix + req.token_ids[at:]
+            extend_keys(req.shifted_keys, self._seed(req), previous, self.page_size, num_pages)
+        return req.shifted_keys[:num_pages]
+
+    def _seed(self, req: Request) -> bytes:
         seed = self._seeds.get(req.salt)
         if seed is None:
             seed = self._seeds[req.salt] = chain_seed(self.config.kv_namespace, req.salt)
-        keys = extend_keys(req.page_keys, seed, req.token_ids, self.page_size, num_pages)
-        return keys if len(keys) == num_pages else keys[:num_pages]
+        return seed
 
     def promote(self, req: Request) -> int:
         """Continue ``req``'s device match (``match_and_lock``) with the pages host memory holds:
         fresh device pages, a load for each, inserted into the tree and locked as ``req``'s path.
-        Returns the pages promoted (0 without tiers, hits or free device pages)."""
-        tiers, ps = self.tiers, self.page_size
-        limit = req.reusable_prefix // ps
-        have = req.num_shared_pages
-        if tiers is None or limit <= have:
+        A truncated prompt continues further with its previous sequence's pages, loaded with their
+        keys rotated to the new positions. Returns the pages promoted (0 without tiers, hits or
+        free device pages)."""
+        if self.tiers is None or req.reusable_prefix // self.page_size <= req.num_shared_pages:
             return 0
-        keys = self.page_keys(req, limit)
-        slots = tiers.host_run(keys, have, limit)
+        limit = req.reusable_prefix // self.page_size
+        promoted = self._promote_run(req, self.page_keys(req, limit), 0, limit)
+        # pages before shifted_at are the previous sequence's own (same keys): promoted above
+        if req.shifted_prefix and req.shifted_at // self.page_size <= req.num_shared_pages < limit:
+            off = len(req.shifted_prefix) // self.page_size
+            found = self._promote_run(req, self.shifted_keys(req, off + limit), off, limit)
+            self.repositioned_tokens += found * self.page_size
+            promoted += found
+        return promoted
+
+    def _promote_run(self, req: Request, keys: list[bytes], off: int, limit: int) -> int:
+        """Promote the host pages ``keys[off + have : off + limit]`` as ``req``'s pages
+        ``have .. limit - 1`` (``have``: its shared pages); ``off`` pages of offset are loaded with
+        their keys rotated by ``-off * page_size`` positions."""
+        tiers, ps = self.tiers, self.page_size
+        have = req.num_shared_pages
+        slots = tiers.host_run(keys, off + have, off + limit)
         if not slots:
             return 0
         pages = self.alloc(len(slots))
@@ -184,7 +211,7 @@ class CacheManager:
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
         from_disk_before = tiers.counters.loaded_from_disk
-        tiers.load(keys[have:have + len(slots)], pages)
+        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps)
         self.tier_hit_tokens += len(slots) * ps
         self.disk_hit_tokens += (tiers.counters.loaded_from_disk - from_disk_before) * ps
         req.pages = req.pages[:have] + pages
@@ -193,12 +220,23 @@ class CacheManager:
         req.kv_len = req.kv_committed = n
         return len(slots)
 
+    def host_extension(self, req: Request, matched: int) -> int:
+        """Tokens of ``req``'s reusable prefix that host memory holds right after its first
+        ``matched`` tokens (which the device has): what ``promote`` would load."""
+        ps, limit = self.page_size, req.reusable_prefix // self.page_size
+        if self.tiers is None or matched // ps >= limit:
+            return 0
+        return len(self.tiers.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
+
     def waits_for_fetch(self, req: Request) -> bool:
         """Whether a disk read for one of ``req``'s next pages is in flight (admit it afterwards)."""
         if self.tiers is None or not req.page_keys:
             return False
         limit = min(len(req.page_keys), req.reusable_prefix // self.page_size)
-        return self.tiers.fetching_in(req.page_keys, 0, limit)
+        if self.tiers.fetching_in(req.page_keys, 0, limit):
+            return True
+        off = len(req.shifted_prefix) // self.page_size
+        return bool(req.shifted_keys) and self.tiers.fetching_in(req.shifted_keys, off, off + limit)
 
     def prefetch_window(self, window: Iterable[Request]) -> None:
         """Queue disk reads for the pages of ``window`` (the next requests to admit) that host
@@ -217,6 +255,9 @@ class CacheManager:
             keys = self.page_keys(req, limit)
             _, cached = self.tree.peek_prefix(req.token_ids, req.salt, length=limit * self.page_size)
             chains.append((keys, cached // self.page_size, limit))
+            if req.shifted_prefix:      # a truncated prompt: its previous sequence's pages too
+                off = len(req.shifted_prefix) // self.page_size
+                chains.append((self.shifted_keys(req, off + limit), off + cached // self.page_size, off + limit))
         window_keys = {k for keys, first, _ in chains for k in keys[first:]}
         tiers.protect(window_keys if tiers.policy == "scheduler" else set())   # this window's, not the last one's
         if tiers.has_disk:
@@ -250,6 +291,7 @@ class CacheManager:
         return dict(tier_host_pages=tiers.host_pages, tier_host_used_pages=tiers.num_host_entries,
                     tier_disk_pages=tiers.disk_pages, tier_disk_used_pages=tiers.num_disk_entries,
                     tier_host_hit_tokens=self.tier_hit_tokens, tier_disk_hit_tokens=self.disk_hit_tokens,
+                    tier_repositioned_tokens=self.repositioned_tokens,
                     tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
                     tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,

@@ -1,7 +1,9 @@
 """Waiting-queue order: which queued request the prefill manager tries to admit first.
 
 - ``fcfs``: queue order (retracted requests sit at the front, then arrival order).
-- ``lpm``: longest cached prefix first (most reuse, least new compute); ties keep queue order.
+- ``lpm``: longest cached prefix first (most reuse, least new compute); ties keep queue order. With
+  KV tiers, a prefix continuing in host memory counts too (``extend``): a chat's later turn, whose
+  history only needs loading, goes before a first turn that computes everything.
 - ``dfs-weight``: group requests by the deepest tree node they match and walk the tree depth
   first, heavier subtrees (more waiting requests) first, so requests under one node run together
   and the node's KV is shared by the whole group (and by one cascade segment at decode).
@@ -13,17 +15,18 @@ Cache-aware orders cost one tree walk per queued request, so queues longer than
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
 
 
-def order_waiting(queue: Sequence[Request], tree: RadixTree,
-                  config: SchedulerConfig) -> Iterable[Request]:
+def order_waiting(queue: Sequence[Request], tree: RadixTree, config: SchedulerConfig,
+                  extend: Callable[[Request, int], int] | None = None) -> Iterable[Request]:
     """The queue in admission-priority order. FCFS returns the queue itself (no copy): the
-    caller stops at the first request it cannot admit, so FCFS costs O(admitted)."""
+    caller stops at the first request it cannot admit, so FCFS costs O(admitted). ``extend(req,
+    matched)``: cached tokens continuing ``req``'s device match elsewhere (the host tier)."""
     policy = config.schedule_policy
     if (policy == "fcfs" or config.disable_radix_cache or len(queue) < 2
             or len(queue) > config.policy_queue_limit):
@@ -31,6 +34,8 @@ def order_waiting(queue: Sequence[Request], tree: RadixTree,
     if policy == "lpm":
         matched = {id(r): tree.peek_prefix(r.token_ids, r.salt, length=len(r.token_ids) - 1)[1]
                    for r in queue}
+        if extend is not None:
+            matched = {id(r): m + extend(r, m) for r in queue for m in (matched[id(r)],)}
         return sorted(queue, key=lambda r: -matched[id(r)])
     return _dfs_weight(queue, tree)
 

@@ -59,7 +59,8 @@ class PrefillManager:
         reserved = sum(self.reserve_pages(r) for r in running)
         computing = {self._next_page_key(r, r.num_shared_pages * self.config.page_size)
                      for r in running if not r.prefill_committed}
-        for req in order_waiting(waiting, self.cache.tree, self.config):
+        extend = self.cache.host_extension if self.cache.tiers is not None else None
+        for req in order_waiting(waiting, self.cache.tree, self.config, extend):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
             waits, near = self._waits_for_shared_prefill(req, computing)

@@ -61,6 +61,12 @@ class Request:
     path: list = field(default_factory=list)        # list[PathSegment], root first
     # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
     page_keys: list[bytes] = field(default_factory=list)
+    # Truncated prompt (radix/truncation.py): tokens dropped since the previous truncation point (at
+    # ``shifted_at``), and the content keys of whole pages of the previous sequence
+    # ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` (where its cached KV lives).
+    shifted_prefix: list[int] = field(default_factory=list)
+    shifted_at: int = 0
+    shifted_keys: list[bytes] = field(default_factory=list)
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     num_emitted: int = 0                        # output tokens already handed to the caller
@@ -141,6 +147,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tier_disk_used_pages: int = 0
     tier_host_hit_tokens: int = 0               # prompt tokens promoted from host memory
     tier_disk_hit_tokens: int = 0               # of which read from disk ahead of the turn
+    tier_repositioned_tokens: int = 0           # of which re-positioned for a truncated prompt
     tier_prefetch_used_pages: int = 0
     tier_read_failed_pages: int = 0             # disk pages found missing or corrupt: misses
     tier_saved_bytes: int = 0                   # device -> host

@@ -72,7 +72,12 @@ class Scheduler:
     # -- public API ----------------------------------------------------------------------------
 
     def add_request(self, rid: int, token_ids: list[int], sampling: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
+                    shifted_at: int = 0) -> None:
+        """``shifted_prefix``: a truncated prompt's tokens dropped since the previous truncation
+        point, at ``shifted_at`` (``radixrelay.radix.truncation``): KV cached for
+        ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` is reused for
+        ``token_ids``, re-positioned."""
         if rid in self._requests:
             raise ValueError(f"request {rid} is already live")
         if not token_ids:
@@ -85,7 +90,12 @@ class Scheduler:
                              f"{self.config.num_pages}")
         if sampling.stop and self._stop.detokenize is None:
             raise ValueError(f"request {rid}: stop strings need a scheduler built with detokenize")
+        ps = self.config.page_size
+        if shifted_prefix and (len(shifted_prefix) % ps or shifted_at % ps or not 0 <= shifted_at < len(token_ids)):
+            raise ValueError(f"request {rid}: shifted_prefix ({len(shifted_prefix)} tokens at {shifted_at}) "
+                             f"must be whole pages of {ps} tokens inside the prompt")
         req = Request(rid, list(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
+        req.shifted_prefix, req.shifted_at = list(shifted_prefix or ()), shifted_at
         self._arrivals += 1
         self._requests[rid] = req
         self._waiting.append(req)

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrelay.config import EngineConfig, ServerConfig
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
+from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
@@ -67,9 +68,12 @@ class ServerState:
     def serving_context(self) -> serving.ServingContext:
         assert self.client is not None
         max_choices = self.engine_config.max_running_requests + self.engine_config.max_queued_requests
+        ratio = self.engine_config.truncation
+        truncation = (None if ratio is None else
+                      Truncation(ratio, self.client.info.max_context, self.engine_config.page_size))
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
                                       self.model_name, self.config.max_n, self.metrics, max_choices,
-                                      self.grammars)
+                                      self.grammars, truncation)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""

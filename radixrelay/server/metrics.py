@@ -34,6 +34,8 @@ def _tier_metrics(sched, gauge, counter) -> Iterator[Metric]:
                   sched.tier_host_hit_tokens)
     yield counter("kv_tier_disk_hit_tokens", "Prompt tokens loaded from disk (through host memory).",
                   sched.tier_disk_hit_tokens)
+    yield counter("kv_tier_repositioned_tokens", "Prompt tokens of truncated prompts loaded from a tier "
+                  "with their keys rotated to new positions.", sched.tier_repositioned_tokens)
     yield counter("kv_tier_prefetch_used_pages", "Pages read from disk ahead of a turn and then used.",
                   sched.tier_prefetch_used_pages)
     yield counter("kv_tier_read_failed_pages", "Disk pages found missing, truncated or corrupt (misses).",

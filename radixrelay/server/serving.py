@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
 from radixrelay.runtime.messages import TokenUpdate
@@ -45,6 +46,7 @@ class ServingContext:
     # admitted (running + queued), so they are a 400 rather than a 429 the client would retry.
     max_choices: int
     grammars: GrammarCheck
+    truncation: Truncation | None = None    # context overflow drops the oldest tokens (else a 400)
 
 
 @dataclass(eq=False)
@@ -56,6 +58,8 @@ class Choice:
     output: OutputAssembler
     echo: bool = False                    # completions: the prompt precedes the output
     echo_only: bool = False               # completions with max_tokens 0: the output is hidden
+    shifted_prefix: list[int] | None = None  # a truncated prompt's (``radixrelay.radix.truncation``)
+    shifted_at: int = 0
     last_token_at: float | None = None
 
 
@@ -94,7 +98,9 @@ class GenerationJob:
     async def _pump(self, choice: Choice) -> None:
         try:
             async for item in self.ctx.client.generate(choice.prompt_ids, choice.sampling,
-                                                       cache_salt=self.cache_salt):
+                                                       cache_salt=self.cache_salt,
+                                                       shifted_prefix=choice.shifted_prefix,
+                                                       shifted_at=choice.shifted_at):
                 self._queue.put_nowait((choice, item))
         except Exception as exc:  # noqa: BLE001 - re-raised by next_event in the handler
             self._queue.put_nowait((choice, exc))
@@ -199,23 +205,40 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, def
     return requested
 
 
+def _fit(ctx: ServingContext, ids: list[int], requested: int | None, default: int | None,
+         prompt_param: str, param: str = "max_tokens") -> tuple[Truncated, int]:
+    """The prompt to serve and its max_tokens: with ``--truncation``, a prompt that does not fit
+    the context with its max_tokens (at least 1 token when none is given) loses its oldest tokens."""
+    t, limit = ctx.truncation, ctx.client.info.max_context
+    want = requested if requested is not None else (default or 1)
+    prompt = Truncated(ids)
+    if t is not None and len(ids) + want > limit and 1 <= want < limit:
+        try:
+            prompt = t.apply(ids, want)
+        except ValueError as exc:
+            raise oa.invalid(str(exc), param) from None
+    return prompt, _max_tokens(ctx, len(prompt.ids), requested, default, prompt_param, param)
+
+
 def _wrap_int64(value: int) -> int:
     """``value`` wrapped into the signed 64-bit range (sample j's seed ``seed + j`` past the largest seed)."""
     return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
-def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[list[int]],
+def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Truncated],
              max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
              echo_only: bool = False) -> list[Choice]:
     prompt_logprobs = logprobs if echo else None
     out = []
-    for p, ids in enumerate(prompts):
+    for p, prompt in enumerate(prompts):
+        ids = prompt.ids
         for j in range(req.n):
             seed = None if req.seed is None else _wrap_int64(req.seed + j)
             sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed,
                                     prompt_logprobs=prompt_logprobs)
             out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),
-                              echo, echo_only))
+                              echo, echo_only, shifted_prefix=prompt.shifted_prefix or None,
+                              shifted_at=prompt.shifted_at))
     return out
 
 
@@ -232,8 +255,8 @@ def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Cho
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)   # the template has BOS if any
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(ctx, len(ids), requested, None, "messages", param)
-    return _choices(ctx, req, [ids], [max_tokens], req.num_logprobs)
+    prompt, max_tokens = _fit(ctx, ids, requested, None, "messages", param)
+    return _choices(ctx, req, [prompt], [max_tokens], req.num_logprobs)
 
 
 def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
@@ -254,8 +277,9 @@ def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[C
         prompts.append(ids)
     echo_only = req.echo and req.max_tokens == 0
     requested = 1 if echo_only else req.max_tokens
-    max_tokens = [_max_tokens(ctx, len(ids), requested, 16, "prompt") for ids in prompts]
-    return _choices(ctx, req, prompts, max_tokens, req.logprobs, echo=req.echo, echo_only=echo_only)
+    fitted = [_fit(ctx, ids, requested, 16, "prompt") for ids in prompts]
+    return _choices(ctx, req, [f[0] for f in fitted], [f[1] for f in fitted], req.logprobs,
+                    echo=req.echo, echo_only=echo_only)
 
 
 # -- responses ----------------------------------------------------------------------------------

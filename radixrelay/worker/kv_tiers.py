@@ -15,6 +15,10 @@ Ordering (what the scheduler relies on, ``KVTransfers``):
   queued before it are done (so a slot is never read for disk while its save is in flight, nor
   overwritten while a load from it is);
 - on the CPU everything runs synchronously in plan order.
+
+Shifted loads (``KVTransfers.shifted_loads``, a truncated prompt's re-positioned KV): after layer l's
+copies, the keys of those pages are rotated by their position delta on the same stream, in float32
+(RoPE of position p rotated by d is RoPE of position p + d), before layer l counts as loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from radixrelay.attention import KVCache
+from radixrelay.model.layers import apply_rope
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.worker.protocol import KVAcks, KVTransfers
 
@@ -61,6 +66,8 @@ class TierStore:
         self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
         self._cpu_load_s = self._cpu_exposed_s = 0.0
+        # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
+        self.rotary = None
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -75,9 +82,10 @@ class TierStore:
             except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
                 logger.exception("KV save of step %d failed", step_id)
                 self._failed.append(step_id)
-        if t.loads:
+        if t.loads or t.shifted_loads:
             begun = time.perf_counter()
-            events = self._copy(t.loads, save=False, after=after)
+            loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
+            events = self._copy(loads, save=False, after=after, shifts=t.shifted_loads)
             if self._cuda:
                 self.kv.layer_ready = events[1:]
                 self._loads.append((after, events[0], events[-1]))
@@ -147,7 +155,8 @@ class TierStore:
 
     # -- copies ---------------------------------------------------------------------------------
 
-    def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after) -> list:
+    def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after,
+              shifts: list[tuple[int, int, int]] = ()) -> list:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
         runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
         copy engines move the KV and no kernel competes with the step's forward for the SMs.
@@ -156,9 +165,11 @@ class TierStore:
             pairs = [(slot, page) for page, slot in pairs]
         runs = list(_runs(pairs))
         if not self._cuda:
+            rotations = self._rotations(shifts)
             for layer in range(self.kv.num_layers):
                 for slots, pages in runs:
                     self._copy_run(layer, slots, pages, save)
+                self._rotate(layer, rotations)
             return [None]
         stream = self._save_stream if save else self._load_stream
         with torch.cuda.stream(stream):
@@ -169,9 +180,11 @@ class TierStore:
                     if event is not None and not event.query():
                         stream.wait_event(event)
             events = [] if save else [self._record(stream, timing=True)]
+            rotations = self._rotations(shifts)
             for layer in range(self.kv.num_layers):
                 for slots, pages in runs:
                     self._copy_run(layer, slots, pages, save)
+                self._rotate(layer, rotations)
                 if not save:
                     events.append(self._record(stream, timing=True))
             done = events[-1] if events else self._record(stream)
@@ -190,6 +203,30 @@ class TierStore:
                 host.copy_(cache[dev_rows], non_blocking=self._cuda)
             else:
                 cache[dev_rows].copy_(host, non_blocking=self._cuda)
+
+    def _rotations(self, shifts) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per position delta: (device rows [R], cos [R, D], sin [R, D]) for ``_rotate``."""
+        if not shifts:
+            return []
+        if self.rotary is None:
+            raise ValueError("shifted KV loads need the model's rotary embedding (TierStore.rotary)")
+        ps, device = self.kv.page_size, self.kv.device
+        by_delta: dict[int, list[int]] = {}
+        for _, page, delta in shifts:
+            by_delta.setdefault(delta, []).append(page)
+        out = []
+        for delta, pages in by_delta.items():
+            rows = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()
+            rows = rows.to(device, non_blocking=True)
+            cos, sin = self.rotary(torch.full((1,), delta, dtype=torch.int64, device=device))
+            out.append((rows, cos.expand(rows.numel(), -1), sin.expand(rows.numel(), -1)))
+        return out
+
+    def _rotate(self, layer: int, rotations) -> None:
+        """Rotate the keys of layer ``layer``'s shifted rows by their delta (float32, in place)."""
+        k = self.kv.k[layer]
+        for rows, cos, sin in rotations:
+            k[rows] = apply_rope(k[rows].float(), cos, sin).to(k.dtype)
 
     def _after_compute(self):
         """A timing event after everything queued on the compute stream so far (None on the CPU)."""

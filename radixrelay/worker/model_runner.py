@@ -135,6 +135,8 @@ class ModelRunner:
         ``constraints``: structured-output grammars (None: such requests are refused at admission);
         ``tiers``: host-memory / disk KV tiers (None: plans carrying transfers fail)."""
         self.tiers = tiers
+        if tiers is not None:
+            tiers.rotary = model.rotary          # shifted loads rotate keys like the model does
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend

@@ -77,6 +77,9 @@ class KVTransfers(msgspec.Struct, frozen=True):
     disk_writes: list[tuple[int, bytes]] = []  # (host slot, page key)
     disk_reads: list[tuple[bytes, int]] = []   # (page key, host slot)
     disk_deletes: list[bytes] = []            # page keys
+    # loads whose keys are rotated by a position delta after the copy (RoPE; a truncated prompt's
+    # KV re-positioned, ``radixrelay.radix.truncation``): (host slot, device page, delta)
+    shifted_loads: list[tuple[int, int, int]] = []
 
 
 class KVAcks(msgspec.Struct, frozen=True):

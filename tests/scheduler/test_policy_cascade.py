@@ -84,3 +84,26 @@ def test_cascade_hook_sees_shared_radix_nodes():
     assert rows[1].seq_len == 13 and rows[2].seq_len == 8
     sched.process_output(worker.step(plan))
     drive(sched, worker)
+
+
+def test_lpm_counts_a_prefix_held_in_host_memory():
+    """With KV tiers, a queued request whose prefix host memory holds (a chat's later turn, evicted
+    from the device) counts as cached: lpm admits it before an earlier request that hits nothing."""
+    from radixrelay.radix.page_keys import chain_seed, extend_keys
+    from radixrelay.radix.tiers import KVTiers
+    from radixrelay.scheduler.cache import CacheManager
+    from radixrelay.scheduler.policy import order_waiting
+    from radixrelay.scheduler.request import Request
+    from radixrelay.worker.protocol import KVAcks
+
+    cfg = SchedulerConfig(kv_cache_tokens=64, page_size=2, kv_namespace="ns")
+    cache = CacheManager(cfg, KVTiers(host_pages=8))
+    history = [3, 1, 4, 1, 5, 9, 2, 6]
+    cache.tiers.save(extend_keys([], chain_seed("ns", None), history, 2, 4), [0, 1, 2, 3])
+    cache.tiers.take(0)
+    cache.tiers.on_acks(KVAcks(saved_steps=[0]))
+    fresh = Request(0, [8] * 12, 12, SamplingParams(max_tokens=1), None, 0)
+    later = Request(1, history + [7, 7], 10, SamplingParams(max_tokens=1), None, 1)
+    assert cache.host_extension(later, 0) == 8 and cache.host_extension(fresh, 0) == 0
+    assert list(order_waiting([fresh, later], cache.tree, cfg, cache.host_extension)) == [later, fresh]
+    assert list(order_waiting([fresh, later], cache.tree, cfg)) == [fresh, later]     # device only

@@ -68,3 +68,45 @@ def test_round_trip_cuda(tmp_path, dtype):
     store = TierStore(kv, host_pages=4)
     assert store.host.is_pinned()
     store.close()
+
+
+def _shifted_load(device: str, dtype, tol: float) -> None:
+    """A shifted load rotates the keys by the delta: K computed at position p arrives as K at p + d
+    (RoPE of the default-like config), values and other pages untouched."""
+    from radixrelay.model.config import ModelConfig
+    from radixrelay.model.layers import RotaryEmbedding, apply_rope
+
+    kv = _cache(device, dtype)
+    rotary = RotaryEmbedding(ModelConfig("llama", 32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
+                                         num_kv_heads=2, head_dim=8), device=device)
+    store = TierStore(kv, host_pages=4)
+    store.rotary = rotary
+    raw = torch.randn(kv.num_layers, 2 * PS, 2, 8, dtype=torch.float64)     # keys before RoPE
+    positions = torch.arange(40, 40 + 2 * PS, device=device)                # pages 5, 6 at 40..47
+    cos, sin = rotary(positions)
+    for layer in range(kv.num_layers):
+        kv.k[layer][5 * PS:7 * PS] = apply_rope(raw[layer].to(device).float(), cos, sin).to(dtype)
+    store.apply(0, KVTransfers(saves=[(5, 0), (6, 1)]))
+    store.acks(wait=True)
+    v_before = [kv.v[l][5 * PS:7 * PS].cpu().clone() for l in range(kv.num_layers)]
+    other = _page(kv, 0)
+    store.apply(1, KVTransfers(shifted_loads=[(0, 8, -32), (1, 9, -32)]))   # -> positions 8..15
+    store.after_forward()
+    store.acks(wait=True)
+    cos, sin = rotary(positions - 32)
+    for layer in range(kv.num_layers):
+        want = apply_rope(raw[layer].to(device).float(), cos, sin).cpu().double()
+        got = kv.k[layer][8 * PS:10 * PS].cpu().double()
+        assert torch.allclose(got, want, atol=tol, rtol=tol), (layer, (got - want).abs().max())
+        assert torch.equal(kv.v[layer][8 * PS:10 * PS].cpu(), v_before[layer])
+    assert torch.equal(_page(kv, 0), other)
+
+
+def test_shifted_load_rotates_keys_cpu():
+    _shifted_load("cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_shifted_load_rotates_keys_cuda(dtype, tol):
+    _shifted_load("cuda", dtype, tol)
