@@ -47,7 +47,7 @@ def _conversations(tokenizer, args) -> list[tuple[list[int], list[int]]]:
 
 
 def run(engine_options: dict, convs, args) -> dict:
-    greedy = SamplingParams(max_tokens=args.gen, temperature=0)
+    greedy = SamplingParams(max_tokens=max(1, args.gen), temperature=0)
     one = SamplingParams(max_tokens=1, temperature=0)
     warm = SamplingParams(max_tokens=args.answer, temperature=0)
     ttft, outputs, reused = [], [], []
