@@ -222,11 +222,16 @@ class CacheManager:
 
     def host_extension(self, req: Request, matched: int) -> int:
         """Tokens of ``req``'s reusable prefix that host memory holds right after its first
-        ``matched`` tokens (which the device has): what ``promote`` would load."""
+        ``matched`` tokens (which the device has): what ``promote`` would load. An ordering hint
+        (``lpm``), walked once per device match and then kept on the request: it may go stale as
+        host memory changes, which only affects the order, never what is loaded."""
         ps, limit = self.page_size, req.reusable_prefix // self.page_size
         if self.tiers is None or matched // ps >= limit:
             return 0
-        return len(self.tiers.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
+        if req.host_hint is None or req.host_hint[0] != matched:
+            found = len(self.tiers.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
+            req.host_hint = (matched, found)
+        return req.host_hint[1]
 
     def waits_for_fetch(self, req: Request) -> bool:
         """Whether a disk read for one of ``req``'s next pages is in flight (admit it afterwards)."""

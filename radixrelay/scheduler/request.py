@@ -67,6 +67,7 @@ class Request:
     shifted_prefix: list[int] = field(default_factory=list)
     shifted_at: int = 0
     shifted_keys: list[bytes] = field(default_factory=list)
+    host_hint: tuple[int, int] | None = None    # (device match, host tokens after it): lpm's hint
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     num_emitted: int = 0                        # output tokens already handed to the caller

@@ -206,3 +206,15 @@ def test_concurrent_identical_prompts_compute_the_prefix_once():
     collect(run, sched.process_output(worker.step(plan)))
     drive(sched, worker, run)
     assert run.finals[2].cached_tokens == 8 and run.finals[2].finish_reason == "length"
+
+
+def test_shifted_prefix_must_be_whole_pages_inside_the_prompt():
+    """A truncated prompt's shifted prefix (radix/truncation.py) that is not whole pages, or sits
+    outside the prompt, is refused with a message instead of corrupting page keys later."""
+    sched = Scheduler(SchedulerConfig(kv_cache_tokens=256, page_size=4))
+    sp = SamplingParams(max_tokens=1)
+    for prefix, at in (([1, 2, 3], 4), ([1] * 4, 2), ([1] * 4, 8)):
+        with pytest.raises(ValueError, match="whole pages"):
+            sched.add_request(0, [5] * 8, sp, shifted_prefix=prefix, shifted_at=at)
+    sched.add_request(0, [5] * 8, sp, shifted_prefix=[1] * 4, shifted_at=4)
+    assert sched.has_work()
