@@ -3,6 +3,10 @@
     with Engine(model="default") as engine:
         outs = engine.generate(["prompt", ...], SamplingParams(max_tokens=32, temperature=0))
 
+Prompt modules (``radixrelay.modules``, opt-in): ``engine.register_schema(pml)`` registers a schema;
+``engine.generate(prompts, params, prompt_schema=name)`` then takes prompts written against it (PML
+text, a JSON-style dict, or a ``modules.Prompt``), served from the modules' cached KV.
+
 The Engine is a frontend like the HTTP server: it tokenizes, submits requests to the scheduler
 process over ZMQ (``SyncRuntimeClient``), and detokenizes the token updates that come back. Leaving
 the ``with`` block (or ``close()``) stops the child processes.
@@ -18,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from radixrelay import modules
 from radixrelay.config import EngineConfig
+from radixrelay.modules.compose import ComposedPrompt
+from radixrelay.modules.registry import SchemaInfo, SchemaRegistry
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.outputs import RequestOutput
 from radixrelay.radix.truncation import Truncated, Truncation
@@ -31,6 +38,7 @@ from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
 
 Prompt = str | Sequence[int]
+SchemaPrompt = str | dict | modules.Prompt
 
 
 class Engine:
@@ -53,17 +61,35 @@ class Engine:
         self._rids = itertools.count()
         self._outputs: dict[int, OutputAssembler] = {}
         self._grammars: GrammarEngine | None = None     # built on the first structured output
+        self._schemas: SchemaRegistry | None = None     # built on the first registered schema
 
     # -- public API ----------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def register_schema(self, schema: str | modules.Schema) -> SchemaInfo:
+        """Register a PML schema (text or ``modules.Schema``) for ``prompt_schema`` prompts; raises
+        ``modules.SchemaError`` when it is invalid. The same name again replaces it."""
+        return self.schemas.register(schema)
+
+    @property
+    def schemas(self) -> SchemaRegistry:
+        """The registered prompt schemas (``radixrelay.modules.registry``)."""
+        if self._schemas is None:
+            self._schemas = SchemaRegistry.for_tokenizer(self.tokenizer, model_id=self.config.model,
+                                                         page_size=self.config.page_size)
+        return self._schemas
+
+    def generate(self, prompts: Prompt | SchemaPrompt | Sequence[Prompt | SchemaPrompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. A prompt is text or token ids."""
-        prompt_list = _as_prompt_list(prompts)
+                 *, cache_salt: str | None = None, prompt_schema: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. A prompt is text or token ids; with
+        ``prompt_schema`` (a registered schema's name) a PML prompt, a dict or a ``modules.Prompt``."""
+        if prompt_schema is not None:
+            prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+        else:
+            prompt_list = _as_prompt_list(prompts)
         params = _params_for(prompt_list, sampling_params)
         self._check_structured(params)
-        encoded = [self._encode(p, sp) for p, sp in zip(prompt_list, params)]
+        encoded = [self._encode(p, sp, prompt_schema, cache_salt) for p, sp in zip(prompt_list, params)]
         rids = [self._submit(prompt, sp, cache_salt) for prompt, sp in zip(encoded, params)]
         try:
             while not all(self._outputs[rid].finished for rid in rids):
@@ -74,12 +100,12 @@ class Engine:
             raise
         return [self._outputs.pop(rid).result() for rid in rids]
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        *, cache_salt: str | None = None) -> Iterator[str]:
+    def generate_stream(self, prompt: Prompt | SchemaPrompt, sampling_params: SamplingParams | None = None,
+                        *, cache_salt: str | None = None, prompt_schema: str | None = None) -> Iterator[str]:
         """Yield text deltas of one request as they are produced."""
         params = sampling_params or SamplingParams()
         self._check_structured([params])
-        rid = self._submit(self._encode(prompt, params), params, cache_salt)
+        rid = self._submit(self._encode(prompt, params, prompt_schema, cache_salt), params, cache_salt)
         output = self._outputs[rid]
         try:
             while not output.finished:
@@ -145,8 +171,17 @@ class Engine:
                 self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)
             self._grammars.compile(spec)
 
-    def _encode(self, prompt: Prompt, params: SamplingParams) -> Truncated:
-        """Token ids of ``prompt``, truncated on context overflow with ``truncation`` set."""
+    def _encode(self, prompt: Prompt | SchemaPrompt, params: SamplingParams, prompt_schema: str | None = None,
+                cache_salt: str | None = None) -> Truncated | ComposedPrompt:
+        """Token ids of ``prompt``, truncated on context overflow with ``truncation`` set; a prompt against
+        ``prompt_schema`` composed from its modules (no truncation: its positions are the schema's)."""
+        if prompt_schema is not None:
+            composed = self.schemas.compose(prompt_schema, prompt, salt=cache_salt)
+            end = max(composed.end_position, len(composed.token_ids))
+            if end + params.max_tokens > self.max_context:
+                raise ValueError(f"prompt against schema {prompt_schema} ends at position {end}; + max_tokens "
+                                 f"({params.max_tokens}) exceeds the model's context of {self.max_context} tokens")
+            return composed
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:                   # checked in numpy: a long prompt is not a Python loop per token
@@ -167,8 +202,13 @@ class Engine:
             return self._truncation.apply(ids, params.max_tokens)
         return Truncated(ids)
 
-    def _submit(self, prompt: Truncated, params: SamplingParams, cache_salt: str | None) -> int:
+    def _submit(self, prompt: Truncated | ComposedPrompt, params: SamplingParams, cache_salt: str | None) -> int:
         rid = next(self._rids)
+        if isinstance(prompt, ComposedPrompt):
+            self._outputs[rid] = OutputAssembler(self.tokenizer, prompt.token_ids, params)
+            self._client.submit(rid, prompt.token_ids, params, cache_salt, modules=prompt.modules,
+                                rope_runs=prompt.rope_runs)
+            return rid
         self._outputs[rid] = OutputAssembler(self.tokenizer, prompt.ids, params)
         self._client.submit(rid, prompt.ids, params, cache_salt, prompt.shifted_prefix, prompt.shifted_at)
         return rid

@@ -19,3 +19,4 @@ class RequestOutput:
     # Per prompt token when requested (SamplingParams.prompt_logprobs), None for token 0.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None           # set when the request failed inside the engine
+    module_tokens: int = 0             # of the cached tokens, module KV (prompts against a schema)

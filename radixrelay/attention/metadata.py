@@ -84,7 +84,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor     # [B] prefix_lens + new tokens
     page_table: torch.Tensor   # [B, max_pages] page ids, rows padded with any valid page id
     # Per new token (T rows), int64 on the device.
-    positions: torch.Tensor    # [T] absolute position of each token (RoPE + causal mask)
+    positions: torch.Tensor    # [T] KV index of each token (causal mask; RoPE unless rope_delta)
     out_slots: torch.Tensor    # [T] KV slot each token's K/V is written to
     # Rows of the flat batch whose logits the step returns, int64 [R] (in request order; each
     # request's are the last ``num_logits`` of its rows: one, or a prompt-logprobs run).
@@ -95,6 +95,14 @@ class ForwardBatch:
     # The last num_decodes requests are decodes (one token each, after every extend row).
     num_decodes: int = 0
     cascade: CascadeBatch | None = None
+    # [T] int64: RoPE position - KV index per token (modular prompts, ``radixrelay.modules.compose``);
+    # None: every token's RoPE position is its KV index.
+    rope_delta: torch.Tensor | None = None
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """[T] the RoPE position of each token."""
+        return self.positions if self.rope_delta is None else self.positions + self.rope_delta
 
     @property
     def num_requests(self) -> int:

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         (float64 for a float64 model)."""
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"forward: {input_ids.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
-        cos, sin = self.rotary(batch.positions)                                 # [T, D] each
+        cos, sin = self.rotary(batch.rope_positions)                            # [T, D] each
         x = self.model.embed_tokens(input_ids)                                  # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv_cache, backend)

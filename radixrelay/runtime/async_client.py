@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from radixrelay.config import EngineConfig
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.runtime.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
@@ -84,7 +85,9 @@ class AsyncRuntimeClient:
     async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
                        cache_salt: str | None = None, rid: int | None = None,
                        shifted_prefix: list[int] | None = None,
-                       shifted_at: int = 0) -> AsyncIterator[TokenUpdate]:
+                       shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
+                       rope_runs: list[tuple[int, int]] | None = None) -> AsyncIterator[TokenUpdate]:
+        """``modules``/``rope_runs``: a modular prompt (``radixrelay.modules.compose.ComposedPrompt``)."""
         self._check_usable()
         rid = next(self._rids) if rid is None else rid
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
@@ -92,7 +95,8 @@ class AsyncRuntimeClient:
         done = False
         try:
             await self._outbox.send(self._encode(GenerateRequest(rid, token_ids, sampling, cache_salt,
-                                                                     shifted_prefix or [], shifted_at)))
+                                                                     shifted_prefix or [], shifted_at,
+                                                                     modules or [], rope_runs or [])))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from radixrelay.config import EngineConfig
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import KVAudit
 from radixrelay.scheduler.request import RequestUpdate, SchedulerStats
@@ -33,6 +34,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     cache_salt: str | None = None
     shifted_prefix: list[int] = []    # truncated prompt: see Scheduler.add_request
     shifted_at: int = 0
+    modules: list[ModuleSpan] = []    # modular prompt (radixrelay.modules.compose): see Scheduler.add_request
+    rope_runs: list[tuple[int, int]] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

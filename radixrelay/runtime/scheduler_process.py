@@ -221,7 +221,7 @@ class SchedulerLoop:
             return reject("queue_full", f"the queue is full ({self.max_queued} waiting requests)")
         try:
             self.scheduler.add_request(req.rid, req.token_ids, req.sampling, req.cache_salt,
-                                       req.shifted_prefix, req.shifted_at)
+                                       req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs)
         except ValueError as exc:
             return reject("invalid", str(exc))
         self._live[req.rid] = _Pending([] if req.sampling.logprobs is not None else None,

@@ -14,6 +14,7 @@ from collections import deque
 import zmq
 
 from radixrelay.config import EngineConfig
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.runtime.async_client import WATCH_INTERVAL
 from radixrelay.runtime.client import RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
@@ -50,8 +51,10 @@ class SyncRuntimeClient:
 
     def submit(self, rid: int, token_ids: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
-               shifted_at: int = 0) -> None:
-        self._send(GenerateRequest(rid, token_ids, sampling, cache_salt, shifted_prefix or [], shifted_at))
+               shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
+               rope_runs: list[tuple[int, int]] | None = None) -> None:
+        self._send(GenerateRequest(rid, token_ids, sampling, cache_salt, shifted_prefix or [], shifted_at,
+                                   modules or [], rope_runs or []))
 
     def abort(self, rid: int) -> None:
         self._send(AbortRequest(rid))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.radix.allocator import PageAllocator
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tiers import KVTiers
@@ -72,12 +73,36 @@ class CacheManager:
             req.lock_node = matched.node
             req.kv_len = req.kv_committed = matched.num_tokens
 
+    def missing_modules(self, req: Request) -> list[ModuleSpan]:
+        """The spans of a modular request that the tree does not hold whole."""
+        return [span for span in req.modules
+                if self.tree.peek_prefix(span.token_ids, span.key)[1] < len(span.token_ids)]
+
+    def lock_modules(self, req: Request) -> list[ModuleSpan]:
+        """Attach the cached spans of modular ``req`` (holding nothing) as its shared pages, each path
+        locked. Returns the spans missing (then nothing is attached or locked)."""
+        found = [self.tree.match_prefix(span.token_ids, span.key) for span in req.modules]
+        missing = [span for span, m in zip(req.modules, found) if m.num_tokens < len(span.token_ids)]
+        if missing:
+            return missing
+        req.pages, req.module_nodes = [], []
+        for m in found:
+            self.tree.lock(m.node)
+            req.module_nodes.append(m.node)
+            req.pages.extend(m.pages)
+        req.num_shared_pages = len(req.pages)
+        req.kv_len = req.kv_committed = len(req.pages) * self.page_size
+        return []
+
     def unlock(self, req: Request) -> None:
-        """Undo ``match_and_lock`` for a request that was not admitted after all."""
+        """Undo ``match_and_lock`` / ``lock_modules`` for a request that was not admitted after all."""
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
-        req.pages, req.num_shared_pages, req.lock_node = [], 0, None
+        for node in req.module_nodes:
+            self.tree.unlock(node)
+        req.pages, req.num_shared_pages, req.lock_node, req.module_nodes = [], 0, None, []
         req.kv_len = req.kv_committed = 0
+        req.path_key = None
 
     def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
@@ -97,7 +122,7 @@ class CacheManager:
         """
         ps = self.page_size
         num_full = req.kv_committed // ps
-        if self.config.disable_radix_cache or num_full <= req.num_shared_pages:
+        if self.config.disable_radix_cache or num_full <= req.num_shared_pages or req.modules:
             return
         tokens, n = req.token_ids, num_full * ps
         start = self._locked_start(req)          # walks cover only the pages below the lock
@@ -129,7 +154,7 @@ class CacheManager:
         of such a page is a later step, which the device runs after the one in flight."""
         ps = self.page_size
         own_from = req.num_shared_pages
-        if keep_cache and not self.config.disable_radix_cache:
+        if keep_cache and not self.config.disable_radix_cache and not req.modules:
             num_full = req.kv_committed // ps
             existing = self.tree.insert(req.token_ids, req.pages[:num_full], req.salt,
                                         self._locked_start(req), length=num_full * ps)
@@ -175,7 +200,8 @@ class CacheManager:
         A truncated prompt continues further with its previous sequence's pages, loaded with their
         keys rotated to the new positions. Returns the pages promoted (0 without tiers, hits or
         free device pages)."""
-        if self.tiers is None or req.reusable_prefix // self.page_size <= req.num_shared_pages:
+        if (self.tiers is None or req.modules
+                or req.reusable_prefix // self.page_size <= req.num_shared_pages):
             return 0
         limit = req.reusable_prefix // self.page_size
         promoted = self._promote_run(req, self.page_keys(req, limit), 0, limit)
@@ -226,7 +252,7 @@ class CacheManager:
         (``lpm``), walked once per device match and then kept on the request: it may go stale as
         host memory changes, which only affects the order, never what is loaded."""
         ps, limit = self.page_size, req.reusable_prefix // self.page_size
-        if self.tiers is None or matched // ps >= limit:
+        if self.tiers is None or matched // ps >= limit or req.modules:
             return 0
         if req.host_hint is None or req.host_hint[0] != matched:
             found = len(self.tiers.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
@@ -255,7 +281,7 @@ class CacheManager:
         chains: list[tuple[list[bytes], int, int]] = []
         for req in window:
             limit = req.reusable_prefix // self.page_size
-            if limit <= 0:
+            if limit <= 0 or req.modules:     # a modular request's spans are prefetched by their own
                 continue
             keys = self.page_keys(req, limit)
             _, cached = self.tree.peek_prefix(req.token_ids, req.salt, length=limit * self.page_size)
@@ -327,8 +353,8 @@ class CacheManager:
         for req in running:
             in_use.extend(req.own_pages)
             shared = req.pages[: req.num_shared_pages]
-            path = self.tree.path(req.lock_node) if req.lock_node is not None else []
-            path_pages = [p for node in path for p in node.pages]
+            ends = [req.lock_node] if req.lock_node is not None else req.module_nodes
+            path_pages = [p for end in ends for node in self.tree.path(end) for p in node.pages]
             if shared != path_pages or not tree_pages.issuperset(shared):
                 raise AssertionError(f"request {req.rid}: shared pages != its locked tree path")
         owned = free + cached + in_use

@@ -38,7 +38,7 @@ def decode_rows(tree: RadixTree, decodes: list[Request]) -> list[DecodeRow]:
     node (which renumbers the upper part); otherwise the last one is reused."""
     rows = []
     for req in decodes:
-        key = (req.lock_node, tree.splits)
+        key = (req.lock_node if not req.modules else tuple(req.module_nodes), tree.splits)
         if req.path_key != key:
             req.path_key, req.path = key, _path(tree, req)
         rows.append(DecodeRow(req.rid, req.path, req.kv_len + 1))   # kv_len: the position fed now
@@ -46,10 +46,12 @@ def decode_rows(tree: RadixTree, decodes: list[Request]) -> list[DecodeRow]:
 
 
 def _path(tree: RadixTree, req: Request) -> list[PathSegment]:
+    """A modular request's path is its spans' paths one after the other (a span shared by rows that place
+    it after the same spans is a shared node for them)."""
     path: list[PathSegment] = []
     start = 0
-    if req.lock_node is not None:
-        for node in tree.path(req.lock_node):
+    for end in [req.lock_node] if req.lock_node is not None else req.module_nodes:
+        for node in tree.path(end):
             path.append(PathSegment(node.node_id, start, len(node.key)))
             start += len(node.key)
     return path

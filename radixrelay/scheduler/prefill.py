@@ -18,6 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.config import SchedulerConfig
@@ -29,6 +30,7 @@ from radixrelay.scheduler.request import Phase, Request
 class PrefillSchedule:
     admitted: list[Request] = field(default_factory=list)
     extends: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens)
+    missing: list[ModuleSpan] = field(default_factory=list)    # spans queued modular requests wait for
 
 
 class PrefillManager:
@@ -63,10 +65,17 @@ class PrefillManager:
         for req in order_waiting(waiting, self.cache.tree, self.config, extend):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
-            waits, near = self._waits_for_shared_prefill(req, computing)
-            if waits or self.cache.waits_for_fetch(req):
-                continue
-            if not self._admit(req, reserved if running or out.admitted else None, near):
+            if req.modules:         # waits (in the queue) until its spans are all cached
+                missing = self.cache.lock_modules(req)
+                if missing:
+                    out.missing.extend(missing)
+                    continue
+            else:
+                waits, near = self._waits_for_shared_prefill(req, computing)
+                if waits or self.cache.waits_for_fetch(req):
+                    continue
+                self.cache.match_and_lock(req, near)
+            if not self._admit(req, reserved if running or out.admitted else None):
                 break
             out.admitted.append(req)
             computing.add(self._next_page_key(req, req.kv_len))
@@ -107,11 +116,10 @@ class PrefillManager:
             return False, node                # less than a page left to share
         return self._next_page_key(req, cached) in computing, node
 
-    def _admit(self, req: Request, reserved: int | None, near: RadixNode | None = None) -> bool:
-        """Match, lock and allocate for ``req``; False (holding nothing) when it does not fit. ``near``:
-        see ``CacheManager.match_and_lock``."""
+    def _admit(self, req: Request, reserved: int | None) -> bool:
+        """Allocate for ``req`` (its cached prefix matched and locked); False (holding nothing) when it
+        does not fit."""
         cache = self.cache
-        cache.match_and_lock(req, near)
         need = self.config.pages_for(len(req.token_ids)) - len(req.pages)
         margin = 0 if reserved is None else reserved + self.reserve_pages(req)
         if need + margin > cache.available_pages:
@@ -125,6 +133,7 @@ class PrefillManager:
         req.prefill_len = len(req.token_ids)
         if req.cached_tokens is None:
             req.cached_tokens = req.kv_len
+            req.module_tokens = req.kv_len if req.modules else 0
             self.hit_tokens += req.kv_len
             self.prompt_tokens += req.num_prompt
         return True

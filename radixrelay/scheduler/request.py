@@ -13,6 +13,12 @@ Index ranges of one request (``L = len(token_ids)``):
   known or pending, is fed next);
 - output: ``[num_prompt, num_prompt + num_emitted)`` already sent to the caller; later tokens are
   held back while they might begin a stop string;
+- modular prompt (``modules`` non-empty, ``radixrelay.modules.compose``): ``token_ids`` starts with the
+  spans' tokens (whole pages each); their KV is the spans' own cached paths (each locked, ends in
+  ``module_nodes``), so ``pages[:num_shared_pages]`` is those paths' pages in span order and the rest
+  (new text, outputs) is private; nothing of it enters the tree. ``rope_runs`` gives the RoPE
+  position of each KV index (``compose.positions_of``). A span missing from the tree is computed by
+  an internal request (``internal``: negative rid, never reported) keyed by the span's ``key``;
 - prompt logprobs (when asked): the logits of positions ``[0, prompt_logprob_pos)`` have given
   theirs (position t: prompt token t + 1), ``[prompt_logprob_pos, num_prompt - 1)`` still owe
   them. A cache match never covers an owing position, so a resumed request recomputes none twice.
@@ -26,6 +32,7 @@ from typing import Literal
 
 import msgspec
 
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.sampling_params import SamplingParams
 
@@ -57,7 +64,7 @@ class Request:
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
     # -- cascade: the locked path as the planner sees it, valid while path_key holds -------------
-    path_key: tuple[object, int] | None = None      # (lock_node, the tree's split count)
+    path_key: tuple[object, int] | None = None      # (locked node(s), the tree's split count)
     path: list = field(default_factory=list)        # list[PathSegment], root first
     # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
     page_keys: list[bytes] = field(default_factory=list)
@@ -68,8 +75,14 @@ class Request:
     shifted_at: int = 0
     shifted_keys: list[bytes] = field(default_factory=list)
     host_hint: tuple[int, int] | None = None    # (device match, host tokens after it): lpm's hint
+    # -- modular prompt (see the module docstring) ----------------------------------------------
+    modules: list[ModuleSpan] = field(default_factory=list)
+    rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)
+    module_nodes: list[RadixNode] = field(default_factory=list)      # locked span path ends (RUNNING)
+    internal: bool = False                      # computes a module span for modular requests
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
+    module_tokens: int = 0                      # of which module KV (modular prompts)
     num_emitted: int = 0                        # output tokens already handed to the caller
 
     @property
@@ -90,6 +103,10 @@ class Request:
     def can_decode(self) -> bool:
         """Past prefill and not yet at max_tokens counting the tokens in flight."""
         return not self.in_prefill and self.num_outputs + self.num_pending < self.sampling.max_tokens
+
+    @property
+    def holds_locks(self) -> bool:
+        return self.lock_node is not None or bool(self.module_nodes)
 
     @property
     def own_pages(self) -> list[int]:
@@ -127,6 +144,7 @@ class RequestUpdate(msgspec.Struct, frozen=True):
     completion_tokens: int = 0                  # sampled so far, a matched stop token included
     cached_tokens: int = 0                      # prompt tokens from cache (first admission)
     error: str | None = None                    # worker failure that aborted the request
+    module_tokens: int = 0                      # of the cached tokens, module KV (modular prompts)
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

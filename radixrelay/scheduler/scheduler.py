@@ -21,6 +21,7 @@ from collections import deque
 import msgspec
 from dataclasses import dataclass
 
+from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import KVAudit, audit_kv
@@ -33,6 +34,11 @@ from radixrelay.scheduler.request import FinishReason, Phase, Request, RequestUp
 from radixrelay.scheduler.stop import Detokenize, StopChecker
 from radixrelay.worker.protocol import (AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan,
                                        needs_all_tokens, needs_outputs)
+
+
+# An internal request computing a module span: its prompt's KV is the point; the one token sampled
+# (greedy, never reported) ends it.
+_SPAN_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -68,16 +74,21 @@ class Scheduler:
         self._arrivals = 0
         self._retractions = 0
         self._cascade_planner: CascadePlanner | None = None
+        self._span_jobs: dict[tuple[str, tuple[int, ...]], int] = {}   # module span -> internal rid
+        self._internal_rids = 0                      # internal requests count down from -1
 
     # -- public API ----------------------------------------------------------------------------
 
     def add_request(self, rid: int, token_ids: list[int], sampling: SamplingParams,
                     cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
-                    shifted_at: int = 0) -> None:
+                    shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
+                    rope_runs: list[tuple[int, int]] | None = None) -> None:
         """``shifted_prefix``: a truncated prompt's tokens dropped since the previous truncation
         point, at ``shifted_at`` (``radixrelay.radix.truncation``): KV cached for
         ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` is reused for
-        ``token_ids``, re-positioned."""
+        ``token_ids``, re-positioned. ``modules``/``rope_runs``: a modular prompt
+        (``radixrelay.modules.compose``; ``token_ids`` begins with the spans' tokens): the spans' KV
+        comes from their own cache entries, computed first where missing."""
         if rid in self._requests:
             raise ValueError(f"request {rid} is already live")
         if not token_ids:
@@ -94,11 +105,48 @@ class Scheduler:
         if shifted_prefix and (len(shifted_prefix) % ps or shifted_at % ps or not 0 <= shifted_at < len(token_ids)):
             raise ValueError(f"request {rid}: shifted_prefix ({len(shifted_prefix)} tokens at {shifted_at}) "
                              f"must be whole pages of {ps} tokens inside the prompt")
+        if rid < 0:
+            raise ValueError(f"request {rid}: request ids must be >= 0")
+        if modules:
+            self._check_modular(rid, token_ids, modules, rope_runs or [], sampling)
         req = Request(rid, list(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
         req.shifted_prefix, req.shifted_at = list(shifted_prefix or ()), shifted_at
+        req.modules, req.rope_runs = list(modules or ()), list(rope_runs or ())
         self._arrivals += 1
         self._requests[rid] = req
+        for span in self.cache.missing_modules(req):
+            self._compute_span(span)
         self._waiting.append(req)
+
+    def _check_modular(self, rid: int, token_ids: list[int], modules: list[ModuleSpan],
+                       rope_runs: list[tuple[int, int]], sampling: SamplingParams) -> None:
+        ps = self.config.page_size
+        head = [t for span in modules for t in span.token_ids]
+        if self.config.disable_radix_cache:
+            raise ValueError(f"request {rid}: modular prompts need the radix cache")
+        if any(not span.token_ids or len(span.token_ids) % ps for span in modules):
+            raise ValueError(f"request {rid}: every module span must be whole pages of {ps} tokens")
+        if len(token_ids) <= len(head) or token_ids[:len(head)] != head:
+            raise ValueError(f"request {rid}: a modular prompt's tokens must be its spans' tokens, then new text")
+        if sampling.prompt_logprobs is not None:
+            raise ValueError(f"request {rid}: prompt logprobs are not available for modular prompts")
+        if any(not isinstance(i, int) or i < 0 for i, _ in rope_runs):
+            raise ValueError(f"request {rid}: malformed rope_runs")
+
+    def _compute_span(self, span: ModuleSpan) -> None:
+        """Queue an internal request that computes ``span``'s KV into the tree (once per span at a time),
+        ahead of the requests waiting for it."""
+        key = (span.key, tuple(span.token_ids))
+        if key in self._span_jobs:
+            return
+        self._internal_rids -= 1
+        rid = self._internal_rids
+        child = Request(rid, list(span.token_ids), len(span.token_ids), _SPAN_SAMPLING, span.key, self._arrivals)
+        child.rope_runs, child.internal = list(span.rope_runs), True
+        self._arrivals += 1
+        self._requests[rid] = child
+        self._span_jobs[key] = rid
+        self._waiting.appendleft(child)
 
     def abort(self, rid: int) -> RequestUpdate | None:
         """Drop ``rid`` at any stage, freeing its KV now; None if it is not live."""
@@ -159,6 +207,11 @@ class Scheduler:
             self.cache.prefetch_window(window)
         budget = self.config.chunked_prefill_tokens - len(dec.decodes)
         pre = self._prefill.schedule(running, self._waiting, budget)
+        if pre.missing:                             # evicted since the request arrived: compute again
+            for span in pre.missing:
+                self._compute_span(span)
+            if not pre.extends:                     # nothing else to do: start on them now
+                pre = self._prefill.schedule(running, self._waiting, budget)
         if not dec.decodes and not pre.extends:
             return self._transfers_only()
         for req in pre.admitted:
@@ -206,8 +259,12 @@ class Scheduler:
             req.num_pending -= 1
         if out.error is not None:   # fail every request of the step
             batch = {id(r): r for r in [*(e.req for e in step.extends), *step.decodes]}
-            return [self._finish(r, "abort", error=out.error) for r in batch.values()
-                    if self._running.get(r.rid) is r]
+            failed = [self._finish(r, "abort", error=out.error) for r in batch.values()
+                      if self._running.get(r.rid) is r]
+            spans = {(r.salt, tuple(r.token_ids[:r.num_prompt])) for r in batch.values() if r.internal}
+            if spans:                          # requests waiting for a span that failed fail too
+                failed += self._fail_waiting(spans, out.error)
+            return [u for u in failed if u.rid >= 0]
         for ext in step.extends:
             req = ext.req
             if self._running.get(req.rid) is not req:
@@ -234,7 +291,7 @@ class Scheduler:
             else:
                 updates.append(self._finish(req, decision.finish_reason, new,
                                             decision.matched_stop, decision.trim_chars))
-        return updates
+        return [u for u in updates if u.rid >= 0]          # internal requests are never reported
 
     def stats(self) -> SchedulerStats:
         alloc, tree = self.cache.allocator, self.cache.tree
@@ -261,7 +318,7 @@ class Scheduler:
                     or req.kv_committed > req.kv_len or req.num_pending < 0):
                 raise AssertionError(f"running request {req.rid} is inconsistent")
         for req in self._waiting:
-            if req.phase is not Phase.WAITING or req.pages or req.lock_node is not None:
+            if req.phase is not Phase.WAITING or req.pages or req.holds_locks:
                 raise AssertionError(f"queued request {req.rid} holds KV")
         if len(self._running) + len(self._waiting) != len(self._requests):
             raise AssertionError("request table disagrees with the queue and the running set")
@@ -287,7 +344,7 @@ class Scheduler:
         if needs_outputs(req.sampling):
             offset = min(offset, req.num_prompt)
         return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.pages), req.sampling,
-                               offset)
+                               offset, req.rope_runs)
 
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]
@@ -303,18 +360,28 @@ class Scheduler:
                 error: str | None = None) -> RequestUpdate:
         del self._requests[req.rid]
         del self._running[req.rid]
+        if req.internal:
+            self._span_jobs.pop((req.salt, tuple(req.token_ids[:req.num_prompt])), None)
         self.cache.release(req, keep_cache=error is None)
         self._released.append(req.rid)
         return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
 
+    def _fail_waiting(self, spans: set[tuple[str | None, tuple[int, ...]]], error: str) -> list[RequestUpdate]:
+        waiting = [r for r in self._waiting
+                   if any((s.key, tuple(s.token_ids)) in spans for s in r.modules)]
+        for req in waiting:
+            self._waiting.remove(req)
+            del self._requests[req.rid]
+        return [self._final_update(r, [], "abort", error=error) for r in waiting]
+
     def _update(self, req: Request, new: list[int]) -> RequestUpdate:
         return RequestUpdate(req.rid, new, prompt_tokens=req.num_prompt,
                              completion_tokens=req.num_outputs,
-                             cached_tokens=req.cached_tokens or 0)
+                             cached_tokens=req.cached_tokens or 0, module_tokens=req.module_tokens)
 
     @staticmethod
     def _final_update(req: Request, new: list[int], reason: FinishReason,
                       matched_stop: int | str | None = None, trim_chars: int = 0,
                       error: str | None = None) -> RequestUpdate:
         return RequestUpdate(req.rid, new, True, reason, matched_stop, trim_chars, req.num_prompt,
-                             req.num_outputs, req.cached_tokens or 0, error)
+                             req.num_outputs, req.cached_tokens or 0, error, req.module_tokens)

@@ -59,4 +59,4 @@ class OutputAssembler:
                              update.prompt_tokens, update.cached_tokens, update.completion_tokens,
                              list(self.logprobs) if self._want_logprobs else None,
                              list(self.prompt_logprobs) if self._want_prompt_logprobs else None,
-                             update.error)
+                             update.error, update.module_tokens)

@@ -106,7 +106,7 @@ class DecodeGraphs:
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_decodes == batch.num_requests <= self.max_batch
-                and batch.page_table.shape[1] <= self.max_pages)
+                and batch.page_table.shape[1] <= self.max_pages and batch.rope_delta is None)
 
     def forget(self) -> None:
         """The next step does not repeat the last one run here (another step ran, or a launch failed)."""

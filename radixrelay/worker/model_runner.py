@@ -29,6 +29,7 @@ tensors reach the device in two packed copies (``build_forward_batch`` with ``De
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageT
 from radixrelay.cascade.batch import LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.worker.protocol import positions_of
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
@@ -63,6 +65,7 @@ class _Resident:
     num_tokens: int            # len(token_ids) + tokens sampled since (their values on the device)
     pages: list[int]
     sampling: SamplingParams
+    rope_runs: list[tuple[int, int]]    # RoPE position deltas (``AdmittedRequest.rope_runs``)
 
 
 @dataclass
@@ -215,7 +218,8 @@ class ModelRunner:
         for req in plan.admitted:
             self._decode_runs.release(req.rid)        # a new page list: nothing checked of the old one holds
             self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
-                                             req.token_offset + len(req.token_ids), list(req.pages), req.sampling)
+                                             req.token_offset + len(req.token_ids), list(req.pages), req.sampling,
+                                             req.rope_runs)
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
             if req.sampling.structured is not None:
@@ -321,6 +325,9 @@ class ModelRunner:
         or the eager model."""
         decodes = self._decode_rows(plan.decodes, decoding)
         batch = self._batch(plan, extends, decodes)
+        rope_delta = self._rope_delta(plan, decoding)
+        if rope_delta is not None:
+            batch = dataclasses.replace(batch, rope_delta=to_device(rope_delta, torch.int64, self.device))
         if not plan.decodes:
             ids = to_device(input_ids, torch.int64, self.device)
         elif not input_ids:                               # decodes feed their newest token from the device
@@ -351,6 +358,20 @@ class ModelRunner:
             raise ValueError(f"request {rids[bad]}: {len(residents[bad].pages)} pages of {ps} cannot hold "
                              f"position {positions[bad]}") from None
         return DecodeRows(positions, slots)
+
+    def _rope_delta(self, plan: StepPlan, decoding: list[_Resident]) -> list[int] | None:
+        """Per token of the step, RoPE position - KV index; None when all are 0 (no modular rows)."""
+        extending = [self._table[item.rid] for item in plan.extends]
+        if not any(r.rope_runs for r in extending) and not any(r.rope_runs for r in decoding):
+            return None
+        deltas: list[int] = []
+        for item, res in zip(plan.extends, extending):
+            end = item.start + item.num_tokens
+            pos = positions_of(res.rope_runs, item.start, end)
+            deltas.extend(p - t for p, t in zip(pos, range(item.start, end)))
+        for res in decoding:       # past the prompt: the last run's delta
+            deltas.append(res.rope_runs[-1][1] if res.rope_runs and res.rope_runs[-1][0] < res.num_tokens else 0)
+        return deltas if any(deltas) else None
 
     def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PendingPromptLogprobs:
         res = self._table[item.rid]

@@ -192,7 +192,7 @@ class PiecewiseGraphs:
         real slots there)."""
         num = batch.num_tokens
         self._ids[:num].copy_(ids)
-        self._positions[:num].copy_(batch.positions)
+        self._positions[:num].copy_(batch.rope_positions)        # piece 0 only rotates by them
         self._out_slots[:num].copy_(batch.out_slots)
         if num < n:
             self._ids[num:n].zero_()

@@ -34,6 +34,8 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
     sampling: SamplingParams
     token_offset: int = 0      # leading tokens left out: cached, never computed in this residency
                                # (0 when the worker needs them all: ``needs_all_tokens``)
+    rope_runs: list[tuple[int, int]] = []   # RoPE position of KV index t: t + the delta of the last
+                                            # run (first index, delta) with first <= t; none: t
 
 
 def needs_outputs(sampling: SamplingParams) -> bool:
@@ -46,6 +48,27 @@ def needs_all_tokens(sampling: SamplingParams) -> bool:
     """Penalties count every prompt token and prompt logprobs read them as targets: such requests'
     admissions carry the cached prefix's tokens too."""
     return sampling.prompt_logprobs is not None or sampling.has_penalties
+
+
+class ModuleSpan(msgspec.Struct, frozen=True):
+    """One span of cached KV in a modular prompt (a module, anonymous segment or scaffold)."""
+
+    key: str                            # cache namespace: model, schema, module and salt
+    token_ids: list[int]                # whole pages: the span's tokens, then placeholder padding
+    rope_runs: list[tuple[int, int]]    # (first index, position - index) from that index on
+    num_real: int                       # tokens before the padding
+
+
+def positions_of(runs: Sequence[tuple[int, int]], start: int, stop: int) -> list[int]:
+    """The positions of KV indices ``[start, stop)`` under ``runs`` (delta 0 before the first run)."""
+    out: list[int] = []
+    k, delta = -1, 0
+    for i in range(start, stop):
+        while k + 1 < len(runs) and runs[k + 1][0] <= i:
+            k += 1
+            delta = runs[k][1]
+        out.append(i + delta)
+    return out
 
 
 class PageAppend(msgspec.Struct, frozen=True):

@@ -30,10 +30,11 @@ class _Row:
     tokens: list[int]
     pages: list[int]
     hashes: list[int] = field(default_factory=list)   # hashes[t] = hash of tokens[: t + 1]
+    restarts: frozenset[int] = frozenset()            # positions whose KV does not see earlier ones
 
     def prefix_hash(self, t: int) -> int:
         while len(self.hashes) <= t:
-            prev = self.hashes[-1] if self.hashes else 0
+            prev = self.hashes[-1] if self.hashes and len(self.hashes) not in self.restarts else 0
             self.hashes.append(hash((prev, self.tokens[len(self.hashes)])))
         return self.hashes[t]
 
@@ -48,6 +49,8 @@ class FakeWorker:
     kv: dict[int, int] = field(default_factory=dict)   # slot -> prefix hash
     slot_tokens: dict[int, int] = field(default_factory=dict)   # slot -> token computed there
     plans: list[StepPlan] = field(default_factory=list)
+    # modular prompts: rid -> first position of each module span (each span's KV sees only itself)
+    span_starts: dict[int, frozenset[int]] = field(default_factory=dict)
 
     def step(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
@@ -55,7 +58,7 @@ class FakeWorker:
             del self.table[rid]
         for adm in plan.admitted:
             assert adm.rid not in self.table
-            row = _Row([], list(adm.pages))
+            row = _Row([], list(adm.pages), restarts=self.span_starts.get(adm.rid, frozenset()))
             row.tokens = [self.slot_tokens[self._slot(row, t)] for t in range(adm.token_offset)]
             row.tokens += adm.token_ids
             self.table[adm.rid] = row
