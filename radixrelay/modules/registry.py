@@ -32,8 +32,8 @@ import msgspec
 
 from .compose import ComposedPrompt, compose
 from .layout import Encode, RoleText, SchemaLayout, layout
-from .pml import ROLES, DEFAULT_LIMITS, Limits, Prompt, Role, Schema, SchemaError, parse_schema, \
-    prompt_from_json, prompt_from_str, to_pml
+from .pml import ROLES, DEFAULT_LIMITS, Import, Limits, Module, Prompt, Role, Schema, SchemaError, Union, \
+    parse_schema, prompt_from_json, prompt_from_str, to_pml
 
 if TYPE_CHECKING:
     from radixrelay.server.chat_template import ChatTemplate
@@ -125,8 +125,9 @@ def _info(lay: SchemaLayout, digest: str, model_id: str, created: int) -> Schema
 class SchemaRegistry:
     """Registered schemas of one model. ``encode`` must add no special tokens; ``placeholder_id``
     fills params without a value and pads spans to pages; ``role_text`` gives each role's (begin,
-    end) markers (a mapping or a callable; None: roles add no tokens); ``generation_prompt``: the
-    text that opens the assistant's turn in ``compose_chat`` (None: chat prompts are refused)."""
+    end) markers (a mapping or a callable; None: schemas and prompts with roles are refused);
+    ``generation_prompt``: the text that opens the assistant's turn in ``compose_chat`` (None: chat
+    prompts are refused)."""
 
     def __init__(self, encode: Encode, *, model_id: str, page_size: int, placeholder_id: int,
                  role_text: RoleText | Mapping[str, tuple[str, str]] | None = None,
@@ -156,10 +157,10 @@ class SchemaRegistry:
         tokens, the whitespace placeholder, and markers from the chat template (``chat_template``
         overrides the tokenizer's, as ``--chat-template`` does)."""
         template = _template(tokenizer, chat_template)
+        markers = None if template is None else _role_markers(template)
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), model_id=model_id,
-                   page_size=page_size, placeholder_id=placeholder_token(tokenizer),
-                   role_text=None if template is None else _role_markers(template),
-                   generation_prompt=None if template is None else _generation_prompt(template),
+                   page_size=page_size, placeholder_id=placeholder_token(tokenizer), role_text=markers,
+                   generation_prompt=None if template is None or markers is None else _generation_prompt(template),
                    **options)
 
     # -- schemas ----------------------------------------------------------------------------
@@ -168,7 +169,8 @@ class SchemaRegistry:
         """Parse (or validate) and lay out a schema; rules for a name already taken in the module
         docstring. SchemaError for invalid PML or past ``max_schemas`` / ``max_tokens``."""
         schema = pml if isinstance(pml, Schema) else parse_schema(pml, self.limits)
-        digest = schema_digest(self.model_id, schema, self.limits)
+        digest = schema_digest(self.model_id, schema, self.limits)    # validates a built Schema too
+        self._check_roles(schema.children, f"schema {schema.name!r}")
         with self._lock:
             old = self._entries.get(schema.name)
             if old is not None and old.info.digest == digest:
@@ -191,6 +193,12 @@ class SchemaRegistry:
         if held + num_tokens > self.max_tokens:
             raise SchemaError(f"schema {name!r}: its {num_tokens} tokens and the {held} of the other "
                               f"schemas exceed the {self.max_tokens} tokens this server holds")
+
+    def _check_roles(self, nodes: Sequence[object], what: str) -> None:
+        """Roles need chat markers: without them a role would silently add nothing."""
+        if self.role_text is None and _has_roles(nodes):
+            raise SchemaError(f"{what} uses chat roles, but this model has no chat template whose roles "
+                              "can be written as markers; write the text without <system>/<user>/<assistant>")
 
     def get(self, name: str) -> SchemaInfo:
         return self._entry(name).info
@@ -229,6 +237,7 @@ class SchemaRegistry:
         if prompt.schema != name:
             raise SchemaError(f"the prompt is written against schema {prompt.schema!r}, but the request "
                               f"names schema {name!r}")
+        self._check_roles(prompt.parts, "the prompt")
         plan = entry.layout.prompt_plan(prompt, self.encode)
         return compose(entry.layout, plan, digest=entry.info.digest, page_size=self.page_size,
                        placeholder_id=self.placeholder_id, salt=salt, suffix_ids=suffix_ids)
@@ -243,6 +252,18 @@ class SchemaRegistry:
                               "endpoint instead")
         prompt = prompt_from_messages(name, messages, self.limits)
         return self.compose(name, prompt, salt=salt, suffix_ids=self.encode(self.generation_prompt))
+
+
+def _has_roles(nodes: Sequence[object]) -> bool:
+    """Whether a role occurs anywhere in validated schema or prompt nodes (depth bounded by Limits)."""
+    for node in nodes:
+        if isinstance(node, Role):
+            return True
+        if isinstance(node, (Module, Import)) and _has_roles(node.children):
+            return True
+        if isinstance(node, Union) and _has_roles(node.members):
+            return True
+    return False
 
 
 def prompt_from_messages(schema_name: str, messages: Sequence[Mapping[str, Any]],

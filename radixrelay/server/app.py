@@ -1,4 +1,4 @@
-"""The HTTP server's FastAPI app: OpenAI endpoints, health, metrics, cache control.
+"""The HTTP server's FastAPI app: OpenAI endpoints, health, metrics, cache control, prompt schemas.
 
 ``ServerState`` is everything one app instance shares (no module-global state). Lifecycle:
 the runtime starts in the app's lifespan; ``drain`` (SIGTERM, wired by ``serve.py``) turns new
@@ -25,12 +25,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrelay.config import EngineConfig, ServerConfig
+from radixrelay.modules.registry import SchemaRegistry
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
-from radixrelay.server import openapi_schema, serving
+from radixrelay.server import openapi_schema, schemas, serving
 from radixrelay.server.chat_template import ChatTemplate
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.metrics import ServerMetrics
@@ -53,6 +54,10 @@ class ServerState:
         self.tokenizer = load_tokenizer(tokenizer_path(engine_config))
         self.chat_template = _chat_template(self.tokenizer, config.chat_template)
         self.model_name = config.served_model_name or engine_config.model
+        # Schemas of modular prompt reuse; digests name the model's weights, not its served name.
+        self.schemas = SchemaRegistry.for_tokenizer(self.tokenizer, model_id=engine_config.model,
+                                                    page_size=engine_config.page_size,
+                                                    chat_template=config.chat_template)
         self.metrics = ServerMetrics()
         self.grammars = GrammarCheck(self.tokenizer)
         self.client: AsyncRuntimeClient | None = None
@@ -73,7 +78,7 @@ class ServerState:
                       Truncation(ratio, self.client.info.max_context, self.engine_config.page_size))
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
                                       self.model_name, self.config.max_n, self.metrics, max_choices,
-                                      self.grammars, truncation)
+                                      self.grammars, truncation, self.schemas)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""
@@ -295,6 +300,36 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, oa.CompletionRequest)
+
+    # Prompt schemas (modular prompt reuse). Not in /openapi.json: see ``schemas``.
+    @app.post("/v1/schemas", include_in_schema=False)
+    async def create_schema(request: Request) -> Response:
+        try:
+            check_json_content_type(request)
+            body = await read_body(request, cap)
+            # Parsing and tokenising a large schema is CPU work: off the event loop.
+            info = await asyncio.to_thread(schemas.register, state.schemas, state.model_name, body)
+            return json_response(info)
+        except oa.APIError as error:
+            return error_response(error)
+
+    @app.get("/v1/schemas", include_in_schema=False)
+    async def list_schemas() -> Response:
+        return json_response(schemas.listing(state.schemas))
+
+    @app.get("/v1/schemas/{name}", include_in_schema=False)
+    async def get_schema(name: str) -> Response:
+        try:
+            return json_response(schemas.get(state.schemas, name))
+        except oa.APIError as error:
+            return error_response(error)
+
+    @app.delete("/v1/schemas/{name}", include_in_schema=False)
+    async def delete_schema(name: str) -> Response:
+        try:
+            return json_response(schemas.delete(state.schemas, name))
+        except oa.APIError as error:
+            return error_response(error)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -8,7 +8,8 @@ extension fields of other servers (vLLM, SGLang) that change the output (``guide
 ``min_tokens``, ...). Any other unknown field is ignored, as OpenAI's own clients send fields a
 server may have no use for. ``APIError`` carries the HTTP status and OpenAI's error JSON.
 Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``.
+``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``, ``prompt_schema`` (the prompt is written
+against a schema registered with POST /v1/schemas: modular prompt reuse, ``radixrelay.modules``).
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Modular prompt reuse: the name of a registered schema. Completions: ``prompt`` is PML
+    # (``<prompt schema=...>``) or its JSON form; chat: message contents are PML fragments.
+    prompt_schema: str | None = None
     # Structured outputs: OpenAI's ``response_format`` and vLLM's ``guided_*`` extensions (one at a time).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -317,8 +321,9 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
 class CompletionRequest(GenerationRequest, kw_only=True):
     endpoint: ClassVar[Endpoint] = "completions"
-    # A string, token ids, or a list of either (``completion_prompts``); schema: ``PROMPT_SCHEMA``.
-    prompt: str | list[Any]
+    # A string, token ids, or a list of either (``completion_prompts``); with ``prompt_schema``, PML
+    # text or a JSON object prompt, or a list of them (``schema_prompts``).
+    prompt: str | list[Any] | dict[str, Any]
     logprobs: TopLogprobs | None = None
     echo: bool = False
 
@@ -341,6 +346,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """``prompt`` as a list of prompts: a string, token ids, or a list of either (token ids may be
     integral floats, read as integers like the typed fields)."""
     prompt = req.prompt
+    if isinstance(prompt, dict):
+        raise invalid("prompt: a JSON object prompt needs `prompt_schema` (modular prompt reuse)", "prompt")
     if isinstance(prompt, str):
         return [prompt]
     if prompt and (ids := _token_ids(prompt)) is not None:
@@ -353,6 +360,18 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
             return lists  # type: ignore[return-value]
     raise invalid("prompt must be a string, a list of token ids, or a non-empty list of either",
                   "prompt")
+
+
+def schema_prompts(req: CompletionRequest) -> list[str | dict[str, Any]]:
+    """``prompt`` of a request with ``prompt_schema`` as a list of prompts: PML text (``<prompt
+    schema=...>``), a JSON object prompt, or a non-empty list of either."""
+    prompt = req.prompt
+    if isinstance(prompt, (str, dict)):
+        return [prompt]
+    if prompt and all(isinstance(p, (str, dict)) for p in prompt):
+        return list(prompt)
+    raise invalid("with prompt_schema, prompt must be PML text, a JSON object prompt, or a non-empty "
+                  "list of them (not token ids)", "prompt")
 
 
 def _token_ids(values: list[Any]) -> list[int] | None:
@@ -398,6 +417,7 @@ FinishReason = Literal["stop", "length", "abort"]
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
+    module_tokens: int = 0          # served from prompt modules' KV (``prompt_schema``)
 
 
 class Usage(msgspec.Struct):

@@ -81,6 +81,10 @@ def _narrow_generation(props: dict[str, Any], limits: Limits, table: dict[str, o
                                {"type": "array", "items": {"type": "string", "minLength": 1}},
                                {"type": "null"}]}
     props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": _token(limits)}, {"type": "null"}]}
+    # Valid names are those registered at request time (POST /v1/schemas), which a static schema
+    # cannot list: published as null only, like the no-op values of unsupported fields.
+    props["prompt_schema"] = {"type": "null", "description": "extension: the name of a schema "
+                              "registered with POST /v1/schemas (modular prompt reuse; see the README)"}
     for name, unsupported in table.items():
         props[name] = {**unsupported.schema, "description": f"unsupported: {unsupported.why}; "
                                                             "only the values that change nothing"}

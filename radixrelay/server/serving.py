@@ -8,6 +8,13 @@ Completions with ``echo`` show the prompt before the output, and with ``logprobs
 tokens' logprobs (the runtime's prompt logprobs; ``null`` for the first token), as vLLM does:
 ``text_offset`` counts from the start of the echoed prompt. ``max_tokens: 0`` is allowed with
 ``echo``: one token is generated (and counted in ``usage``) but only the prompt is returned.
+
+With ``prompt_schema`` (modular prompt reuse) a prompt is composed against a registered schema
+(``radixrelay.modules.registry``): the choice serves ``ComposedPrompt.token_ids`` with its module
+spans. Such a prompt is never truncated; it must fit the context both as positions
+(``end_position + max_tokens``) and as KV (its tokens, page padding included, ``+ max_tokens``).
+``usage.prompt_tokens`` counts all its tokens, the placeholder padding of module spans to whole
+pages included (so cached and module tokens never exceed it); ``echo`` is refused.
 """
 
 from __future__ import annotations
@@ -15,9 +22,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from radixrelay.modules.compose import ComposedPrompt
+from radixrelay.modules.pml import SchemaError
+from radixrelay.modules.registry import SchemaRegistry, UnknownSchemaError
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
@@ -47,6 +58,7 @@ class ServingContext:
     max_choices: int
     grammars: GrammarCheck
     truncation: Truncation | None = None    # context overflow drops the oldest tokens (else a 400)
+    schemas: SchemaRegistry | None = None   # prompt modules (``prompt_schema``); None: refused
 
 
 @dataclass(eq=False)
@@ -60,6 +72,7 @@ class Choice:
     echo_only: bool = False               # completions with max_tokens 0: the output is hidden
     shifted_prefix: list[int] | None = None  # a truncated prompt's (``radixrelay.radix.truncation``)
     shifted_at: int = 0
+    composed: ComposedPrompt | None = None   # a ``prompt_schema`` prompt (``prompt_ids`` are its tokens)
     last_token_at: float | None = None
 
 
@@ -96,11 +109,14 @@ class GenerationJob:
         self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
 
     async def _pump(self, choice: Choice) -> None:
+        composed = choice.composed
+        modular = {} if composed is None or not composed.is_modular else \
+            {"modules": composed.modules, "rope_runs": composed.rope_runs}
         try:
             async for item in self.ctx.client.generate(choice.prompt_ids, choice.sampling,
                                                        cache_salt=self.cache_salt,
                                                        shifted_prefix=choice.shifted_prefix,
-                                                       shifted_at=choice.shifted_at):
+                                                       shifted_at=choice.shifted_at, **modular):
                 self._queue.put_nowait((choice, item))
         except Exception as exc:  # noqa: BLE001 - re-raised by next_event in the handler
             self._queue.put_nowait((choice, exc))
@@ -153,8 +169,10 @@ def usage(choices: list[Choice]) -> oa.Usage:
     firsts = {c.prompt_index: c for c in reversed(choices)}
     prompt = sum(len(c.prompt_ids) for c in firsts.values())
     cached = sum(c.output.last.cached_tokens for c in firsts.values() if c.output.last is not None)
+    modules = sum(getattr(c.output.last, "module_tokens", 0) for c in firsts.values()
+                  if c.output.last is not None)
     completion = sum(c.output.last.completion_tokens for c in choices if c.output.last is not None)
-    return oa.Usage(prompt, completion, prompt + completion, oa.PromptTokensDetails(cached))
+    return oa.Usage(prompt, completion, prompt + completion, oa.PromptTokensDetails(cached, modules))
 
 
 # -- request -> choices -------------------------------------------------------------------------
@@ -220,6 +238,35 @@ def _fit(ctx: ServingContext, ids: list[int], requested: int | None, default: in
     return prompt, _max_tokens(ctx, len(prompt.ids), requested, default, prompt_param, param)
 
 
+def _registry(ctx: ServingContext) -> SchemaRegistry:
+    if ctx.schemas is None:
+        raise oa.invalid("prompt modules are not available on this server", "prompt_schema")
+    return ctx.schemas
+
+
+@contextmanager
+def _schema_errors(param: str) -> Iterator[None]:
+    """SchemaErrors as 400s: an unknown schema names ``prompt_schema``, anything wrong with the
+    prompt (unknown module, a value past ``len``, ...) names ``param``."""
+    try:
+        yield
+    except UnknownSchemaError as exc:
+        raise oa.APIError(400, str(exc), param="prompt_schema", code="schema_not_found") from None
+    except SchemaError as exc:
+        raise oa.invalid(str(exc), param) from None
+
+
+def _fit_composed(ctx: ServingContext, composed: ComposedPrompt, requested: int | None,
+                  default: int | None, prompt_param: str, param: str = "max_tokens") -> int:
+    """max_tokens of a composed prompt (never truncated): its positions and its KV must both fit."""
+    limit = ctx.client.info.max_context
+    if composed.end_position >= limit:
+        raise oa.invalid(f"the prompt's new text ends at position {composed.end_position} of its schema; "
+                         f"this model's context is {limit} tokens", prompt_param)
+    return _max_tokens(ctx, max(composed.end_position, len(composed.token_ids)), requested, default,
+                       prompt_param, param)
+
+
 def _wrap_int64(value: int) -> int:
     """``value`` wrapped into the signed 64-bit range (sample j's seed ``seed + j`` past the largest seed)."""
     return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
@@ -227,7 +274,7 @@ def _wrap_int64(value: int) -> int:
 
 def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Truncated],
              max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
-             echo_only: bool = False) -> list[Choice]:
+             echo_only: bool = False, composed: list[ComposedPrompt] | None = None) -> list[Choice]:
     prompt_logprobs = logprobs if echo else None
     out = []
     for p, prompt in enumerate(prompts):
@@ -238,7 +285,7 @@ def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Trunc
                                     prompt_logprobs=prompt_logprobs)
             out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),
                               echo, echo_only, shifted_prefix=prompt.shifted_prefix or None,
-                              shifted_at=prompt.shifted_at))
+                              shifted_at=prompt.shifted_at, composed=composed[p] if composed else None))
     return out
 
 
@@ -248,19 +295,28 @@ def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Cho
     if ctx.chat_template is None:
         raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                          "messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.prompt_schema is not None:
+        registry = _registry(ctx)
+        with _schema_errors("messages"):
+            composed = registry.compose_chat(req.prompt_schema, req.messages, salt=req.cache_salt)
+        max_tokens = _fit_composed(ctx, composed, requested, None, "messages", param)
+        return _choices(ctx, req, [Truncated(composed.token_ids)], [max_tokens], req.num_logprobs,
+                        composed=[composed])
     try:
         text = ctx.chat_template.render(req.messages)
     except ValueError as exc:
         raise oa.invalid(str(exc), "messages") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)   # the template has BOS if any
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prompt, max_tokens = _fit(ctx, ids, requested, None, "messages", param)
     return _choices(ctx, req, [prompt], [max_tokens], req.num_logprobs)
 
 
 def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
     _check_common(ctx, req)
+    if req.prompt_schema is not None:
+        return _schema_completion_choices(ctx, req, req.prompt_schema)
     texts = oa.completion_prompts(req)
     _check_choices(ctx, len(texts), req.n, "prompt")
     prompts = []
@@ -280,6 +336,19 @@ def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[C
     fitted = [_fit(ctx, ids, requested, 16, "prompt") for ids in prompts]
     return _choices(ctx, req, [f[0] for f in fitted], [f[1] for f in fitted], req.logprobs,
                     echo=req.echo, echo_only=echo_only)
+
+
+def _schema_completion_choices(ctx: ServingContext, req: oa.CompletionRequest, name: str) -> list[Choice]:
+    if req.echo:
+        raise oa.invalid("echo is not supported with prompt_schema", "echo")
+    sources = oa.schema_prompts(req)
+    _check_choices(ctx, len(sources), req.n, "prompt")
+    registry = _registry(ctx)
+    with _schema_errors("prompt"):
+        composed = [registry.compose(name, source, salt=req.cache_salt) for source in sources]
+    max_tokens = [_fit_composed(ctx, c, req.max_tokens, 16, "prompt") for c in composed]
+    return _choices(ctx, req, [Truncated(c.token_ids) for c in composed], max_tokens, req.logprobs,
+                    composed=composed)
 
 
 # -- responses ----------------------------------------------------------------------------------
