@@ -113,3 +113,16 @@ def test_modular_requests_refuse_prompt_logprobs_and_a_disabled_cache():
     sched, _ = make(page_size=4, kv_tokens=256, disable_radix_cache=True)
     with pytest.raises(ValueError, match="radix cache"):
         sched.add_request(1, A.token_ids + TEXT, SamplingParams(max_tokens=2), modules=[A])
+
+
+def test_aborted_modular_request_frees_its_pages_and_span_locks():
+    sched, worker = make(page_size=4, kv_tokens=256)
+    _submit(sched, worker, 1, [A, B], max_tokens=8)
+    drive(sched, worker, until=lambda: 1 in sched._running and not sched._running[1].in_prefill)
+    assert sched.stats().locked_tokens == 12
+    final = sched.abort(1)
+    assert final.finished and final.finish_reason == "abort"
+    sched.check_integrity()
+    stats = sched.stats()
+    assert stats.locked_tokens == 0 and stats.kv_used_pages == 3      # only the spans' cached pages
+    drive(sched, worker)
