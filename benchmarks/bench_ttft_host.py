@@ -89,7 +89,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     from radixrelay.server import serving
     from radixrelay.server.chat_template import ChatTemplate
     from radixrelay.server.grammar_check import GrammarCheck
-from radixrelay.server.metrics import ServerMetrics
+    from radixrelay.server.metrics import ServerMetrics
     from radixrelay.server.tokenizer import load_tokenizer
     from radixrelay.worker.protocol import StepOutput
 
