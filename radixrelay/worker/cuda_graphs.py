@@ -1,7 +1,7 @@
 """Decode steps as CUDA graphs, cascade included.
 
 A pure-decode step of B requests runs on fixed buffers padded to a batch bucket (1, 2, 4, 8, 16, 24, 32,
-then multiples of 16 up to ``max_batch``): token ids, positions, KV slots, page table, own KV range, and
+then multiples of 16 up to ``max_batch``): token ids, positions, RoPE deltas (modular prompts), KV slots, page table, own KV range, and
 the cascade's shared runs padded to powers of two (groups, rows, pages; an empty group attends nothing).
 Flat decode is the same launch with no groups. The kernels' launch shape (split counts and chunk sizes,
 query tiles, tile config) is baked into a graph: it is what ``plan_cascade`` picks for the step's size
@@ -65,6 +65,7 @@ class _Graph:
     runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
     num: int = -1                        # ... for this many real rows
     dirty: int = 0                       # rows [0, dirty) may hold a request's values; beyond: padding
+    deltas: bool = False                 # batch.rope_delta holds a non-zero value (a modular row)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class DecodeGraphs:
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_decodes == batch.num_requests <= self.max_batch
-                and batch.page_table.shape[1] <= self.max_pages and batch.rope_delta is None)
+                and batch.page_table.shape[1] <= self.max_pages)
 
     def forget(self) -> None:
         """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
@@ -262,7 +263,8 @@ class DecodeGraphs:
             prefix_lens=torch.zeros(bs, **i32), seq_lens=seq_lens, page_table=page_table,
             positions=torch.zeros(bs, **i64), out_slots=torch.full((bs,), self.scratch_slot, **i64),
             logits_indices=torch.arange(bs, **i64), max_q_len=1,
-            max_seq_len=self.max_pages * self.kv_cache.page_size, num_decodes=bs)
+            max_seq_len=self.max_pages * self.kv_cache.page_size, num_decodes=bs,
+            rope_delta=torch.zeros(bs, **i64))      # modular rows rotate by position + delta; others add 0
         kv_start = torch.zeros(bs, **i32)
         nnz = num_rows * shape.shared_splits + bs * shape.own_splits
         plan = dataclasses.replace(   # the size class's launch shape over fixed, padded tensors
@@ -281,6 +283,14 @@ class DecodeGraphs:
                                (sb.prefix_lens, 0), (sb.seq_lens, 0), (g.kv_start, 0)):
                 pad[num:g.dirty].fill_(value)
         g.dirty = num
+        if batch.rope_delta is not None:
+            if g.deltas:
+                sb.rope_delta[num:].zero_()
+            sb.rope_delta[:num].copy_(batch.rope_delta)
+            g.deltas = True
+        elif g.deltas:
+            sb.rope_delta.zero_()
+            g.deltas = False
         g.ids[:num].copy_(ids)
         sb.positions[:num].copy_(batch.positions)
         sb.out_slots[:num].copy_(batch.out_slots)

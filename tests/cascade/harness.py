@@ -19,7 +19,7 @@ from radixrelay.model import LlamaForCausalLM
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import StepPlan
+from radixrelay.worker.protocol import ModuleSpan, StepPlan
 
 Wave = list[tuple[int, list[int]]]     # (rid, prompt)
 
@@ -49,9 +49,11 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
                  page_size: int = 4, backend: AttentionBackend | None = None,
                  prefill_cost: CostModel | None = None, kv_tokens: int = 4096,
                  chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0,
-                 long_prefix_tokens: int | None = None) -> Result:
+                 long_prefix_tokens: int | None = None,
+                 modular: dict[int, tuple[list[ModuleSpan], list[tuple[int, int]]]] | None = None) -> Result:
     """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU).
-    ``max_tokens``: for every request, or per rid."""
+    ``max_tokens``: for every request, or per rid. ``modular``: rid -> (module spans, rope runs) of the
+    requests whose prompt is modular (``Scheduler.add_request``)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     sched_cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size,
@@ -80,7 +82,9 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
     for wave in waves:
         for rid, prompt in wave:
             limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
-            sched.add_request(rid, prompt, SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True))
+            spans, rope_runs = (modular or {}).get(rid, (None, None))
+            sched.add_request(rid, prompt, SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True),
+                              modules=spans, rope_runs=rope_runs)
         while sched.has_work():
             plan = sched.schedule()
             out = runner.step(plan)
