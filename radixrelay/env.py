@@ -8,6 +8,9 @@
   writes ``worker_trace.json`` (a Chrome trace) and ``worker_trace.txt`` (ops by device time and a
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
+- ``RADIXRELAY_SMALL_EXTEND_ROWS``: extend tokens a step may run as decode-graph rows (the worker's
+  ``SMALL_EXTEND_ROWS``, 32, when unset; 0: never, every step with an extend runs piecewise). For
+  comparing the two paths.
 """
 
 from __future__ import annotations
@@ -32,3 +35,13 @@ def trace_steps() -> tuple[int, int] | None:
     if not sep or window is None or window[0] < 0 or window[1] < 1:
         raise ValueError(f"RADIXRELAY_TRACE_STEPS must be START:COUNT (START >= 0, COUNT >= 1), got {text!r}")
     return window
+
+
+def small_extend_rows() -> int | None:
+    """``RADIXRELAY_SMALL_EXTEND_ROWS`` as an int >= 0; None when unset. A malformed value is an error."""
+    text = os.environ.get("RADIXRELAY_SMALL_EXTEND_ROWS")
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"RADIXRELAY_SMALL_EXTEND_ROWS must be an integer >= 0, got {text!r}")
+    return int(text)

@@ -26,7 +26,7 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.backend import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
-from radixrelay.env import profile_dir, trace_steps
+from radixrelay.env import profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
@@ -90,6 +90,8 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
                          tiers=tiers)
+    if (rows := small_extend_rows()) is not None:
+        runner.small_extend_rows = rows
     max_context = mc.max_position_embeddings
     if cfg.context_length is not None:
         if cfg.context_length > max_context:

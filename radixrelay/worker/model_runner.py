@@ -19,6 +19,11 @@ the device), and its page list. A decode computes the request's newest token, wh
 Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
 
+Forward paths, first that fits: a decode step repeating the last one (``DecodeGraphs.advance``); a step of
+small extends (``SMALL_EXTEND_ROWS`` tokens) as decode-graph rows, one per token (``_forward_rows``);
+a decode-only step on a decode graph; piecewise graphs (attention launched between captured pieces);
+the eager model.
+
 Host work per decode step is O(decode rows), never O(rows x pages), and most of it is kept while the
 batch repeats (steady decode): the decode runs of a repeated plan and order (``DecodeRunsCache``, told
 of every release), the device row indices of a repeated rid list (``DevicePageTable``,
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixrelay.attention import AttentionBackend, KVCache
-from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageTable, ForwardBatch,
+from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageTable, ForwardBatch, SharedRun,
                                            build_forward_batch, build_shared_runs, to_device)
 from radixrelay.cascade.batch import LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs
 from radixrelay.cascade.cost import CostModel
@@ -49,6 +54,11 @@ from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_
 from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
+
+# A step whose extends compute at most this many tokens in all (and no prompt logprobs) runs on the
+# decode graphs, one row per extend token (``ModelRunner._forward_rows``): an idle server's cached
+# prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay.
+SMALL_EXTEND_ROWS = 32
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
     from radixrelay.worker.constraints import Constraints
@@ -161,6 +171,8 @@ class ModelRunner:
         self._split_long_prefixes = (backend.splits_long_prefixes(self.device) if split_long_prefixes is None
                                      else split_long_prefixes)
         self.long_prefix_tokens = LONG_PREFIX_TOKENS
+        self.small_extend_rows = SMALL_EXTEND_ROWS
+        self.extend_row_steps = 0    # steps whose extends ran as decode-graph rows
         self._cuda = self.device.type == "cuda"
         self.graph_replays = 0       # steps that replayed a captured graph
         self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
@@ -323,6 +335,10 @@ class ModelRunner:
                  input_ids: list[int], events) -> torch.Tensor:
         """logits of the step's rows: the batch packed on the host, then a decode graph, piecewise graphs
         or the eager model."""
+        if self._small_extends(plan, extends, decoding):
+            logits = self._forward_rows(plan, extends, decoding, input_ids, events)
+            if logits is not None:
+                return logits
         decodes = self._decode_rows(plan.decodes, decoding)
         batch = self._batch(plan, extends, decodes)
         rope_delta = self._rope_delta(plan, decoding)
@@ -346,6 +362,72 @@ class ModelRunner:
             return self.piecewise.run(ids, batch)
         self.eager_steps += 1
         return self.model(ids, batch, self.kv_cache, self.backend)
+
+    def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
+        """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
+        each (no prompt logprobs), decodes without a cascade plan (its groups index the decode rows), no KV
+        tier loads in flight (a decode graph has no per-layer waits for them)."""
+        if (self.graphs is None or not extends or (plan.cascade is not None and plan.decodes)
+                or self.kv_cache.layer_ready is not None):
+            return False
+        rows = sum(e.num_new for e in extends)
+        return (rows <= self.small_extend_rows and rows + len(decoding) <= self.graphs.max_batch
+                and all(e.num_logits <= 1 for e in extends))
+
+    def _forward_rows(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+                      input_ids: list[int], events) -> torch.Tensor | None:
+        """logits of a step of small extends run on the decode graphs (None when no graph fits it), in
+        ``_forward``'s row order: each sampling extend's row, then the decodes.
+
+        Each extend token is a decode row at its position, attending [0, position] of its request: every
+        layer stores all rows' K/V before attention, so a token sees those before it in the same step
+        (causal). An extend after a long cached prefix reads those whole pages as a shared run, once for
+        all of its rows; the run's host length is rounded up to a power of two, so that prompts of other
+        lengths share the launch shape and the graph (a split past a run's end reads nothing)."""
+        ps = self.page_size
+        positions: list[int] = []
+        slots: list[int] = []
+        keys: list[int] = []
+        kv_start: list[int] = []
+        runs: list[SharedRun] = []
+        picks: list[int] = []
+        for item, e in zip(plan.extends, extends):
+            first = len(positions)
+            pos = range(e.start, e.start + e.num_new)
+            positions.extend(pos)
+            slots.extend(e.pages[p // ps] * ps + p % ps for p in pos)
+            keys.extend([item.rid] * e.num_new)
+            cached = e.start // ps * ps
+            if cached >= self.long_prefix_tokens:
+                runs.append(SharedRun(range(first, first + e.num_new), e.pages[:cached // ps], cached))
+            kv_start.extend([cached if cached >= self.long_prefix_tokens else 0] * e.num_new)
+            if e.num_logits:
+                picks.append(len(positions) - 1)
+        decodes = self._decode_rows(plan.decodes, decoding)
+        picks.extend(range(len(positions), len(positions) + len(plan.decodes)))
+        shared = build_shared_runs(runs, self.device)
+        if shared is not None:
+            rounded = tuple(1 << (n - 1).bit_length() for n in shared.host_kv_lens)
+            shared = dataclasses.replace(shared, host_kv_lens=rounded, max_kv_len=max(rounded))
+        batch = build_forward_batch(
+            [], ps, self.device, page_table=self._page_table.gather(keys + plan.decodes),
+            kv_start=kv_start + [0] * len(plan.decodes) if shared is not None else None, decode_runs=shared,
+            decodes=DecodeRows(positions + list(decodes.positions), slots + list(decodes.slots)))
+        if not self.graphs.fits(batch):
+            return None
+        rope_delta = self._rope_delta(plan, decoding)      # the same order: extend tokens, then decodes
+        if rope_delta is not None:
+            batch = dataclasses.replace(batch, rope_delta=to_device(rope_delta, torch.int64, self.device))
+        ids = to_device(input_ids, torch.int64, self.device)
+        if plan.decodes:
+            ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
+        if events is not None:
+            events[0].record()
+        self.graphs.forget()
+        logits = self.graphs.run(ids, batch)                # no rids: the next step cannot advance this one
+        self.graph_replays += 1
+        self.extend_row_steps += 1
+        return logits.index_select(0, to_device(picks, torch.int64, self.device))
 
     def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
         """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""

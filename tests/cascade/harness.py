@@ -43,6 +43,7 @@ class Result:
     plans: list[StepPlan] = field(default_factory=list)
     planner: CascadePlanner | None = None
     graphs: object | None = None           # the DecodeGraphs used, if any
+    runner: ModelRunner | None = None
 
 
 def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_tokens: int | dict[int, int],
@@ -50,10 +51,12 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
                  prefill_cost: CostModel | None = None, kv_tokens: int = 4096,
                  chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0,
                  long_prefix_tokens: int | None = None,
-                 modular: dict[int, tuple[list[ModuleSpan], list[tuple[int, int]]]] | None = None) -> Result:
+                 modular: dict[int, tuple[list[ModuleSpan], list[tuple[int, int]]]] | None = None,
+                 small_extend_rows: int | None = None) -> Result:
     """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU).
     ``max_tokens``: for every request, or per rid. ``modular``: rid -> (module spans, rope runs) of the
-    requests whose prompt is modular (``Scheduler.add_request``)."""
+    requests whose prompt is modular (``Scheduler.add_request``). ``small_extend_rows``: extend tokens a
+    step may run as decode-graph rows (None: the runner's default; 0: never)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     sched_cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size,
@@ -77,8 +80,10 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
                          split_long_prefixes=long_prefix_tokens is not None)
     if long_prefix_tokens is not None:           # short extends after this many cached tokens: split reads
         runner.long_prefix_tokens = long_prefix_tokens
+    if small_extend_rows is not None:
+        runner.small_extend_rows = small_extend_rows
     runner.sampler = recorder = RecordingSampler(runner.sampler)
-    result = Result(planner=planner, graphs=graphs)
+    result = Result(planner=planner, graphs=graphs, runner=runner)
     for wave in waves:
         for rid, prompt in wave:
             limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]

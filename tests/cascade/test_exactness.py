@@ -93,12 +93,13 @@ def test_triton_backend_through_the_runner(llama32):
 def test_decode_graph_buffers(llama32):
     """DecodeGraphs' padded buffers and fixed plans (eager on the CPU) give the unpadded result:
     batches of 1-6 decodes padded to buckets 1, 2, 4, 8, with and without cascade groups; repeated
-    batches advanced on the device (page size 4: rows cross into appended pages while advancing)."""
+    batches advanced on the device (page size 4: rows cross into appended pages while advancing).
+    Extends stay off the graphs here (``small_extend_rows`` 0): the first graph would cover every bucket."""
     waves = prompt_tree(random.Random(9), system_len=8, problems=2, samples=3)
     off = run_workload(llama32, waves, mode="off", max_tokens=7)
     for mode in ("off", "on"):
         got = run_workload(llama32, waves, mode=mode, max_tokens=7, backend=make_backend("triton", "cpu"),
-                           graph_max_batch=8)
+                           graph_max_batch=8, small_extend_rows=0)
         assert got.graphs.captures >= 3
         assert got.graphs.advances >= 3
         assert_same(off, got, atol=2e-3)
@@ -113,7 +114,7 @@ def test_shrinking_batch_runs_on_a_covering_graph(llama32):
     off = run_workload(llama32, waves, mode="off", max_tokens=limits)
     for mode in ("off", "on"):
         got = run_workload(llama32, waves, mode=mode, max_tokens=limits, backend=make_backend("triton", "cpu"),
-                           graph_max_batch=8)
+                           graph_max_batch=8, small_extend_rows=0)
         assert got.graphs.fallbacks >= 2
         assert_same(off, got, atol=2e-3)
 
@@ -166,3 +167,20 @@ def test_modular_rows_run_on_decode_graphs(llama32):
     flat = {rid: (spans, [(0, 0)]) for rid, (spans, _) in modular.items()}   # no delta on the new text
     unshifted = run_workload(llama32, [wave], mode="off", max_tokens=7, modular=flat)
     assert any(not torch.allclose(unshifted.logits[-1][rid], eager.logits[-1][rid], atol=1e-3) for rid in (1, 2, 3, 4))
+
+
+def test_small_extends_run_as_decode_graph_rows(llama32):
+    """Steps whose extends compute a few tokens run on the decode graphs, one row per extend token (a
+    token sees the ones before it: every layer stores all rows' K/V before attention), also beside
+    decodes; an extend after a long cached prefix reads it as a shared run whose host length is
+    rounded up to a power of two. Logits as the eager torch path, cascade off and on."""
+    waves = prompt_tree(random.Random(17), system_len=13, problems=2, samples=3)
+    options = dict(max_tokens=5, chunked_prefill_tokens=6)       # small chunks: extends beside decodes
+    off = run_workload(llama32, waves, mode="off", **options)
+    for mode in ("off", "on"):
+        got = run_workload(llama32, waves, mode=mode, backend=make_backend("triton", "cpu"), graph_max_batch=16,
+                           long_prefix_tokens=8, **options)
+        assert_same(off, got, atol=2e-3)
+        assert got.runner.extend_row_steps >= 4
+    assert any(p.extends and p.decodes and p.cascade is None for p in got.plans)
+    assert any(p.extends and any(e.start >= 8 for e in p.extends) for p in got.plans)

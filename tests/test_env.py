@@ -1,0 +1,25 @@
+"""``radixrelay.env``: the RADIXRELAY_* knobs parse or fail with a message naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrelay import env
+
+
+def test_small_extend_rows(monkeypatch) -> None:
+    monkeypatch.delenv("RADIXRELAY_SMALL_EXTEND_ROWS", raising=False)
+    assert env.small_extend_rows() is None
+    monkeypatch.setenv("RADIXRELAY_SMALL_EXTEND_ROWS", "0")
+    assert env.small_extend_rows() == 0
+    monkeypatch.setenv("RADIXRELAY_SMALL_EXTEND_ROWS", "-3")
+    with pytest.raises(ValueError, match="RADIXRELAY_SMALL_EXTEND_ROWS"):
+        env.small_extend_rows()
+
+
+def test_trace_steps(monkeypatch) -> None:
+    monkeypatch.setenv("RADIXRELAY_TRACE_STEPS", "4:2")
+    assert env.trace_steps() == (4, 2)
+    monkeypatch.setenv("RADIXRELAY_TRACE_STEPS", "4")
+    with pytest.raises(ValueError, match="START:COUNT"):
+        env.trace_steps()
