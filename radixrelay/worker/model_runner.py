@@ -382,8 +382,8 @@ class ModelRunner:
         Each extend token is a decode row at its position, attending [0, position] of its request: every
         layer stores all rows' K/V before attention, so a token sees those before it in the same step
         (causal). An extend after a long cached prefix reads those whole pages as a shared run, once for
-        all of its rows; the run's host length is rounded up to a power of two, so that prompts of other
-        lengths share the launch shape and the graph (a split past a run's end reads nothing)."""
+        all of its rows; the run's host length is rounded up (``_round_length``), so that prompts of
+        other lengths share the launch shape and the graph (a split past a run's end reads nothing)."""
         ps = self.page_size
         positions: list[int] = []
         slots: list[int] = []
@@ -407,7 +407,7 @@ class ModelRunner:
         picks.extend(range(len(positions), len(positions) + len(plan.decodes)))
         shared = build_shared_runs(runs, self.device)
         if shared is not None:
-            rounded = tuple(1 << (n - 1).bit_length() for n in shared.host_kv_lens)
+            rounded = tuple(map(_round_length, shared.host_kv_lens))
             shared = dataclasses.replace(shared, host_kv_lens=rounded, max_kv_len=max(rounded))
         batch = build_forward_batch(
             [], ps, self.device, page_table=self._page_table.gather(keys + plan.decodes),
@@ -489,6 +489,13 @@ class ModelRunner:
 
     def _pages_of(self, rid: int) -> list[int]:
         return self._table[rid].pages
+
+
+def _round_length(n: int) -> int:
+    """``n`` rounded up to 4 significant bits (8 classes per power of two): a launch shape planned for
+    the rounded length leaves less than 1/8 of its splits past the real end idle."""
+    shift = max(n.bit_length() - 4, 0)
+    return -(-n >> shift) << shift
 
 
 def _params_of(res: _Resident) -> SamplingParams:

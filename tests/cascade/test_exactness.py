@@ -169,15 +169,16 @@ def test_modular_rows_run_on_decode_graphs(llama32):
     assert any(not torch.allclose(unshifted.logits[-1][rid], eager.logits[-1][rid], atol=1e-3) for rid in (1, 2, 3, 4))
 
 
-def test_small_extends_run_as_decode_graph_rows(llama32):
+@pytest.mark.parametrize("page_size, modes", [(1, ("off",)), (4, ("off", "on"))])
+def test_small_extends_run_as_decode_graph_rows(llama32, page_size, modes):
     """Steps whose extends compute a few tokens run on the decode graphs, one row per extend token (a
     token sees the ones before it: every layer stores all rows' K/V before attention), also beside
     decodes; an extend after a long cached prefix reads it as a shared run whose host length is
-    rounded up to a power of two. Logits as the eager torch path, cascade off and on."""
+    rounded up (page size 1: cached lengths like 25 plan as 26). Logits as the eager torch path."""
     waves = prompt_tree(random.Random(17), system_len=13, problems=2, samples=3)
-    options = dict(max_tokens=5, chunked_prefill_tokens=6)       # small chunks: extends beside decodes
+    options = dict(max_tokens=5, chunked_prefill_tokens=6, page_size=page_size)   # extends beside decodes
     off = run_workload(llama32, waves, mode="off", **options)
-    for mode in ("off", "on"):
+    for mode in modes:
         got = run_workload(llama32, waves, mode=mode, backend=make_backend("triton", "cpu"), graph_max_batch=16,
                            long_prefix_tokens=8, **options)
         assert_same(off, got, atol=2e-3)
