@@ -24,7 +24,6 @@ exact match (the output contains the asked code) for both.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from radixrelay import Engine, SamplingParams  # noqa: E402
 from radixrelay.bench.words import WORDS  # noqa: E402
+from engine_bench import engine_tokenizer, gpu_8b_options, write_report  # noqa: E402
 
 INTRO = "You answer questions using the documents below. Reply with the code only.\n"
 
@@ -189,22 +189,13 @@ def main() -> int:
     # promotion from host memory (~20 ms for 4.3K tokens of an 8B model), not a prefill.
     options: dict = dict(kv_cache_tokens=args.kv_cache_tokens, host_kv_gib=0)
     if args.gpu_8b:
-        from bench_serving_gpu import default_tokenizer, llama3_8b_dir
-        options.update(model=str(llama3_8b_dir(Path("/tmp/bench_modules") / "llama3-8b", 32, 49152)),
-                       load_format="dummy", tokenizer=default_tokenizer())
-    import radixrelay.server.tokenizer as tk
-    from radixrelay.config import EngineConfig
-    from radixrelay.model.registry import tokenizer_path
-    tokenizer = tk.load_tokenizer(tokenizer_path(EngineConfig(**{k: v for k, v in options.items()
-                                                                 if k in ("model", "tokenizer", "load_format")})))
+        options.update(gpu_8b_options(Path("/tmp/bench_modules")))
+    tokenizer = engine_tokenizer(options)
     schema, docs = corpus(tokenizer, args)
     work = prompts(docs, args)
     report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               **run(options, schema, docs, work, args)}
-    print(json.dumps({k: v for k, v in report.items() if k != "ttft_ms"}, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+    write_report(report, args.out)
     return 0
 
 

@@ -16,7 +16,6 @@ Reports the second turn's TTFT (median over conversations, one token generated) 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from radixrelay import Engine, SamplingParams  # noqa: E402
 from radixrelay.bench.words import WORDS  # noqa: E402
+from engine_bench import engine_tokenizer, gpu_8b_options, write_report  # noqa: E402
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -85,15 +85,8 @@ def main() -> int:
     base = dict(context_length=args.context, truncation=args.ratio,
                 kv_cache_tokens=max(4 * args.context, 4096))
     if args.gpu_8b:
-        from bench_serving_gpu import default_tokenizer, llama3_8b_dir
-        work = Path("/tmp/bench_truncation")
-        base.update(model=str(llama3_8b_dir(work / "llama3-8b", 32, 49152)), load_format="dummy",
-                    tokenizer=default_tokenizer())
-    import radixrelay.server.tokenizer as tk
-    from radixrelay.model.registry import tokenizer_path
-    from radixrelay.config import EngineConfig
-    tokenizer = tk.load_tokenizer(tokenizer_path(EngineConfig(**{k: v for k, v in base.items()
-                                                                 if k in ("model", "tokenizer", "load_format")})))
+        base.update(gpu_8b_options(Path("/tmp/bench_truncation")))
+    tokenizer = engine_tokenizer(base)
     convs = _conversations(tokenizer, args)
     reuse = run({**base, "host_kv_gib": args.host_kv_gib}, convs, args)
     recompute = run({**base, "host_kv_gib": 0}, convs, args)
@@ -111,10 +104,7 @@ def main() -> int:
         "greedy_mean_matched_prefix": statistics.mean(prefix) if args.gen else None,
         "ttft_ms": {"reuse": reuse["ttft_ms"], "recompute": recompute["ttft_ms"]},
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "ttft_ms"}, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+    write_report(report, args.out)
     return 0
 
 

@@ -423,7 +423,6 @@ class ModelRunner:
             ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
         if events is not None:
             events[0].record()
-        self.graphs.forget()
         logits = self.graphs.run(ids, batch)                # no rids: the next step cannot advance this one
         self.graph_replays += 1
         self.extend_row_steps += 1

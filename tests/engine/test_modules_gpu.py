@@ -12,7 +12,7 @@ import pytest
 
 from radixrelay import Engine, SamplingParams
 
-from .test_engine_gpu import WORDS, make_tiny_model_dir
+from .test_engine_gpu import WORDS, greedy_close, make_tiny_model_dir
 
 pytestmark = pytest.mark.gpu
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
@@ -47,14 +47,5 @@ def test_modular_decode_on_graphs_matches_eager(model_dir):
     assert all(o.error is None and len(o.token_ids) == 24 and o.module_tokens > 0 for o in graphs)
     assert stats["eager_steps"] == 0 and stats["graph_replays"] > 0 and stats["decode_steps_advanced"] > 0
     assert eager_stats["graph_replays"] == 0
-    # bf16: graphs and eager launch the same kernels on other buffers; while the sequences agree
-    # their logprobs agree within bf16 tolerance, and they may only part at a near tie.
-    compared = 0
-    for e, g in zip(eager, graphs):
-        for te, tg, le, lg in zip(e.token_ids, g.token_ids, e.logprobs, g.logprobs):
-            if te != tg:
-                assert le.top[0][1] - le.top[1][1] < 0.1, "graphs changed a clear greedy choice"
-                break
-            assert abs(le.logprob - lg.logprob) < 0.05
-            compared += 1
-    assert compared >= 8 * len(eager)
+    # bf16: graphs and eager launch the same kernels on other buffers
+    assert greedy_close(eager, graphs, "graphs") >= 8 * len(eager)
