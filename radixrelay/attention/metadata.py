@@ -25,7 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import sub
 
+import numpy as np
 import torch
+
+from radixrelay.attention.host_staging import upload
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,13 @@ class SharedRuns:
     max_kv_len: int
     max_pages: int
     contiguous: bool = False  # host: every run's pages are consecutive ids (the node kernel's TMA path)
-    # Host copies of q_rows, q_indptr and kv_lens: planning reads them without a device sync.
+    # Host copies of q_rows, q_indptr and kv_lens: planning reads them without a device sync; of
+    # kv_indptr and kv_pages: CUDA graphs copy all of them into their buffers in one upload.
     host_rows: tuple[int, ...] = ()
     host_indptr: tuple[int, ...] = (0,)
     host_kv_lens: tuple[int, ...] = ()
+    host_kv_indptr: tuple[int, ...] = (0,)
+    host_pages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,17 +132,21 @@ _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bo
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A flat host list on ``device`` without waiting for it. Through an ``array`` (a few times faster than
-    ``torch.tensor`` on a list of ints) and, on CUDA, pinned memory: the copy is queued behind the step
-    in flight instead of staged (and possibly waited for) from pageable memory."""
+    """A flat host list (or ``array``) on ``device`` without waiting for it. Through an ``array`` (a few
+    times faster than ``torch.tensor`` on a list of ints) and, on CUDA, a reused ring of pinned memory
+    (``host_staging``): the copy is queued behind the step in flight instead of staged (and possibly
+    waited for) from pageable memory, and no pinned buffer is allocated per copy."""
     code = _ARRAY_CODES.get(dtype)
-    if code is not None and len(values):
-        host = torch.frombuffer(array(code, values), dtype=dtype)
-    else:
-        host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    device = torch.device(device)
+    if code is None or not len(values):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=device.type == "cuda")
+    host = values if isinstance(values, array) and values.typecode == code else array(code, values)
+    if device.type == "cuda":
+        return upload(np.frombuffer(host, dtype=_NUMPY[dtype]), dtype, device)
+    return torch.frombuffer(host, dtype=dtype).to(device)
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 _ALIGN_BYTES = 16     # Triton specialises pointer arguments on a 16-byte-aligned address: keep every view so
@@ -182,7 +192,8 @@ def build_shared_runs(runs: Sequence[SharedRun], device: torch.device | str) -> 
         max_kv_len=max(r.num_tokens for r in runs),
         max_pages=max(len(r.pages) for r in runs),
         contiguous=all(consecutive(r.pages) for r in runs),
-        host_rows=tuple(q_rows), host_indptr=tuple(q_indptr), host_kv_lens=tuple(r.num_tokens for r in runs),
+        host_rows=tuple(q_rows), host_indptr=tuple(q_indptr), host_kv_lens=tuple(kv_lens),
+        host_kv_indptr=tuple(kv_indptr), host_pages=tuple(kv_pages),
     )
 
 
@@ -241,8 +252,8 @@ class DevicePageTable:
         self._gathered = None                # the key may come back in another row
 
     def flush(self) -> None:
-        """Write the queued pages: one slice copy for one write, else one scatter (int64 indices and
-        values in one host-to-device copy)."""
+        """Write the queued pages: one slice copy for one write, else one scatter (values, rows and
+        columns in one int64 host-to-device copy)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -251,20 +262,21 @@ class DevicePageTable:
             self._table[row, start:start + len(pages)] = to_device(pages, torch.int32, self.device)
             return
         values: list[int] = []
-        rows, shifts, counts = [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
         for row, start, pages in pending:
-            rows.append(row)
-            shifts.append(start - len(values))      # column of value i of this write: i + shift
-            counts.append(len(pages))
             values.extend(pages)
-        n = len(values)
-        if n == len(pending):                       # one page each (decode appends): one column each
-            vals, r, c = pack_on_device([values, rows, [w[1] for w in pending]], torch.int64, self.device)
-        else:
-            vals, r, shift, count = pack_on_device([values, rows, shifts, counts], torch.int64, self.device)
-            r = torch.repeat_interleave(r, count, output_size=n)           # output_size: no device sync
-            c = torch.arange(n, device=self.device) + torch.repeat_interleave(shift, count, output_size=n)
+            rows.extend([row] * len(pages))
+            cols.extend(range(start, start + len(pages)))
+        vals, r, c = pack_on_device([values, rows, cols], torch.int64, self.device)
         self._table.index_put_((r, c), vals.to(torch.int32))
+
+    def rows(self, keys: Sequence[int]) -> tuple[torch.Tensor, list[int], int]:
+        """(the table with every queued write applied, each key's row, the most pages among them): for a
+        caller that gathers the rows itself (CUDA graphs, into their own buffer)."""
+        self.flush()
+        row, length = self._row, self._len
+        return self._table, [row[k] for k in keys], max(1, max(map(length.__getitem__, keys)))
 
     def gather(self, keys: Sequence[int]) -> torch.Tensor:
         """int32 [len(keys), max pages among them] (rows padded with stale or 0 page ids)."""

@@ -165,6 +165,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int, chunk: int = 
     return n
 
 
+def _same_runs(runs: Sequence[SharedRun], built: SharedRuns) -> bool:
+    """Whether ``runs`` are the runs ``built`` holds (a plan whose members changed but whose rows, pages
+    and lengths did not: a request left and another took its row)."""
+    return (len(runs) == len(built.host_kv_lens) and all(r.num_tokens == n for r, n in zip(runs, built.host_kv_lens))
+            and [i for r in runs for i in r.rows] == list(built.host_rows)
+            and [p for r in runs for p in r.pages] == list(built.host_pages))
+
+
 class DecodeRunsCache:
     """Device tensors of the last decode plan, reused while (plan, decode order) repeat and none of the
     plan's members left the request table.
@@ -200,7 +208,8 @@ class DecodeRunsCache:
             self._key = None
             runs, self._held = _decode_runs(plan, decode_rids, pages_of, self.page_size, self.split_pages,
                                             MIN_PIECE_PAGES, self._held)
-            self._runs = build_shared_runs(runs, self.device)
+            if self._runs is None or not _same_runs(runs, self._runs):   # else: the same tensors (identity)
+                self._runs = build_shared_runs(runs, self.device)
             own = plan.own_start
             self._own = [own.get(rid, 0) for rid in decode_rids]
             self._members = {rid for entries in self._held.values() for _, holders in entries for rid in holders}

@@ -22,16 +22,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import sub
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 
+from radixrelay.attention.host_staging import upload
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
+from radixrelay.worker.graph_step import GraphStep, round_length
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
@@ -59,13 +63,15 @@ class _Graph:
     batch: ForwardBatch                  # fixed tensors, bs decode rows
     kv_start: torch.Tensor               # int32 [bs]
     plan: CascadePlan                    # over fixed tensors
+    rows64: torch.Tensor                 # int64 [4, stride]: positions, out_slots, rope_delta, page-table rows
+    rows32: torch.Tensor                 # int32 [3, stride]: prefix_lens, seq_lens, kv_start
+    groups32: torch.Tensor               # int32: every index tensor of ``plan``, one upload (``_GroupLayout``)
+    layout: _GroupLayout
     logits: torch.Tensor | None = None   # [bs, V] output of the captured forward
     key: tuple = ()                      # (bucket, caps, launch shape): its entry in DecodeGraphs._graphs
     cascade: bool = False                # captured with shared runs (else flat decode)
     runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
     num: int = -1                        # ... for this many real rows
-    dirty: int = 0                       # rows [0, dirty) may hold a request's values; beyond: padding
-    deltas: bool = False                 # batch.rope_delta holds a non-zero value (a modular row)
 
 
 @dataclass
@@ -95,6 +101,9 @@ class DecodeGraphs:
         self._shapes: dict[tuple, CascadePlan] = {}     # size class -> plan whose launch shape graphs use
         self._no_groups = _groups(None, self.device)
         self._zero_rows = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        stride = -(-max_batch // 4) * 4
+        self._zeros = array("q", bytes(8 * stride))                  # host padding of the row blocks
+        self._scratch = array("q", [scratch_slot]) * stride
         self._max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.captures = 0
@@ -105,9 +114,9 @@ class DecodeGraphs:
         self._repeat: _Repeat | None = None
         self._warm_advance()
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        return (batch.num_decodes == batch.num_requests <= self.max_batch
-                and batch.page_table.shape[1] <= self.max_pages)
+    def fits(self, num: int, width: int) -> bool:
+        """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
+        return num <= self.max_batch and width <= self.max_pages
 
     def forget(self) -> None:
         """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
@@ -157,38 +166,50 @@ class DecodeGraphs:
         self.advances += 1
         return g.logits[:num]
 
-    def run(self, ids: torch.Tensor, batch: ForwardBatch, rids: list[int] | None = None) -> torch.Tensor:
-        """logits [B, V] of a decode-only batch (a view of the graph's output: read it before the next run).
-        ``rids`` (the rows' request ids): the next step may ``advance`` this one."""
-        num = batch.num_requests
+    def run(self, step: GraphStep, rids: list[int] | None = None) -> torch.Tensor:
+        """logits [num, V] of a decode-graph step (a view of the graph's output: read it before the next
+        run). ``rids`` (the rows' request ids): the next step may ``advance`` this one."""
+        num = step.num
+        if not self.fits(num, step.width):
+            raise ValueError(f"DecodeGraphs.run: {num} rows over {step.width} pages do not fit "
+                             f"{self.max_batch} rows x {self.max_pages} pages")
         bs = next(b for b in self.buckets if b >= num)
-        cascade = batch.cascade
-        runs = cascade.decode if cascade is not None else None
-        kv_start = cascade.kv_start if cascade is not None else self._zero_rows[:num]
-        own_len = cascade.max_own_len if cascade is not None else batch.max_seq_len
-        groups = _groups(runs, self.device) if runs is not None else self._no_groups
+        runs = step.runs
+        if step.kv_start is not None:
+            own = list(map(sub, step.positions, step.kv_start))
+            if len(own) != num or min(own) < 0:
+                raise ValueError("DecodeGraphs.run: kv_start must hold, per row, 0 <= kv_start <= position")
+            own_len = max(own) + 1
+        else:
+            own_len = max(step.positions) + 1
+        if runs is None:
+            num_groups = num_rows = num_pages = max_rows = max_kv = 0
+            host_lens: tuple[int, ...] = ()
+        else:
+            host_lens = tuple(map(round_length, runs.host_kv_lens)) if step.round_runs else runs.host_kv_lens
+            num_groups, num_rows, num_pages = len(host_lens), len(runs.host_rows), len(runs.host_pages)
+            max_rows, max_kv = runs.max_rows, max(host_lens)
         contiguous = runs is not None and runs.contiguous          # the graph bakes in the TMA choice
-        shape_key = (bs, groups[4].numel(), groups[1].numel(), 0 if runs is None else runs.max_rows,
-                     0 if runs is None else runs.max_kv_len, contiguous, _pow2(own_len))
+        shape_key = (bs, num_groups, num_rows, max_rows, max_kv, contiguous, _pow2(own_len))
         shape = self._shapes.get(shape_key)
         if shape is None:       # the kernels' launch choice for this size class (device syncs: only here)
             if len(self._shapes) > 256:
                 self._shapes.clear()
             # own KV length rounded up to a power of two, so that a growing suffix rarely changes the key
             own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
-            host = (CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, shape_key[-1]) if runs is not None
+            host = (CascadeHost(runs.host_rows, runs.host_indptr, host_lens, shape_key[-1]) if runs is not None
                     else CascadeHost((), (0,), (), shape_key[-1]))
+            groups = _groups(runs, self.device) if runs is not None else self._no_groups
             shape = self._shapes[shape_key] = self._one_split_unbounded(plan_cascade(
                 *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
                 kv_contiguous=contiguous, host=host, **self.heads))
-        caps = (_pow2(groups[4].numel()), _pow2(groups[1].numel()), _pow2(groups[3].numel()))
+        caps = (_pow2(num_groups), _pow2(num_rows), _pow2(num_pages))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
         fresh = False
         if g is None:
             seen = self._misses[key] = self._misses.get(key, 0) + 1
-            need = _Need(runs is not None, (runs.max_rows if runs is not None else 0) * self._group,
-                         runs.max_kv_len if runs is not None else 0, own_len, contiguous)
+            need = _Need(runs is not None, max_rows * self._group, max_kv, own_len, contiguous)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
             if g is None:
                 fresh = True
@@ -199,9 +220,9 @@ class DecodeGraphs:
                     self._misses.clear()
             else:
                 self.fallbacks += 1
-        self._fill_rows(g, ids, batch, kv_start)
+        self._fill_rows(g, step)
         if g.runs is not runs or g.num != num or fresh:
-            self._fill_groups(g, groups, runs.host_rows if runs is not None else (), num)
+            self._fill_groups(g, runs, num)
             g.runs = runs
         if fresh:
             start = time.perf_counter()
@@ -256,68 +277,79 @@ class DecodeGraphs:
         num_groups, num_rows, num_pages = caps
         i32 = dict(dtype=torch.int32, device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
-        seq_lens = torch.zeros(bs, **i32)
+        stride = -(-bs // 4) * 4                # every row of the blocks starts 16-byte aligned
+        rows64 = torch.zeros(4, stride, **i64)
+        rows64[1].fill_(self.scratch_slot)
+        rows32 = torch.zeros(3, stride, **i32)
+        positions, out_slots, rope_delta = rows64[0, :bs], rows64[1, :bs], rows64[2, :bs]
+        prefix_lens, seq_lens, kv_start = rows32[0, :bs], rows32[1, :bs], rows32[2, :bs]
         page_table = torch.zeros(bs, self.max_pages, **i32)
         batch = ForwardBatch(
             page_size=self.kv_cache.page_size, q_indptr=torch.arange(bs + 1, **i32),
-            prefix_lens=torch.zeros(bs, **i32), seq_lens=seq_lens, page_table=page_table,
-            positions=torch.zeros(bs, **i64), out_slots=torch.full((bs,), self.scratch_slot, **i64),
+            prefix_lens=prefix_lens, seq_lens=seq_lens, page_table=page_table,
+            positions=positions, out_slots=out_slots,
             logits_indices=torch.arange(bs, **i64), max_q_len=1,
             max_seq_len=self.max_pages * self.kv_cache.page_size, num_decodes=bs,
-            rope_delta=torch.zeros(bs, **i64))      # modular rows rotate by position + delta; others add 0
-        kv_start = torch.zeros(bs, **i32)
+            rope_delta=rope_delta)      # modular rows rotate by position + delta; others add 0
         nnz = num_rows * shape.shared_splits + bs * shape.own_splits
+        layout = _GroupLayout.of(num_groups + 1, num_rows, num_groups + 1, num_pages, num_groups, bs + 1,
+                                 max(nnz, 1))
+        groups32 = torch.zeros(layout.total, **i32)
+        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, merge_indptr, merge_part_ids = layout.views(groups32)
         plan = dataclasses.replace(   # the size class's launch shape over fixed, padded tensors
-            shape, q_indptr=torch.zeros(num_groups + 1, **i32), q_rows=torch.zeros(num_rows, **i32),
-            kv_indptr=torch.zeros(num_groups + 1, **i32), kv_pages=torch.zeros(num_pages, **i32),
-            kv_lens=torch.zeros(num_groups, **i32), page_table=page_table, kv_start=kv_start, kv_end=seq_lens,
-            merge_indptr=torch.zeros(bs + 1, **i32), merge_part_ids=torch.zeros(max(nnz, 1), **i32))
-        return _Graph(None, torch.zeros(bs, **i64), batch, kv_start, plan)
+            shape, q_indptr=q_indptr, q_rows=q_rows, kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens,
+            page_table=page_table, kv_start=kv_start, kv_end=seq_lens, merge_indptr=merge_indptr,
+            merge_part_ids=merge_part_ids)
+        return _Graph(None, torch.zeros(bs, **i64), batch, kv_start, plan, rows64, rows32, groups32, layout)
 
-    def _fill_rows(self, g: _Graph, ids: torch.Tensor, batch: ForwardBatch, kv_start: torch.Tensor) -> None:
-        """Per-row inputs, every step; padded rows write the scratch slot and attend nothing."""
-        num, width = batch.num_requests, batch.page_table.shape[1]
-        sb = g.batch
-        if g.dirty > num:             # rows a larger batch used become padding again
-            for pad, value in ((g.ids, 0), (sb.positions, 0), (sb.out_slots, self.scratch_slot),
-                               (sb.prefix_lens, 0), (sb.seq_lens, 0), (g.kv_start, 0)):
-                pad[num:g.dirty].fill_(value)
-        g.dirty = num
-        if batch.rope_delta is not None:
-            if g.deltas:
-                sb.rope_delta[num:].zero_()
-            sb.rope_delta[:num].copy_(batch.rope_delta)
-            g.deltas = True
-        elif g.deltas:
-            sb.rope_delta.zero_()
-            g.deltas = False
-        g.ids[:num].copy_(ids)
-        sb.positions[:num].copy_(batch.positions)
-        sb.out_slots[:num].copy_(batch.out_slots)
-        sb.prefix_lens[:num].copy_(batch.prefix_lens)
-        sb.seq_lens[:num].copy_(batch.seq_lens)
-        sb.page_table[:num, :width].copy_(batch.page_table)
-        g.kv_start[:num].copy_(kv_start)
+    def _fill_rows(self, g: _Graph, step: GraphStep) -> None:
+        """Per-row inputs, every step, in one upload (both blocks, padded rows included: they write the
+        scratch slot and attend nothing), then the rows' page lists gathered from ``step.table``."""
+        num, stride = step.num, g.rows64.shape[1]
+        zeros, pad = self._zeros, stride - num
+        positions = array("q", step.positions)
+        host = array("q")
+        for values, padding in ((positions, zeros), (step.slots, self._scratch), (step.rope_delta, zeros),
+                                (step.page_rows, zeros), (positions, zeros),
+                                (array("q", [p + 1 for p in positions]), zeros), (step.kv_start, zeros)):
+            host += zeros[:num] if values is None else values if isinstance(values, array) else array("q", values)
+            host += padding[:pad]
+        if step.ids is None:                                         # token rows: [num] after the blocks
+            host += step.token_rows if isinstance(step.token_rows, array) else array("q", step.token_rows)
+        dev = to_device(host, torch.int64, self.device)            # [7 * stride (+ num)]
+        g.rows64.view(-1).copy_(dev[:4 * stride])
+        g.rows32.view(-1).copy_(dev[4 * stride:7 * stride])         # int64 -> int32
+        width = step.width
+        g.batch.page_table[:num, :width].copy_(step.table[:, :width].index_select(0, g.rows64[3, :num]))
+        if step.ids is None:
+            torch.index_select(step.tokens, 0, dev[7 * stride:], out=g.ids[:num])
+        else:
+            g.ids[:num].copy_(step.ids)
 
-    def _fill_groups(self, g: _Graph, groups: tuple[torch.Tensor, ...], host_rows: tuple[int, ...],
-                     num: int) -> None:
-        """The shared runs and the merge index: only when the step's runs or batch size changed."""
-        p = g.plan
-        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens = groups
-        num_groups, rows = kv_lens.numel(), q_rows.numel()
-        p.q_indptr[:num_groups + 1].copy_(q_indptr)
-        p.q_indptr[num_groups + 1:].fill_(rows)            # padded groups: no rows ...
-        p.kv_indptr[:num_groups + 1].copy_(kv_indptr)
-        p.kv_indptr[num_groups + 1:].fill_(kv_pages.numel())
-        p.kv_lens[:num_groups].copy_(kv_lens)
-        p.kv_lens[num_groups:].zero_()                     # ... and no KV
-        p.q_rows[:rows].copy_(q_rows)
-        p.kv_pages[:kv_pages.numel()].copy_(kv_pages)
-        indptr, part_ids = merge_index(host_rows, g.batch.num_requests, p.shared_splits, p.own_splits,
-                                       rows_cap=p.q_rows.numel())
-        index = torch.from_numpy(np.concatenate((indptr, part_ids))).to(self.device, non_blocking=True)
-        p.merge_indptr.copy_(index[:len(indptr)])
-        p.merge_part_ids[:len(part_ids)].copy_(index[len(indptr):])
+    def _fill_groups(self, g: _Graph, runs: SharedRuns | None, num: int) -> None:
+        """The shared runs and the merge index, in one upload: only when the step's runs or row count
+        changed. Padded groups have no rows and no KV."""
+        p, lay = g.plan, g.layout
+        host = np.zeros(lay.total, dtype=np.int32)
+        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, merge_indptr, merge_parts = lay.views(host)
+        rows: tuple[int, ...] = ()
+        if runs is not None:
+            rows, groups, pages = runs.host_rows, len(runs.host_kv_lens), len(runs.host_pages)
+            q_indptr[:groups + 1] = runs.host_indptr
+            q_indptr[groups + 1:] = len(rows)
+            q_rows[:len(rows)] = rows
+            kv_indptr[:groups + 1] = runs.host_kv_indptr
+            kv_indptr[groups + 1:] = pages
+            kv_pages[:pages] = runs.host_pages
+            kv_lens[:groups] = runs.host_kv_lens
+        indptr, part_ids = merge_index(rows, g.batch.num_requests, p.shared_splits, p.own_splits,
+                                       rows_cap=len(q_rows))
+        merge_indptr[:] = indptr
+        merge_parts[:len(part_ids)] = part_ids
+        if g.groups32.is_cuda:
+            upload(host, torch.int32, self.device, out=g.groups32)
+        else:
+            g.groups32.copy_(torch.from_numpy(host))
         g.num = num
 
     # -- capture / replay --------------------------------------------------------------------------
@@ -346,6 +378,27 @@ class DecodeGraphs:
             g.logits = self._forward(g)
         else:
             g.graph.replay()
+
+
+class _GroupLayout(NamedTuple):
+    """Where a graph's cascade index tensors lie in its one int32 block, in this order: q_indptr, q_rows,
+    kv_indptr, kv_pages, kv_lens, merge_indptr, merge_part_ids; each starts 16-byte aligned."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, *sizes: int) -> _GroupLayout:
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // 4) * 4
+        return cls(tuple(offsets), sizes, max(at, 1))
+
+    def views(self, block):
+        """The seven views of ``block`` (a device tensor or a host numpy array of ``total`` int32)."""
+        return [block[o:o + n] for o, n in zip(self.offsets, self.sizes)]
 
 
 class _Need(NamedTuple):

@@ -52,6 +52,7 @@ from radixrelay.worker.protocol import positions_of
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
+from radixrelay.worker.graph_step import GraphStep
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 
@@ -333,12 +334,18 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
                  input_ids: list[int], events) -> torch.Tensor:
-        """logits of the step's rows: the batch packed on the host, then a decode graph, piecewise graphs
-        or the eager model."""
+        """logits of the step's rows: a decode graph (small extends as its rows, or decodes), else the batch
+        packed on the host for piecewise graphs or the eager model."""
         if self._small_extends(plan, extends, decoding):
             logits = self._forward_rows(plan, extends, decoding, input_ids, events)
             if logits is not None:
                 return logits
+        elif not extends and self.graphs is not None:
+            logits = self._forward_decode_graph(plan, decoding, events)
+            if logits is not None:
+                return logits
+        if self.graphs is not None:
+            self.graphs.forget()
         decodes = self._decode_rows(plan.decodes, decoding)
         batch = self._batch(plan, extends, decodes)
         rope_delta = self._rope_delta(plan, decoding)
@@ -352,16 +359,30 @@ class ModelRunner:
             ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
         if events is not None:
             events[0].record()
-        if self.graphs is not None and self.graphs.fits(batch):
-            self.graph_replays += 1
-            return self.graphs.run(ids, batch, rids=plan.decodes)              # [num_rows, V]
-        if self.graphs is not None:
-            self.graphs.forget()
         if self.piecewise is not None and self.piecewise.fits(batch):
             self.graph_replays += 1
             return self.piecewise.run(ids, batch)
         self.eager_steps += 1
         return self.model(ids, batch, self.kv_cache, self.backend)
+
+    def _forward_decode_graph(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
+        """logits of a decode-only step on a decode graph (None when it does not fit one). Host work is
+        O(rows): positions, slots and page-table rows as flat lists, one upload (``DecodeGraphs.run``)."""
+        table, page_rows, width = self._page_table.rows(plan.decodes)
+        if not self.graphs.fits(len(decoding), width):
+            return None
+        rows = self._decode_rows(plan.decodes, decoding)
+        runs = kv_start = None
+        if plan.cascade is not None:
+            runs = self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of)
+            kv_start = self._decode_runs.own_start
+        tokens, token_rows = self._tokens.rows(plan.decodes)
+        step = GraphStep(None, rows.positions, rows.slots, table, page_rows, width, kv_start=kv_start, runs=runs,
+                         rope_delta=self._rope_delta(plan, decoding), tokens=tokens, token_rows=token_rows)
+        if events is not None:
+            events[0].record()
+        self.graph_replays += 1
+        return self.graphs.run(step, rids=plan.decodes)              # [num_rows, V]
 
     def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
         """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
@@ -382,8 +403,9 @@ class ModelRunner:
         Each extend token is a decode row at its position, attending [0, position] of its request: every
         layer stores all rows' K/V before attention, so a token sees those before it in the same step
         (causal). An extend after a long cached prefix reads those whole pages as a shared run, once for
-        all of its rows; the run's host length is rounded up (``_round_length``), so that prompts of
-        other lengths share the launch shape and the graph (a split past a run's end reads nothing)."""
+        all of its rows; the launch is planned for the run's length rounded up (``graph_step.round_length``),
+        so that prompts of other lengths share the launch shape and the graph (a split past a run's end
+        reads nothing)."""
         ps = self.page_size
         positions: list[int] = []
         slots: list[int] = []
@@ -405,25 +427,19 @@ class ModelRunner:
                 picks.append(len(positions) - 1)
         decodes = self._decode_rows(plan.decodes, decoding)
         picks.extend(range(len(positions), len(positions) + len(plan.decodes)))
-        shared = build_shared_runs(runs, self.device)
-        if shared is not None:
-            rounded = tuple(map(_round_length, shared.host_kv_lens))
-            shared = dataclasses.replace(shared, host_kv_lens=rounded, max_kv_len=max(rounded))
-        batch = build_forward_batch(
-            [], ps, self.device, page_table=self._page_table.gather(keys + plan.decodes),
-            kv_start=kv_start + [0] * len(plan.decodes) if shared is not None else None, decode_runs=shared,
-            decodes=DecodeRows(positions + list(decodes.positions), slots + list(decodes.slots)))
-        if not self.graphs.fits(batch):
+        table, page_rows, width = self._page_table.rows(keys + plan.decodes)
+        if not self.graphs.fits(len(positions) + len(plan.decodes), width):
             return None
-        rope_delta = self._rope_delta(plan, decoding)      # the same order: extend tokens, then decodes
-        if rope_delta is not None:
-            batch = dataclasses.replace(batch, rope_delta=to_device(rope_delta, torch.int64, self.device))
         ids = to_device(input_ids, torch.int64, self.device)
         if plan.decodes:
             ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
+        shared = build_shared_runs(runs, self.device)
+        step = GraphStep(ids, positions + list(decodes.positions), slots + list(decodes.slots), table, page_rows,
+                         width, kv_start=kv_start + [0] * len(plan.decodes) if shared is not None else None,
+                         runs=shared, rope_delta=self._rope_delta(plan, decoding), round_runs=True)
         if events is not None:
             events[0].record()
-        logits = self.graphs.run(ids, batch)                # no rids: the next step cannot advance this one
+        logits = self.graphs.run(step)                      # no rids: the next step cannot advance this one
         self.graph_replays += 1
         self.extend_row_steps += 1
         return logits.index_select(0, to_device(picks, torch.int64, self.device))
@@ -488,13 +504,6 @@ class ModelRunner:
 
     def _pages_of(self, rid: int) -> list[int]:
         return self._table[rid].pages
-
-
-def _round_length(n: int) -> int:
-    """``n`` rounded up to 4 significant bits (8 classes per power of two): a launch shape planned for
-    the rounded length leaves less than 1/8 of its splits past the real end idle."""
-    shift = max(n.bit_length() - 4, 0)
-    return -(-n >> shift) << shift
 
 
 def _params_of(res: _Resident) -> SamplingParams:

@@ -99,36 +99,59 @@ class SamplingTensors:
     def from_rows(
         cls,
         params: Sequence[SamplingParams],
-        num_outputs: Sequence[int],
+        num_outputs: Sequence[int] | Callable[[int], int],
         penalties: PenaltyTensors | None,
         *,
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingTensors:
-        """``num_outputs[i]``: tokens row i has sampled before this step (its seeded stream's
-        position); ``penalties``: the rows' penalty state, kept on the device by the caller. O(batch),
-        no device sync."""
-        if len(params) != len(num_outputs):
+        """``num_outputs[i]`` (or ``num_outputs(i)``, read for seeded rows only): tokens row i has sampled
+        before this step (its seeded stream's position); ``penalties``: the rows' penalty state, kept on
+        the device by the caller. O(batch), no device sync; an all-greedy batch copies nothing to the
+        device (the draw's parameters are not read)."""
+        if not callable(num_outputs) and len(params) != len(num_outputs):
             raise ValueError("from_rows: params and num_outputs differ in length")
+        outputs = num_outputs if callable(num_outputs) else num_outputs.__getitem__
+        num_logprobs = tuple(p.logprobs for p in params)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            ones, column = _constant_rows(len(params), device)
+            return cls(greedy=ones, all_greedy=True, temperatures=column, top_k=None, top_p=None, min_p=None,
+                       penalties=penalties, step_seeds=(None,) * len(params), num_logprobs=num_logprobs)
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device).unsqueeze(1)
 
-        greedy = [p.greedy for p in params]
         seeded = any(p.seed is not None for p in params)
         return cls(
             greedy=to_device(greedy, torch.bool, device),
-            all_greedy=all(greedy),
+            all_greedy=False,
             temperatures=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
             top_k=(column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
                    if any(0 < p.top_k < vocab_size for p in params) else None),
             top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
             penalties=penalties,
-            step_seeds=(tuple(None if p.seed is None or g else step_seed(p.seed, n)
-                              for p, g, n in zip(params, greedy, num_outputs)) if seeded else (None,) * len(params)),
-            num_logprobs=tuple(p.logprobs for p in params),
+            step_seeds=(tuple(None if p.seed is None or g else step_seed(p.seed, outputs(i))
+                              for i, (p, g) in enumerate(zip(params, greedy)))
+                        if seeded else (None,) * len(params)),
+            num_logprobs=num_logprobs,
         )
+
+
+_CONSTANT_ROWS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constant_rows(n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [n] all True, fp32 [n, 1] all 1.0) on ``device``: views of tensors made once per device
+    (grown by doubling), never written to."""
+    device = torch.device(device)
+    have = _CONSTANT_ROWS.get(device)
+    if have is None or have[0].shape[0] < n:
+        size = max(n, 2 * have[0].shape[0] if have is not None else 256)
+        have = _CONSTANT_ROWS[device] = (torch.ones(size, dtype=torch.bool, device=device),
+                                         torch.ones(size, 1, dtype=torch.float32, device=device))
+    return have[0][:n], have[1][:n]
 
 
 class SamplingTensorsCache:
@@ -152,7 +175,7 @@ class SamplingTensorsCache:
         if (base is None or vocab_size != self._vocab_size or len(owners) != len(self._owners)
                 or not all(map(is_, owners, self._owners))):
             params = [params_of(o) for o in owners]
-            base = self._base = SamplingTensors.from_rows(params, [outputs_of(o) for o in owners], penalties,
+            base = self._base = SamplingTensors.from_rows(params, lambda i: outputs_of(owners[i]), penalties,
                                                           vocab_size=vocab_size, device=device)
             self._owners, self._vocab_size = list(owners), vocab_size
             self._seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy]

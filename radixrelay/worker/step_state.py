@@ -125,6 +125,13 @@ class ResidentTokens:
             rows, tokens = _index([r for r, _ in pending] + [t for _, t in pending], self.device).view(2, -1)
             self.last.index_copy_(0, rows, tokens)
 
+    def rows(self, keys: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        """(int64 [rows] newest token per row, every queued write made; each key's row): for a caller that
+        gathers them itself (CUDA graphs: into their own buffer, with their other per-row inputs)."""
+        self._flush()
+        row = self._rows.row
+        return self.last, [row[k] for k in keys]
+
     def newest(self, keys: Sequence[int]) -> torch.Tensor:
         """int64 [len(keys)]: each request's newest token, on the device."""
         self._flush()

@@ -52,11 +52,13 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
                  chunked_prefill_tokens: int = 8192, graph_max_batch: int = 0,
                  long_prefix_tokens: int | None = None,
                  modular: dict[int, tuple[list[ModuleSpan], list[tuple[int, int]]]] | None = None,
-                 small_extend_rows: int | None = None) -> Result:
+                 small_extend_rows: int | None = None, arrive_every: int | None = None) -> Result:
     """``graph_max_batch`` > 0: decode steps through ``DecodeGraphs`` (Triton backend; eager on the CPU).
     ``max_tokens``: for every request, or per rid. ``modular``: rid -> (module spans, rope runs) of the
     requests whose prompt is modular (``Scheduler.add_request``). ``small_extend_rows``: extend tokens a
-    step may run as decode-graph rows (None: the runner's default; 0: never)."""
+    step may run as decode-graph rows (None: the runner's default; 0: never). ``arrive_every``: the next
+    wave arrives this many steps after the previous one (requests join and leave a running batch); None:
+    once the previous one has finished."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     sched_cfg = SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size,
@@ -84,20 +86,25 @@ def run_workload(model: LlamaForCausalLM, waves: list[Wave], *, mode: str, max_t
         runner.small_extend_rows = small_extend_rows
     runner.sampler = recorder = RecordingSampler(runner.sampler)
     result = Result(planner=planner, graphs=graphs, runner=runner)
-    for wave in waves:
-        for rid, prompt in wave:
-            limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
-            spans, rope_runs = (modular or {}).get(rid, (None, None))
-            sched.add_request(rid, prompt, SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True),
-                              modules=spans, rope_runs=rope_runs)
-        while sched.has_work():
-            plan = sched.schedule()
-            out = runner.step(plan)
-            assert out.error is None, out.error
-            result.plans.append(plan)
-            result.logits.append(dict(zip(out.rids, recorder.last)) if out.rids else {})
-            recorder.last = None
-            for update in sched.process_output(out):
-                result.tokens.setdefault(update.rid, []).extend(update.token_ids)
-            sched.check_integrity()
+    pending = list(waves)
+    since = 0                                   # steps since the last wave arrived
+    while pending or sched.has_work():
+        if pending and (not sched.has_work() or (arrive_every is not None and since >= arrive_every)):
+            for rid, prompt in pending.pop(0):
+                limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
+                spans, rope_runs = (modular or {}).get(rid, (None, None))
+                sched.add_request(rid, prompt, SamplingParams(max_tokens=limit, temperature=0, ignore_eos=True),
+                                  modules=spans, rope_runs=rope_runs)
+            since = 0
+        plan = sched.schedule()
+        assert plan is not None
+        since += 1
+        out = runner.step(plan)
+        assert out.error is None, out.error
+        result.plans.append(plan)
+        result.logits.append(dict(zip(out.rids, recorder.last)) if out.rids else {})
+        recorder.last = None
+        for update in sched.process_output(out):
+            result.tokens.setdefault(update.rid, []).extend(update.token_ids)
+        sched.check_integrity()
     return result

@@ -79,8 +79,24 @@ def test_rebuilt_on_new_plan_order_or_member_release(split):
     pages[rids[2]] = list(SHARED) + [300]            # a new list with the same run: accepted
     cache.release(rids[2])
     runs = cache.get(plan, order, pages.__getitem__)
-    assert runs is not last
+    assert runs is last                              # checked again, found equal: the same device tensors
     same_runs(runs, plan, order, pages, split)
+
+
+def test_a_member_replaced_in_its_row_keeps_the_tensors():
+    """A request leaves and another with the same run takes its row (churn under one shared prompt): the
+    plan is new and checked, but its runs equal the last ones, so their device tensors (and a graph's
+    group buffers, kept by identity) are kept."""
+    pages = table(5)
+    cache = DecodeRunsCache(PS, "cpu")
+    first = cache.get(one_group([0, 1, 2]), [0, 1, 2], pages.__getitem__)
+    pages[9] = list(SHARED) + [301]
+    cache.release(1)
+    again = cache.get(one_group([0, 9, 2]), [0, 9, 2], pages.__getitem__)
+    assert again is first and cache.builds == 2
+    moved = cache.get(one_group([0, 9]), [0, 9, 2], pages.__getitem__)      # fewer rows: new tensors
+    assert moved is not first
+    same_runs(moved, one_group([0, 9]), [0, 9, 2], pages)
 
 
 def test_a_new_lead_member_is_compared_with_runs_checked_before():

@@ -105,6 +105,28 @@ def test_decode_graph_buffers(llama32):
         assert_same(off, got, atol=2e-3)
 
 
+def test_changing_batches_on_decode_graphs(llama32):
+    """Requests join and leave a running batch (a pair arrives every 2 steps; each stops after its own
+    number of tokens): decode steps whose rows changed refill the graph's rows and groups from the host
+    (positions, slots, page-table rows in one upload), with and without cascade, and match eager."""
+    rng = random.Random(13)
+    system = [rng.randrange(CFG.vocab_size) for _ in range(8)]
+    waves = [[(1000, system)]] + [[(10 * w + i, system + [rng.randrange(CFG.vocab_size) for _ in range(1 + w + i)])
+                                   for i in range(2)] for w in range(1, 5)]
+    limits = {rid: 3 + (7 * rid) % 6 for wave in waves for rid, _ in wave}
+    off = run_workload(llama32, waves, mode="off", max_tokens=limits, arrive_every=2)
+    for mode in ("off", "on"):
+        got = run_workload(llama32, waves, mode=mode, max_tokens=limits, backend=make_backend("triton", "cpu"),
+                           graph_max_batch=8, arrive_every=2)
+        changed = [b for a, b in zip(got.plans, got.plans[1:]) if a.decodes and b.decodes and a.decodes != b.decodes
+                   and not b.extends]
+        assert len(changed) >= 2                   # decode-only steps after another set of rows
+        assert got.runner.graph_replays >= len(changed)
+        if mode == "on":
+            assert got.planner.counters.cascade_steps > 0
+        assert_same(off, got, atol=2e-3)
+
+
 def test_shrinking_batch_runs_on_a_covering_graph(llama32):
     """Requests finishing one after another shrink the batch into smaller buckets: those steps run on the
     larger graph already captured (padded rows attend nothing), with the unpadded result, and capture
