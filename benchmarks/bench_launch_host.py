@@ -189,6 +189,11 @@ def instrument(timers: Timers, graphs: bool) -> None:
     if hasattr(ModelRunner, "_advance"):
         timers.wrap(ModelRunner, "_advance", "ModelRunner._advance")
     timers.wrap(ModelRunner, "_batch", "ModelRunner._batch")
+    if hasattr(ModelRunner, "_forward_decode_graph"):       # a changed batch onto a decode graph
+        timers.wrap(ModelRunner, "_forward_decode_graph", "ModelRunner._forward_decode_graph")
+        timers.wrap(ModelRunner, "_decode_rows", "  ModelRunner._decode_rows")
+        timers.wrap(metadata.DevicePageTable, "rows", "  DevicePageTable.rows")
+        timers.wrap(step_state.ResidentTokens, "rows", "  ResidentTokens.rows")
     timers.wrap(model_runner, "build_forward_batch", "  build_forward_batch")
     timers.wrap(metadata.DevicePageTable, "gather", "  DevicePageTable.gather")
     timers.wrap(cascade_batch.DecodeRunsCache, "get", "  DecodeRunsCache.get")

@@ -22,6 +22,7 @@ prefix per query tile). One level: sets are keyed by their first page. Work is O
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import is_
 
 from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs, consecutive
 from radixrelay.cascade.cost import CostModel
@@ -85,14 +86,13 @@ def _decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesO
             holders = next((by for run, by in known if run == pages), {})
         if g.start % page_size or len(pages) != hi - lo:
             raise ValueError(f"cascade group at {g.start}+{g.num_tokens}: not page aligned or past the pages")
-        found: dict[int, Sequence[int]] = {}
-        for rid in g.rids:
-            mine = pages_of(rid)
-            if holders.get(rid) is not mine and mine[lo:hi] != pages:
-                raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
-            found[rid] = mine
-        now.setdefault((lo, hi), []).append((pages, found))
-        run = SharedRun([index[rid] for rid in g.rids], pages, g.num_tokens)
+        mine = list(map(pages_of, g.rids))
+        if not all(map(is_, map(holders.get, g.rids), mine)):      # some not found holding it before
+            for rid, theirs in zip(g.rids, mine):
+                if holders.get(rid) is not theirs and theirs[lo:hi] != pages:
+                    raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
+        now.setdefault((lo, hi), []).append((pages, dict(zip(g.rids, mine))))
+        run = SharedRun(list(map(index.__getitem__, g.rids)), pages, g.num_tokens)
         runs.extend(split_at_page_breaks(run, page_size, min_piece_pages) if split_pages else [run])
     return runs, now
 
