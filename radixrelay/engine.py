@@ -182,25 +182,31 @@ class Engine:
                 raise ValueError(f"prompt against schema {prompt_schema} ends at position {end}; + max_tokens "
                                  f"({params.max_tokens}) exceeds the model's context of {self.max_context} tokens")
             return composed
+        ids: list[int] | np.ndarray
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        else:                   # checked in numpy: a long prompt is not a Python loop per token
-            try:
-                arr = np.fromiter(prompt, dtype=np.int64)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"prompt token ids must be integers: {exc}") from None
-            if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-                bad = arr[(arr < 0) | (arr >= self.vocab_size)][:5].tolist()
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad}")
-            ids = arr.tolist()
-        if not ids:
+        else:                   # checked in numpy and kept as the array: sent packed, no int per token
+            ids = self._checked_ids(prompt)
+        if not len(ids):
             raise ValueError("empty prompt")
         if len(ids) + params.max_tokens > self.max_context:
             if self._truncation is None or params.max_tokens >= self.max_context:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                  f"model's context of {self.max_context} tokens")
-            return self._truncation.apply(ids, params.max_tokens)
+            return self._truncation.apply(ids if isinstance(ids, list) else ids.tolist(), params.max_tokens)
         return Truncated(ids)
+
+    def _checked_ids(self, prompt: Sequence[int]) -> np.ndarray:
+        """``prompt`` as int64 [n], every id in ``[0, vocab_size)`` (else ValueError); a long prompt is
+        not a Python loop per token."""
+        try:
+            arr = np.fromiter(prompt, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"prompt token ids must be integers: {exc}") from None
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = arr[(arr < 0) | (arr >= self.vocab_size)][:5].tolist()
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad}")
+        return arr
 
     def _submit(self, prompt: Truncated | ComposedPrompt, params: SamplingParams, cache_salt: str | None) -> int:
         rid = next(self._rids)

@@ -22,12 +22,14 @@ paid to the dropped tokens when it was computed; that is the approximation the p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Truncated:
-    ids: list[int]                      # the prompt to serve (the original when nothing was dropped)
+    ids: Sequence[int]                  # the prompt to serve (the original when nothing was dropped): a list,
+                                        # or the Engine's validated numpy array of ids (sent packed)
     dropped: int = 0                    # tokens dropped after the head
     shifted_prefix: list[int] = field(default_factory=list)   # dropped since the previous point
     shifted_at: int = 0                 # where ``shifted_prefix`` was (the kept head's length)

@@ -29,7 +29,7 @@ from radixrelay.worker.protocol import StepOutput, StepPlan, TokenLogprobs
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     rid: int
-    token_ids: list[int]
+    token_ids: list[int] | bytes      # bytes: int32 little-endian, packed (runtime/token_ids.py)
     sampling: SamplingParams
     cache_salt: str | None = None
     shifted_prefix: list[int] = []    # truncated prompt: see Scheduler.add_request

@@ -45,6 +45,7 @@ from radixrelay.runtime.messages import (
     StatsRequest, TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone,
     WorkerStop, encoder,
 )
+from radixrelay.runtime.token_ids import TokenTable
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import RequestUpdate
 from radixrelay.scheduler.scheduler import Scheduler
@@ -57,7 +58,7 @@ logger = logging.getLogger("radixrelay.scheduler")
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
                  frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
-                 worker_out: zmq.Socket) -> None:
+                 worker_out: zmq.Socket, vocab_size: int = 0) -> None:
         self.scheduler = scheduler
         self.planner = planner            # installed in the scheduler; kept here for its counters
         self.args = args
@@ -68,6 +69,7 @@ class SchedulerLoop:
         self._frontend_msgs = FrameDecoder(FrontendMessage, "frontend -> scheduler", logger)
         self._worker_msgs = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
         self._live: dict[int, _Pending] = {}
+        self._tokens = TokenTable(vocab_size)   # packed prompt ids -> lists of shared int objects
         self.depth = 1 if args.config.disable_overlap else 2
         self._stopping = False
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
@@ -217,10 +219,11 @@ class SchedulerLoop:
 
         if req.rid in self._live:
             return reject("invalid", f"request id {req.rid} is already live")
-        if self.scheduler.stats().num_waiting >= self.max_queued:
+        if self.scheduler.num_waiting >= self.max_queued:
             return reject("queue_full", f"the queue is full ({self.max_queued} waiting requests)")
         try:
-            self.scheduler.add_request(req.rid, req.token_ids, req.sampling, req.cache_salt,
+            token_ids = self._tokens.unpack(req.token_ids)
+            self.scheduler.add_request(req.rid, token_ids, req.sampling, req.cache_salt,
                                        req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs)
         except ValueError as exc:
             return reject("invalid", str(exc))
@@ -322,7 +325,8 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         return 1
     frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
                                           ready.vocab_size)))
-    return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out).run()
+    return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
+                         ready.vocab_size).run()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import itertools
 import time
 from collections import deque
 
+import numpy as np
 import zmq
 
 from radixrelay.config import EngineConfig
@@ -18,6 +19,7 @@ from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.runtime.async_client import WATCH_INTERVAL
 from radixrelay.runtime.client import RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
+from radixrelay.runtime.token_ids import pack_token_ids
 from radixrelay.runtime.messages import (
     AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
     RuntimeMessage, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply, StatsRequest,
@@ -49,12 +51,13 @@ class SyncRuntimeClient:
             self._processes.stop(0.0)
             raise
 
-    def submit(self, rid: int, token_ids: list[int], sampling: SamplingParams,
+    def submit(self, rid: int, token_ids: list[int] | np.ndarray, sampling: SamplingParams,
                cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
                shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
                rope_runs: list[tuple[int, int]] | None = None) -> None:
-        self._send(GenerateRequest(rid, token_ids, sampling, cache_salt, shifted_prefix or [], shifted_at,
-                                   modules or [], rope_runs or []))
+        """``token_ids``: a numpy integer array is sent packed (``runtime/token_ids.py``)."""
+        self._send(GenerateRequest(rid, pack_token_ids(token_ids), sampling, cache_salt, shifted_prefix or [],
+                                   shifted_at, modules or [], rope_runs or []))
 
     def abort(self, rid: int) -> None:
         self._send(AbortRequest(rid))

@@ -167,6 +167,11 @@ class Scheduler:
         return bool(self._requests) or self.cache.tiers_busy()
 
     @property
+    def num_waiting(self) -> int:
+        """Queued requests (``stats().num_waiting`` without building the stats)."""
+        return len(self._waiting)
+
+    @property
     def num_in_flight(self) -> int:
         """Steps planned whose output has not been processed yet."""
         return len(self._inflight)

@@ -48,8 +48,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Output ids follow the last few prompt ids, which are decoded but never emitted. A prompt
-        # that ends inside a character gives no clean boundary: those ids are left out.
-        self._window: list[int] = list(context_ids[-_CONTEXT_TOKENS:])
+        # that ends inside a character gives no clean boundary: those ids are left out. (int(): the
+        # Engine's prompts are numpy arrays.)
+        self._window: list[int] = list(map(int, context_ids[-_CONTEXT_TOKENS:]))
         while self._window and tokenizer.decode(self._window, skip_special_tokens=self._skip).endswith(
             _REPLACEMENT
         ):
