@@ -1,13 +1,14 @@
 """Host cost of admitting many long prompts through the Engine, on the CPU: the admission half of
 ``bench_engine.py`` (a cached document asked many questions at once) without its decode.
 
-A tiny Llama-shaped dummy model (1 layer, hidden 32, 1 head, 1 KV head, head_dim 8: the CPU's
-attention over the document stays small next to the admission) with Llama-3's vocabulary (128,256 ids, so token ids are as large as the real benchmark's) and a
-word-level tokenizer written here. One Engine: the document is read once (its prefill caches it), a
-warm-up round of questions, then timed rounds of fresh questions (each prompt: the whole document +
-the question's new tokens) with ``max_tokens`` 1: the round is the token ids crossing the processes,
-radix matching, page lists, the questions' small prefill. Reported: the median wall time of a round,
-and the scheduler's and the worker's busy seconds of that round (``Engine.stats()`` deltas).
+A tiny Llama-shaped dummy model (1 layer, hidden 32, 1 head, 1 KV head, head_dim 8: the CPU's attention
+over the document stays small next to the admission) with Llama-3's vocabulary (128,256 ids, so token
+ids are as large as the real benchmark's) and a word-level tokenizer written here. One Engine: the
+document is read once (its prefill caches it), a warm-up round of questions, then timed rounds of fresh
+questions (each prompt: the whole document + the question's new tokens) with ``max_tokens`` 1: the round
+is the token ids crossing the processes, radix matching, page lists, the questions' small prefill.
+Reported: the median wall time of a round, and the scheduler's and the worker's busy seconds of that
+round (``Engine.stats()`` deltas).
 
     python benchmarks/bench_admission.py [--doc 16384] [--questions 256] [--repeats 5]
 """
