@@ -67,6 +67,9 @@ class RadixTree:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self.splits = 0                 # nodes split so far: paths above a split get new node ids
+        # Bumped whenever the cached contents change (a leaf added, pages evicted): a match length
+        # computed at one version holds until the next (splits change nodes, not what matches).
+        self.version = 0
         self._roots: dict[str | None, RadixNode] = {}
         self._evictable_leaves: set[RadixNode] = set()
         self._cached_tokens = 0
@@ -163,6 +166,7 @@ class RadixTree:
         if node is None:
             node = self._roots[salt] = RadixNode(next(self._ids), [], [], None, salt)
         if existing < n:
+            self.version += 1
             leaf = RadixNode(next(self._ids), token_ids[existing:n], pages[existing // ps:], node)
             if not node.children and node.lock_ref == 0:
                 self._evictable_leaves.discard(node)
@@ -214,6 +218,7 @@ class RadixTree:
             self._cached_tokens -= len(leaf.key)
             self._evictable_tokens -= len(leaf.key)
             freed.extend(leaf.pages)
+            self.version += 1
             if parent.children:
                 continue
             if parent.parent is not None:

@@ -9,7 +9,8 @@
   and the node's KV is shared by the whole group (and by one cascade segment at decode).
 
 Cache-aware orders cost one tree walk per queued request, so queues longer than
-``policy_queue_limit`` fall back to FCFS (and a queue of one needs no order: no walk).
+``policy_queue_limit`` fall back to FCFS (and a queue of one needs no order: no walk). lpm keeps each
+request's match until the tree's contents change (``RadixTree.version``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,21 @@ def order_waiting(queue: Sequence[Request], tree: RadixTree, config: SchedulerCo
             or len(queue) > config.policy_queue_limit):
         return queue
     if policy == "lpm":
-        matched = {id(r): tree.peek_prefix(r.token_ids, r.salt, length=len(r.token_ids) - 1)[1]
-                   for r in queue}
+        matched = {id(r): _device_match(r, tree) for r in queue}
         if extend is not None:
             matched = {id(r): m + extend(r, m) for r in queue for m in (matched[id(r)],)}
         return sorted(queue, key=lambda r: -matched[id(r)])
     return _dfs_weight(queue, tree)
+
+
+def _device_match(req: Request, tree: RadixTree) -> int:
+    """Cached tokens of ``req``'s prompt (all but its last token) in ``tree``: walked again only when the
+    tree's contents or the request's tokens (a retracted request's outputs) changed since the last
+    walk, so a queue waiting through steps that insert and evict nothing costs no walks."""
+    key = (tree.version, len(req.token_ids))
+    if req.lpm_match is None or req.lpm_match[:2] != key:
+        req.lpm_match = (*key, tree.peek_prefix(req.token_ids, req.salt, length=len(req.token_ids) - 1)[1])
+    return req.lpm_match[2]
 
 
 def _dfs_weight(queue: Sequence[Request], tree: RadixTree) -> list[Request]:

@@ -75,6 +75,8 @@ class Request:
     shifted_at: int = 0
     shifted_keys: list[bytes] = field(default_factory=list)
     host_hint: tuple[int, int] | None = None    # (device match, host tokens after it): lpm's hint
+    # lpm's device match while waiting: (tree version, len(token_ids), matched tokens) (policy.py)
+    lpm_match: tuple[int, int, int] | None = None
     # -- modular prompt (see the module docstring) ----------------------------------------------
     modules: list[ModuleSpan] = field(default_factory=list)
     rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)
