@@ -8,7 +8,8 @@ document is read once (its prefill caches it), a warm-up round of questions, the
 questions (each prompt: the whole document + the question's new tokens) with ``max_tokens`` 1: the round
 is the token ids crossing the processes, radix matching, page lists, the questions' small prefill.
 Reported: the median wall time of a round, and the scheduler's and the worker's busy seconds of that
-round (``Engine.stats()`` deltas).
+round (``Engine.stats()`` deltas). ``--host-kv-gib`` turns the host KV tier on (as on CUDA by default):
+each question's pages are saved when it finishes, the document's through keys kept on the tree.
 
     python benchmarks/bench_admission.py [--doc 16384] [--questions 256] [--repeats 5]
 """
@@ -60,6 +61,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (medians reported)")
     ap.add_argument("--cascade", default="auto")
+    ap.add_argument("--host-kv-gib", type=float, default=0.0,
+                    help="host-memory KV tier (0: off, the CPU default; CUDA serves with it on): finished "
+                         "requests save their pages, so the round includes the tiers' bookkeeping")
     args = ap.parse_args()
 
     rng = random.Random(0)
@@ -74,7 +78,7 @@ def main() -> None:
     rounds = []
     with tempfile.TemporaryDirectory() as tmp, \
             Engine(model=tiny_model_dir(tmp), load_format="dummy", device="cpu", cascade=args.cascade,
-                   kv_cache_tokens=kv_tokens) as engine:
+                   kv_cache_tokens=kv_tokens, host_kv_gib=args.host_kv_gib) as engine:
         engine.generate([doc + [2]], SamplingParams(max_tokens=1, ignore_eos=True))   # caches the document
         engine.generate(fresh(), params)                                            # warm-up round
         for _ in range(args.repeats):

@@ -49,7 +49,7 @@ def model_dir(path: str, layers: int) -> str:
 
 
 def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Callable[[], list[list[int]]],
-        max_tokens: int, kv_tokens: int, device: str, repeats: int) -> dict:
+        max_tokens: int, kv_tokens: int, device: str, repeats: int, host_kv_gib: float | None = None) -> dict:
     """``repeats`` times: a timed round of fresh questions, then a round of other fresh questions with half
     the output tokens: the difference between the two is decode steps alone (same prefill, same first
     half of the decode). Reported: the round of median wall time, and the median decode step."""
@@ -58,7 +58,7 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Ca
     cascade, _, loop = mode.partition("-")          # e.g. "auto", "off-nooverlap"
     rounds, decode = [], []
     with Engine(model=path, load_format="dummy", device=device, cascade=cascade, kv_cache_tokens=kv_tokens,
-                disable_overlap=loop == "nooverlap") as engine:
+                disable_overlap=loop == "nooverlap", host_kv_gib=host_kv_gib) as engine:
         engine.generate([doc + warmup[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         engine.generate([doc + q for q in warmup], params)
         for _ in range(repeats):
@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run only (use tiny sizes)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (medians reported)")
     ap.add_argument("--log-level", default="warning", help="of the engine's processes (info: graph captures)")
+    ap.add_argument("--host-kv-gib", type=float, default=None,
+                    help="host-memory KV tier (default: the Engine's, on for CUDA; 0: off)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
@@ -128,7 +130,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(tmp, args.layers)
         for mode in args.modes.split(","):
-            rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats))
+            rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
+                            args.host_kv_gib))
             print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",

@@ -160,9 +160,9 @@ class KVTiers:
     def save(self, keys: list[bytes], pages: list[int]) -> int:
         """Copy the pages whose key host memory lacks (``pages[i]`` holds ``keys[i]``); returns how
         many copies were queued. Keys present are marked recently used (the chain's tail least)."""
-        missing = [i for i, key in enumerate(keys) if key not in self._host]
-        self._touch(keys)                  # the chain's own pages are not the victims
-        slots = self._alloc(len(missing))
+        host = self._host
+        missing = [i for i, key in enumerate(keys) if key not in host]
+        slots = self._alloc(len(missing), chain=keys)     # the chain's own pages are not the victims
         self.counters.save_skipped += len(missing) - len(slots)
         for i, slot in zip(missing, slots):
             self._host[keys[i]] = HostEntry(slot, "saving")
@@ -287,19 +287,28 @@ class KVTiers:
     def _touch(self, keys: list[bytes]) -> None:
         """Mark ``keys`` (a chain, root first) used now, the first most recently: evicting from the
         LRU end then takes a chain's tail before its head (a head alone still serves a prefix)."""
+        host, disk = self._host, self._disk
+        to_end = host.move_to_end
+        if not disk:
+            for key in reversed(keys):
+                if key in host:
+                    to_end(key)
+            return
         for key in reversed(keys):
-            if key in self._host:
-                self._host.move_to_end(key)
-            if key in self._disk:
-                self._disk.move_to_end(key)
+            if key in host:
+                to_end(key)
+            if key in disk:
+                disk.move_to_end(key)
 
-    def _alloc(self, n: int, spare: set[bytes] = frozenset()) -> list[int]:
-        """Up to ``n`` free host slots, evicting LRU entries that are neither in flight nor (policy
-        ``scheduler``) protected."""
+    def _alloc(self, n: int, spare: set[bytes] = frozenset(), chain: list[bytes] = ()) -> list[int]:
+        """Up to ``n`` free host slots, evicting LRU entries that are neither in flight, nor in
+        ``spare`` or ``chain``, nor (policy ``scheduler``) protected."""
         if n <= 0:
             return []
         short = n - self._slots.num_free
         if short > 0:
+            if chain:
+                spare = spare | set(chain)
             victims = []
             for key, entry in self._host.items():
                 if len(victims) == short:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 
 class RadixNode:
-    __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt")
+    __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt", "page_keys")
 
     def __init__(self, node_id: int, key: list[int], pages: list[int],
                  parent: RadixNode | None, salt: str | None = None) -> None:
@@ -43,6 +43,9 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0                            # logical clock, larger = more recent
         self.salt = salt                                # meaningful on roots only
+        # Lower KV tiers' content keys of ``pages`` (``radix.page_keys``), once computed; None before.
+        # They name the prefix ending at each page, so they hold as long as the node does.
+        self.page_keys: list[bytes] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -330,6 +333,8 @@ class RadixTree:
         parent.children[tuple(upper.key[:ps])] = upper
         node.key = node.key[at:]
         node.pages = node.pages[at // ps:]
+        if node.page_keys is not None:
+            upper.page_keys, node.page_keys = node.page_keys[: at // ps], node.page_keys[at // ps:]
         node.parent = upper
         upper.children[tuple(node.key[:ps])] = node
         return upper

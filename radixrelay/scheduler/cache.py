@@ -179,6 +179,23 @@ class CacheManager:
         keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
         return keys if len(keys) == num_pages else keys[:num_pages]
 
+    def _path_keys(self, req: Request, node: RadixNode, num_pages: int) -> list[bytes]:
+        """Content keys of the ``num_pages`` pages of the tree path root -> ``node`` (``req``'s first
+        pages), kept on the nodes (``RadixNode.page_keys``): a prefix shared by many requests is
+        hashed once, not once per request that saves through it."""
+        keys: list[bytes] = []
+        prev = self._seed(req)
+        for nd in self.tree.path(node):
+            if nd.page_keys is None:
+                nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
+            keys.extend(nd.page_keys)
+            prev = keys[-1]
+        if len(keys) != num_pages:        # never expected: the path is the pages being saved
+            raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {num_pages}")
+        if len(req.page_keys) < num_pages:
+            req.page_keys = keys[:]
+        return keys
+
     def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
         sequence (``Request.shifted_prefix``, ``radixrelay.radix.truncation``)."""
@@ -336,7 +353,7 @@ class CacheManager:
         until the copy is acknowledged."""
         if self.tiers is None or not pages:
             return
-        keys = self.page_keys(req, len(pages))
+        keys = self._path_keys(req, node, len(pages))
         if self.tiers.save(keys, pages):
             self.tree.lock(node)
             self._save_locks.append(node)

@@ -28,14 +28,20 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from radixrelay.attention import KVCache
+from radixrelay.attention.host_staging import upload
 from radixrelay.model.layers import apply_rope
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 logger = logging.getLogger("radixrelay.worker")
+
+# Pages a save gathers into its staging buffer at a time (2 x STAGE_PAGES pages of one layer: 32 MiB
+# at Llama-3-8B shapes, bf16, pages of 16 tokens).
+STAGE_PAGES = 512
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -68,6 +74,7 @@ class TierStore:
         self._cpu_load_s = self._cpu_exposed_s = 0.0
         # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
         self.rotary = None
+        self._stage: torch.Tensor | None = None     # [2 (K, V), rows, Hkv, D]: scattered saves (_gather_out)
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -164,6 +171,9 @@ class TierStore:
         if save:
             pairs = [(slot, page) for page, slot in pairs]
         runs = list(_runs(pairs))
+        if not self._cuda and save:
+            self._save_runs(pairs)
+            return [None]
         if not self._cuda:
             rotations = self._rotations(shifts)
             for layer in range(self.kv.num_layers):
@@ -180,18 +190,53 @@ class TierStore:
                     if event is not None and not event.query():
                         stream.wait_event(event)
             events = [] if save else [self._record(stream, timing=True)]
-            rotations = self._rotations(shifts)
-            for layer in range(self.kv.num_layers):
-                for slots, pages in runs:
-                    self._copy_run(layer, slots, pages, save)
-                self._rotate(layer, rotations)
-                if not save:
+            if save:
+                self._save_runs(pairs)
+            else:
+                rotations = self._rotations(shifts)
+                for layer in range(self.kv.num_layers):
+                    for slots, pages in runs:
+                        self._copy_run(layer, slots, pages, save)
+                    self._rotate(layer, rotations)
                     events.append(self._record(stream, timing=True))
             done = events[-1] if events else self._record(stream)
             for slots, _ in runs:
                 for slot in slots:
                     self._slot_events[slot] = done
         return events or [done]
+
+    def _save_runs(self, pairs: list[tuple[int, int]]) -> None:
+        """Saves of (host slot, device page) pairs. Pages consecutive on both sides move as plain copies
+        (``_copy_run``); a run of consecutive host slots whose device pages are scattered (a request's
+        decode pages, allocated one at a time) is gathered on the device into a staging buffer, up to
+        ``STAGE_PAGES`` pages at a time, then copied out as one block per layer and K/V: O(layers) copies
+        per run instead of O(layers x pages). The staging buffer is reused in stream order (each gather
+        follows the copy out of the one before it on the same stream)."""
+        for slots, pages in _slot_runs(pairs):
+            direct = list(_runs(list(zip(slots, pages))))
+            if len(direct) <= 2:                # as cheap as a gather: copy straight out
+                for layer in range(self.kv.num_layers):
+                    for run_slots, run_pages in direct:
+                        self._copy_run(layer, run_slots, run_pages, True)
+                continue
+            for at in range(0, len(pages), STAGE_PAGES):
+                chunk = pages[at:at + STAGE_PAGES]
+                self._gather_out(range(slots.start + at, slots.start + at + len(chunk)), chunk)
+
+    def _gather_out(self, slots: range, pages: list[int]) -> None:
+        kv, ps = self.kv, self.kv.page_size
+        n = len(pages) * ps
+        rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+        rows = upload(rows, torch.int64, kv.device) if self._cuda else torch.from_numpy(rows)
+        k = kv.k[0]
+        if self._stage is None or self._stage.shape[1] < n:
+            self._stage = torch.empty((2, STAGE_PAGES * ps) + tuple(k.shape[1:]), dtype=k.dtype, device=kv.device)
+        stage = self._stage[:, :n]
+        host_rows = slice(slots.start * ps, slots.stop * ps)
+        for layer in range(kv.num_layers):
+            for j, cache in enumerate((kv.k[layer], kv.v[layer])):
+                torch.index_select(cache, 0, rows, out=stage[j])
+                self.host[layer, j, host_rows].copy_(stage[j], non_blocking=self._cuda)
 
     def _copy_run(self, layer: int, slots: range, pages: range, save: bool) -> None:
         kv, ps = self.kv, self.kv.page_size
@@ -274,6 +319,18 @@ class TierStore:
         except OSError:
             logger.exception("KV page delete on disk failed")
         return "delete", key, True
+
+
+def _slot_runs(pairs: list[tuple[int, int]]):
+    """(slot, page) pairs -> (range of slots, their pages in slot order), runs of consecutive slots."""
+    pairs = sorted(pairs)
+    i = 0
+    while i < len(pairs):
+        j = i + 1
+        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1:
+            j += 1
+        yield range(pairs[i][0], pairs[j - 1][0] + 1), [page for _, page in pairs[i:j]]
+        i = j
 
 
 def _runs(pairs: list[tuple[int, int]]):

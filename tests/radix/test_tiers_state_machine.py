@@ -691,3 +691,28 @@ def test_protection_ends_with_the_window(policy: str) -> None:
             assert sched.cache.tiers.num_host_entries == 4
     assert finals[1].cached_tokens == 2 * PAGE_SIZE
     assert sched.stats().tier_disk_hit_tokens == 2 * PAGE_SIZE
+
+
+def test_saved_keys_are_kept_on_tree_nodes() -> None:
+    """A save reads the keys of a cached prefix off the tree nodes (computed once, split with them),
+    and they are the chained keys of the tokens: a second request sharing part of the first one's path
+    (its finish splits the first one's node) saves under the same keys the tokens give."""
+    cfg = SchedulerConfig(kv_cache_tokens=64 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    sched = Scheduler(cfg, tiers=KVTiers(host_pages=64))
+    first = [7] * (3 * PAGE_SIZE) + [8] * (3 * PAGE_SIZE) + [1]
+    second = [7] * (3 * PAGE_SIZE) + [9] * (2 * PAGE_SIZE) + [1]
+    for rid, prompt in enumerate((first, second)):
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        plan = sched.schedule()
+        sched.process_output(StepOutput(plan.step_id, [rid], [2]))
+        plan = sched.schedule()                     # carries the saves
+        assert plan.transfers is not None and plan.transfers.saves
+        sched.process_output(StepOutput(plan.step_id, [], [], kv_acks=KVAcks(saved_steps=[plan.step_id])))
+    seed = chain_seed(NAMESPACE, None)
+    tree = sched.cache.tree
+    for prompt in (first, second):
+        node = tree.match_prefix(prompt, length=len(prompt) // PAGE_SIZE * PAGE_SIZE).node
+        kept = [k for n in tree.path(node) for k in n.page_keys]
+        assert kept == extend_keys([], seed, prompt, PAGE_SIZE, len(prompt) // PAGE_SIZE)
+        assert all(sched.cache.tiers.host_state(k) is not None for k in kept)
+    assert tree.splits >= 1

@@ -70,6 +70,40 @@ def test_round_trip_cuda(tmp_path, dtype):
     store.close()
 
 
+def _scattered_saves(device: str, monkeypatch) -> None:
+    """Saves whose host slots are consecutive but whose device pages are scattered (a request's decode
+    pages) are gathered through the staging buffer, in chunks of STAGE_PAGES; runs consecutive on both
+    sides are copied straight; every slot then holds exactly its page."""
+    import radixrelay.worker.kv_tiers as kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "STAGE_PAGES", 2)       # 5 scattered pages: chunks of 2, 2, 1
+    kv = _cache(device)
+    store = TierStore(kv, host_pages=12)
+    before = {p: _page(kv, p) for p in range(12)}
+    scattered = [(7, 0), (2, 1), (10, 2), (4, 3), (0, 4)]          # (page, slot)
+    straight = [(5, 8), (6, 9)]
+    store.apply(0, KVTransfers(saves=scattered + straight + [(11, 6)]))
+    assert store.acks(wait=True).saved_steps == [0]
+    host = store.host.cpu()
+    for page, slot in scattered + straight + [(11, 6)]:
+        rows = slice(slot * PS, (slot + 1) * PS)
+        assert torch.equal(host[:, :, rows], before[page]), (page, slot)
+    # and back: load them into other pages
+    store.apply(1, KVTransfers(loads=[(0, 1), (4, 3)]))
+    store.acks(wait=True)
+    assert torch.equal(_page(kv, 1), before[7]) and torch.equal(_page(kv, 3), before[0])
+    store.close()
+
+
+def test_scattered_saves_cpu(monkeypatch):
+    _scattered_saves("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_scattered_saves_cuda(monkeypatch):
+    _scattered_saves("cuda", monkeypatch)
+
+
 def _shifted_load(device: str, dtype, tol: float) -> None:
     """A shifted load rotates the keys by the delta: K computed at position p arrives as K at p + d
     (RoPE of the default-like config), values and other pages untouched."""
