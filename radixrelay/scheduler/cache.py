@@ -175,14 +175,19 @@ class CacheManager:
     # -- lower tiers ---------------------------------------------------------------------------
 
     def page_keys(self, req: Request, num_pages: int) -> list[bytes]:
-        """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request)."""
+        """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request). The part
+        of them the device tree caches comes off its nodes (``_node_keys``): a long shared prefix is
+        hashed once, not once per request that asks."""
+        if not req.page_keys and num_pages and not self.config.disable_radix_cache:
+            node, _ = self.tree.peek_prefix(req.token_ids, req.salt, length=num_pages * self.page_size)
+            if node is not None and node.parent is not None:
+                req.page_keys = self._node_keys(req, node)
         keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
         return keys if len(keys) == num_pages else keys[:num_pages]
 
-    def _path_keys(self, req: Request, node: RadixNode, num_pages: int) -> list[bytes]:
-        """Content keys of the ``num_pages`` pages of the tree path root -> ``node`` (``req``'s first
-        pages), kept on the nodes (``RadixNode.page_keys``): a prefix shared by many requests is
-        hashed once, not once per request that saves through it."""
+    def _node_keys(self, req: Request, node: RadixNode) -> list[bytes]:
+        """Content keys of the pages of the tree path root -> ``node`` (a prefix of ``req``'s tokens),
+        kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet."""
         keys: list[bytes] = []
         prev = self._seed(req)
         for nd in self.tree.path(node):
@@ -190,6 +195,12 @@ class CacheManager:
                 nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
             keys.extend(nd.page_keys)
             prev = keys[-1]
+        return keys
+
+    def _path_keys(self, req: Request, node: RadixNode, num_pages: int) -> list[bytes]:
+        """Content keys of the ``num_pages`` pages of the tree path root -> ``node`` (``req``'s first
+        pages): ``_node_keys``, also kept on the request."""
+        keys = self._node_keys(req, node)
         if len(keys) != num_pages:        # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {num_pages}")
         if len(req.page_keys) < num_pages:

@@ -716,3 +716,8 @@ def test_saved_keys_are_kept_on_tree_nodes() -> None:
         assert kept == extend_keys([], seed, prompt, PAGE_SIZE, len(prompt) // PAGE_SIZE)
         assert all(sched.cache.tiers.host_state(k) is not None for k in kept)
     assert tree.splits >= 1
+    # a waiting request's keys (lpm's host hint, promotion) start from the nodes' keys, then its own tokens
+    third = second[:4 * PAGE_SIZE] + [5] * (2 * PAGE_SIZE) + [1]
+    sched.add_request(2, third, SamplingParams(max_tokens=1))
+    req = sched._waiting[-1]
+    assert sched.cache.page_keys(req, 6) == extend_keys([], seed, third, PAGE_SIZE, 6)
