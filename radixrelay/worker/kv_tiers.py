@@ -74,7 +74,9 @@ class TierStore:
         self._cpu_load_s = self._cpu_exposed_s = 0.0
         # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
         self.rotary = None
-        self._stage: torch.Tensor | None = None     # [2 (K, V), rows, Hkv, D]: scattered saves (_gather_out)
+        # [2 (K, V), STAGE_PAGES * page_size, Hkv, D]: scattered saves (``_gather_out``); on CUDA taken at
+        # start-up, beside the KV cache, not on the first save
+        self._stage: torch.Tensor | None = self._stage_buffer(STAGE_PAGES) if self._cuda else None
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -228,15 +230,18 @@ class TierStore:
         n = len(pages) * ps
         rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
         rows = upload(rows, torch.int64, kv.device) if self._cuda else torch.from_numpy(rows)
-        k = kv.k[0]
         if self._stage is None or self._stage.shape[1] < n:
-            self._stage = torch.empty((2, STAGE_PAGES * ps) + tuple(k.shape[1:]), dtype=k.dtype, device=kv.device)
+            self._stage = self._stage_buffer(STAGE_PAGES)
         stage = self._stage[:, :n]
         host_rows = slice(slots.start * ps, slots.stop * ps)
         for layer in range(kv.num_layers):
             for j, cache in enumerate((kv.k[layer], kv.v[layer])):
                 torch.index_select(cache, 0, rows, out=stage[j])
                 self.host[layer, j, host_rows].copy_(stage[j], non_blocking=self._cuda)
+
+    def _stage_buffer(self, pages: int) -> torch.Tensor:
+        k = self.kv.k[0]
+        return torch.empty((2, pages * self.kv.page_size) + tuple(k.shape[1:]), dtype=k.dtype, device=self.kv.device)
 
     def _copy_run(self, layer: int, slots: range, pages: range, save: bool) -> None:
         kv, ps = self.kv, self.kv.page_size
