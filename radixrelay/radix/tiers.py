@@ -288,16 +288,10 @@ class KVTiers:
         """Mark ``keys`` (a chain, root first) used now, the first most recently: evicting from the
         LRU end then takes a chain's tail before its head (a head alone still serves a prefix)."""
         host, disk = self._host, self._disk
-        to_end = host.move_to_end
-        if not disk:
-            for key in reversed(keys):
-                if key in host:
-                    to_end(key)
-            return
         for key in reversed(keys):
             if key in host:
-                to_end(key)
-            if key in disk:
+                host.move_to_end(key)
+            if disk and key in disk:
                 disk.move_to_end(key)
 
     def _alloc(self, n: int, spare: set[bytes] = frozenset(), chain: list[bytes] = ()) -> list[int]:

@@ -197,16 +197,6 @@ class CacheManager:
             prev = keys[-1]
         return keys
 
-    def _path_keys(self, req: Request, node: RadixNode, num_pages: int) -> list[bytes]:
-        """Content keys of the ``num_pages`` pages of the tree path root -> ``node`` (``req``'s first
-        pages): ``_node_keys``, also kept on the request."""
-        keys = self._node_keys(req, node)
-        if len(keys) != num_pages:        # never expected: the path is the pages being saved
-            raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {num_pages}")
-        if len(req.page_keys) < num_pages:
-            req.page_keys = keys[:]
-        return keys
-
     def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
         sequence (``Request.shifted_prefix``, ``radixrelay.radix.truncation``)."""
@@ -364,7 +354,9 @@ class CacheManager:
         until the copy is acknowledged."""
         if self.tiers is None or not pages:
             return
-        keys = self._path_keys(req, node, len(pages))
+        keys = self._node_keys(req, node)
+        if len(keys) != len(pages):       # never expected: the path is the pages being saved
+            raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
         if self.tiers.save(keys, pages):
             self.tree.lock(node)
             self._save_locks.append(node)

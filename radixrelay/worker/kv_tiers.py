@@ -172,10 +172,10 @@ class TierStore:
         Returns CUDA events: for a save [done]; for a load [start, layer 0 done, ..., layer L-1 done]."""
         if save:
             pairs = [(slot, page) for page, slot in pairs]
-        runs = list(_runs(pairs))
         if not self._cuda and save:
             self._save_runs(pairs)
             return [None]
+        runs = list(_runs(pairs))
         if not self._cuda:
             rotations = self._rotations(shifts)
             for layer in range(self.kv.num_layers):
@@ -326,28 +326,29 @@ class TierStore:
         return "delete", key, True
 
 
-def _slot_runs(pairs: list[tuple[int, int]]):
-    """(slot, page) pairs -> (range of slots, their pages in slot order), runs of consecutive slots."""
+def _grouped(pairs: list[tuple[int, int]], both: bool):
+    """(slot, page) pairs sorted, cut into runs of consecutive slots (``both``: and consecutive pages)."""
     pairs = sorted(pairs)
     i = 0
     while i < len(pairs):
         j = i + 1
-        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1:
+        while (j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1
+               and (not both or pairs[j][1] == pairs[j - 1][1] + 1)):
             j += 1
-        yield range(pairs[i][0], pairs[j - 1][0] + 1), [page for _, page in pairs[i:j]]
+        yield pairs[i:j]
         i = j
+
+
+def _slot_runs(pairs: list[tuple[int, int]]):
+    """(slot, page) pairs -> (range of slots, their pages in slot order), runs of consecutive slots."""
+    for run in _grouped(pairs, both=False):
+        yield range(run[0][0], run[-1][0] + 1), [page for _, page in run]
 
 
 def _runs(pairs: list[tuple[int, int]]):
     """(slot, page) pairs -> (range of slots, range of pages), runs consecutive on both sides."""
-    pairs = sorted(pairs)
-    i = 0
-    while i < len(pairs):
-        j = i + 1
-        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1:
-            j += 1
-        yield range(pairs[i][0], pairs[j - 1][0] + 1), range(pairs[i][1], pairs[j - 1][1] + 1)
-        i = j
+    for run in _grouped(pairs, both=True):
+        yield range(run[0][0], run[-1][0] + 1), range(run[0][1], run[-1][1] + 1)
 
 
 def _done(event) -> bool:
