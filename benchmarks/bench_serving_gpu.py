@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from radixrelay.bench.arrivals import arrival_times  # noqa: E402
 from radixrelay.bench.client import BenchClient, ClientConfig  # noqa: E402
 from radixrelay.bench.metrics import SLO, summarize  # noqa: E402
-from radixrelay.bench.runner import run_sessions, token_counter  # noqa: E402
+from radixrelay.bench.runner import run_sessions, run_sessions_parallel, token_counter  # noqa: E402
 from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, words  # noqa: E402
 
 CARRIED_TOKENIZER = ROOT / ".whl" / "SmolLM2-135M-Instruct.tokenizer.gguf"
@@ -357,10 +357,12 @@ class Bench:
         print("   " + text, flush=True)
         self.notes.append(text)
 
+    def client_config(self, server: Server, **overrides: Any) -> ClientConfig:
+        return ClientConfig(base_url=server.base_url, model=self.meta["served_model"], ignore_eos=True,
+                            timeout=self.args.request_timeout, **overrides)
+
     def client(self, server: Server, **overrides: Any) -> BenchClient:
-        return BenchClient(ClientConfig(base_url=server.base_url, model=self.meta["served_model"],
-                                        ignore_eos=True, timeout=self.args.request_timeout,
-                                        **overrides))
+        return BenchClient(self.client_config(server, **overrides))
 
     async def flush(self, http: httpx.AsyncClient, server: Server) -> None:
         for _ in range(50):         # 409 while requests still finish: try again shortly
@@ -389,10 +391,11 @@ class Bench:
                            num_requests: int, rate: float, run: int) -> None:
         sessions = workload.generate(num_requests, self.rng(run, _TEXT))
         arrivals = arrival_times(len(sessions), rate, self.rng(run, _ARRIVALS))
-        async with httpx.AsyncClient() as http, self.client(server) as client:
+        async with httpx.AsyncClient() as http:
             before, t0 = await scrape(http, server.base_url), time.perf_counter()
-            result = await run_sessions(client, sessions, arrivals, max_concurrency=None,
-                                        counter=self.counter, desc=f"{name} {rate:g}")
+            result = await run_sessions_parallel(self.client_config(server), sessions, arrivals,
+                                                 processes=self.args.client_processes, counter=self.counter,
+                                                 desc=f"{name} {rate:g}")
             wall = time.perf_counter() - t0
             after = await scrape(http, server.base_url)
         summary = summarize(result.records, result.duration_s, SLO())
@@ -446,7 +449,8 @@ class Bench:
         lines = [f"# Serving end to end ({m['device_name']})", "",
                  f"{m['date']}; commit {m['commit']}; torch {m['torch']}. Command: `{m['command']}`", "",
                  f"The real server (`radixrelay serve {shlex.join(self.model_argv)} --cascade ...`): "
-                 f"{m['model_desc']}. Client: radixrelay.bench, chat endpoint, streaming, EOS ignored, "
+                 f"{m['model_desc']}. Client: radixrelay.bench ({self.args.client_processes} processes), chat endpoint, "
+                 "streaming, EOS ignored, "
                  + ("on a fresh server (no warm-up: the first run is its first traffic); the radix cache "
                     if self.args.no_warmup else
                     f"after an untimed warm-up of {z.warmup} requests per workload shape; the radix cache ")
@@ -553,6 +557,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="(default: %(default)s)")
     p.add_argument("--dtype", default=None, help="(default: bfloat16 on CUDA, else the server's)")
     p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="client processes per measured run: one process streams about 15K tokens/s "
+                        "before its CPU limits the load offered (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None,
                    help="commit named in the results (default: git rev-parse HEAD; a copied tree may lack it)")

@@ -24,7 +24,7 @@ from radixrelay.bench import plots, report
 from radixrelay.bench.arrivals import arrival_times
 from radixrelay.bench.client import BenchClient, ClientConfig, served_model
 from radixrelay.bench.metrics import SLO, summarize
-from radixrelay.bench.runner import TokenCounter, run_sessions, token_counter
+from radixrelay.bench.runner import TokenCounter, run_sessions, run_sessions_parallel, token_counter
 from radixrelay.bench.workloads import WORKLOADS, Workload, describe_workloads, make_workload
 
 # Independent seeded random streams, keyed [seed, run index, stream]: each run's workload text and
@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
                         "markdown table next to --output")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight; later arrivals wait (default: no limit)")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes sharing the arrival schedule; one streams about 15K tokens/s "
+                        "before its own CPU limits the load it offers (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seeds workload text and arrivals (default: 0)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="unmeasured requests sent first, with unrelated text (default: 0)")
@@ -110,6 +113,10 @@ def _check(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1")
+    if args.client_processes < 1:
+        raise ValueError("--client-processes must be >= 1")
+    if args.client_processes > 1 and args.max_concurrency is not None:
+        raise ValueError("--max-concurrency limits one client process: use it with --client-processes 1")
     if args.warmup_requests < 0 or args.timeout <= 0:
         raise ValueError("--warmup-requests must be >= 0 and --timeout > 0")
     if args.compare is not None and args.labels is not None and len(args.labels) != len(args.compare):
@@ -140,8 +147,12 @@ async def _benchmark(args: argparse.Namespace, workload: Workload, num_requests:
         for index, rate in enumerate(rates):
             sessions = workload.generate(num_requests, _rng(args.seed, index, _TEXT))
             arrivals = arrival_times(len(sessions), rate, _rng(args.seed, index, _ARRIVALS))
-            result = await run_sessions(client, sessions, arrivals, counter=counter,
-                                        max_concurrency=args.max_concurrency, desc=f"rate {rate:g}")
+            if args.client_processes > 1:
+                result = await run_sessions_parallel(config, sessions, arrivals, processes=args.client_processes,
+                                                     counter=counter, desc=f"rate {rate:g}")
+            else:
+                result = await run_sessions(client, sessions, arrivals, counter=counter,
+                                            max_concurrency=args.max_concurrency, desc=f"rate {rate:g}")
             summary = summarize(result.records, result.duration_s, slo)
             runs.append(report.make_run(rate, summary, result.records))
             print(report.summary_table(f"{args.workload} @ {rate:g} req/s", summary))
@@ -160,7 +171,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         "workload": args.workload,
         "workload_params": dataclasses.asdict(workload),  # type: ignore[call-overload]
         "num_requests": num_requests, "request_rates": [r["request_rate"] for r in runs],
-        "max_concurrency": args.max_concurrency, "seed": args.seed,
+        "max_concurrency": args.max_concurrency, "client_processes": args.client_processes, "seed": args.seed,
         "warmup_requests": args.warmup_requests, "stream": not args.disable_stream,
         "temperature": args.temperature, "ignore_eos": args.ignore_eos,
         "slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot, "token_counter": counter.name,

@@ -55,21 +55,38 @@ def render_prompt(messages: list[Message]) -> str:
     return f"{body}\n\nAssistant:"
 
 
+# Requests in flight per connection pool. httpx's pool scans all of its connections whenever a request
+# starts or ends, so one pool serving N concurrent streams costs O(N) per request: at saturation (2,000
+# streams in flight) a single pool used the client's whole core and capped the load it could offer.
+# Requests are spread over pools of about this many streams each.
+STREAMS_PER_POOL = 32
+
+
 class BenchClient:
     def __init__(self, config: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         """``transport``: httpx's default (real sockets) unless given, e.g. a mock in tests."""
         self.config = config
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=config.base_url.rstrip("/"), headers=headers, transport=transport,
-            timeout=config.timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self._transport = transport
+        self._pools: list[httpx.AsyncClient] = []     # pool i serves requests whose slot is i
+        self._free_slots: list[int] = []              # slots of finished requests, reused first
+        self._next_slot = 0
+
+    def _pool(self, slot: int) -> httpx.AsyncClient:
+        index = slot // STREAMS_PER_POOL
+        while len(self._pools) <= index:
+            c = self.config
+            headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+            self._pools.append(httpx.AsyncClient(
+                base_url=c.base_url.rstrip("/"), headers=headers, transport=self._transport,
+                timeout=c.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
+        return self._pools[index]
 
     async def __aenter__(self) -> BenchClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     def body(self, messages: list[Message], max_tokens: int) -> dict[str, Any]:
         c = self.config
@@ -88,10 +105,26 @@ class BenchClient:
     async def send(self, messages: list[Message], max_tokens: int) -> Reply:
         path = "/v1/chat/completions" if self.config.endpoint == "chat" else "/v1/completions"
         reply = Reply()
+        # A slot per request in flight (a freed one first): slots map to pools, so concurrent
+        # streams fill pools of STREAMS_PER_POOL and a finished stream's connection is reused.
+        slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+        try:
+            await self._send(self._pool(slot), path, messages, max_tokens, reply)
+        finally:
+            self._free_slots.append(slot)
+        reply.ok = reply.error is None
+        return reply
+
+    def _take_slot(self) -> int:
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    async def _send(self, http: httpx.AsyncClient, path: str, messages: list[Message], max_tokens: int,
+                    reply: Reply) -> None:
         start = time.perf_counter()
         try:
-            request = self._http.build_request("POST", path, json=self.body(messages, max_tokens))
-            response = await self._http.send(request, stream=True)
+            request = http.build_request("POST", path, json=self.body(messages, max_tokens))
+            response = await http.send(request, stream=True)
             try:
                 if response.status_code != 200:
                     await response.aread()
@@ -109,8 +142,6 @@ class BenchClient:
         except ValueError as exc:                   # a body that is not the JSON it should be
             reply.error = f"bad response: {exc}"
         reply.latency = time.perf_counter() - start
-        reply.ok = reply.error is None
-        return reply
 
     async def _read_stream(self, response: httpx.Response, reply: Reply, start: float) -> None:
         last: float | None = None

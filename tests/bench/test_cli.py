@@ -49,6 +49,8 @@ def test_dead_server_gives_failed_requests(tmp_path):
     (["--request-rate", "2", "--sweep-rates", "1,2"], "not both"),
     (["--compare", "a.json", "b.json", "--labels", "x"], "one name per --compare file"),
     (["--compare", "missing.json", "other.json"], "cannot read results"),
+    (["--client-processes", "0"], "--client-processes must be >= 1"),
+    (["--client-processes", "2", "--max-concurrency", "4"], "limits one client process"),
 ])
 def test_invalid_arguments_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

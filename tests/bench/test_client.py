@@ -8,7 +8,7 @@ import socket
 
 import httpx
 
-from radixrelay.bench.client import BenchClient, ClientConfig, render_prompt, served_model
+from radixrelay.bench.client import STREAMS_PER_POOL, BenchClient, ClientConfig, render_prompt, served_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -117,3 +117,28 @@ def test_dead_server_is_an_error_not_an_exception():
 
     reply, model = asyncio.run(go())
     assert not reply.ok and reply.error.startswith("ConnectError") and model is None
+
+
+def test_concurrent_streams_spread_over_pools_of_bounded_size():
+    """Requests in flight fill connection pools of STREAMS_PER_POOL; finished ones free their slot."""
+    in_flight, most = 0, 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        return httpx.Response(200, content=sse(chat_chunk("x"), b"[DONE]"))
+
+    async def go():
+        async with BenchClient(ClientConfig(base_url="http://mock"), httpx.MockTransport(handler)) as client:
+            first = await asyncio.gather(*(client.send(MESSAGES, 1) for _ in range(STREAMS_PER_POOL + 5)))
+            pools = len(client._pools)
+            second = await asyncio.gather(*(client.send(MESSAGES, 1) for _ in range(STREAMS_PER_POOL + 5)))
+            return first + second, pools, len(client._pools)
+
+    replies, pools, pools_after = asyncio.run(go())
+    assert all(r.ok and r.text == "x" for r in replies)
+    assert most == STREAMS_PER_POOL + 5
+    assert pools == pools_after == 2        # the second wave reuses the first wave's slots

@@ -29,6 +29,7 @@ EXTRA = {  # cover both endpoints, non-streaming and a concurrency limit along t
     "shared-prefix": ["--max-concurrency", "2"],
     "few-shot": ["--disable-stream"],
     "random": ["--endpoint", "completions", "--warmup-requests", "2"],
+    "multi-turn": ["--client-processes", "2"],
 }
 
 
@@ -71,6 +72,14 @@ def test_workload(server, tmp_path, workload):
     assert results["config"]["model"] == "default" and results["config"]["num_requests"] == N
     if workload in ("shared-prefix", "multi-turn"):
         assert summary["total_cached_tokens"] > 0 and 0 < summary["cache_hit_ratio"] < 1
+    if "--client-processes" in EXTRA.get(workload, []):    # sessions split over two processes, one schedule
+        assert results["config"]["client_processes"] == 2
+        sessions = {r["session"] for r in requests}
+        assert {s % 2 for s in sessions} == {0, 1}
+        assert [r["start_s"] for r in requests] == sorted(r["start_s"] for r in requests)
+        for s in sessions:
+            turns = [r for r in requests if r["session"] == s]
+            assert [r["turn"] for r in turns] == list(range(len(turns)))
 
 
 def test_sweep_then_compare(server, tmp_path):
