@@ -9,7 +9,7 @@
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
 - ``RADIXRELAY_SMALL_EXTEND_ROWS``: extend tokens a step may run as decode-graph rows (the worker's
-  ``SMALL_EXTEND_ROWS``, 32, when unset; 0: never, every step with an extend runs piecewise). For
+  ``SMALL_EXTEND_ROWS``, 256, when unset; 0: never, every step with an extend runs piecewise). For
   comparing the two paths.
 """
 

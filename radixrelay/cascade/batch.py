@@ -165,6 +165,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int, chunk: int = 
     return n
 
 
+def shifted_runs(runs: SharedRuns, offset: int) -> list[SharedRun]:
+    """The host runs of ``runs`` with every query row moved ``offset`` rows down (decode runs placed after
+    a step's extend rows). O(rows + pages)."""
+    rows, indptr, pages, kv_indptr = runs.host_rows, runs.host_indptr, runs.host_pages, runs.host_kv_indptr
+    return [SharedRun([r + offset for r in rows[indptr[g]:indptr[g + 1]]], pages[kv_indptr[g]:kv_indptr[g + 1]], n)
+            for g, n in enumerate(runs.host_kv_lens)]
+
+
 def _same_runs(runs: Sequence[SharedRun], built: SharedRuns) -> bool:
     """Whether ``runs`` are the runs ``built`` holds (a plan whose members changed but whose rows, pages
     and lengths did not: a request left and another took its row)."""

@@ -37,7 +37,7 @@ from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.worker.constraints import Constraints
 from radixrelay.worker.kv_tiers import build_tiers, page_bytes
-from radixrelay.worker.model_runner import LaunchedStep, ModelRunner
+from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
 
 logger = logging.getLogger("radixrelay.worker")
@@ -66,11 +66,14 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
         report = warm_up_kernels(mc, kv_cache, backend)        # no kernel compiles after ready
         if not report.complete:
             logger.warning("kernel warm-up incomplete: skipped %s, errors %s", report.skipped, report.errors)
+    extend_rows = small_extend_rows()
+    extend_rows = SMALL_EXTEND_ROWS if extend_rows is None else extend_rows
     graphs = None
     if device.type == "cuda" and backend_name == "triton" and not cfg.disable_cuda_graphs:
         from radixrelay.worker.cuda_graphs import DecodeGraphs   # imports the Triton kernels
 
-        graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests,
+        # rows: every running request's decode plus a step's small extends (``ModelRunner._forward_rows``)
+        graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests + extend_rows,
                               max_pages=-(-mc.max_position_embeddings // cfg.page_size),
                               scratch_slot=num_pages * cfg.page_size)
     piecewise = None
@@ -90,8 +93,7 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
                          tiers=tiers)
-    if (rows := small_extend_rows()) is not None:
-        runner.small_extend_rows = rows
+    runner.small_extend_rows = extend_rows
     max_context = mc.max_position_embeddings
     if cfg.context_length is not None:
         if cfg.context_length > max_context:

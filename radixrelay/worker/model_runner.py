@@ -45,7 +45,8 @@ import torch
 from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageTable, ForwardBatch, SharedRun,
                                            build_forward_batch, build_shared_runs, to_device)
-from radixrelay.cascade.batch import LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs
+from radixrelay.cascade.batch import (LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs,
+                                      shifted_runs)
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.worker.protocol import positions_of
@@ -58,8 +59,11 @@ from radixrelay.worker.step_state import ResidentTokens
 
 # A step whose extends compute at most this many tokens in all (and no prompt logprobs) runs on the
 # decode graphs, one row per extend token (``ModelRunner._forward_rows``): an idle server's cached
-# prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay.
-SMALL_EXTEND_ROWS = 32
+# prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay,
+# and under load the step that admits them beside 256 decodes (cascade included) is one replay too,
+# instead of a piecewise step whose 32 layers of attention are launched from Python (~10 ms of host
+# work at Llama-3-8B shapes). The worker's decode graphs take max_running_requests + this many rows.
+SMALL_EXTEND_ROWS = 256
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
     from radixrelay.worker.constraints import Constraints
@@ -386,10 +390,9 @@ class ModelRunner:
 
     def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
         """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
-        each (no prompt logprobs), decodes without a cascade plan (its groups index the decode rows), no KV
-        tier loads in flight (a decode graph has no per-layer waits for them)."""
-        if (self.graphs is None or not extends or (plan.cascade is not None and plan.decodes)
-                or self.kv_cache.layer_ready is not None):
+        each (no prompt logprobs), no KV tier loads in flight (a decode graph has no per-layer waits for
+        them). The decodes beside them keep their cascade plan (its runs, shifted past the extend rows)."""
+        if self.graphs is None or not extends or self.kv_cache.layer_ready is not None:
             return False
         rows = sum(e.num_new for e in extends)
         return (rows <= self.small_extend_rows and rows + len(decoding) <= self.graphs.max_batch
@@ -405,7 +408,9 @@ class ModelRunner:
         (causal). An extend after a long cached prefix reads those whole pages as a shared run, once for
         all of its rows; the launch is planned for the run's length rounded up (``graph_step.round_length``),
         so that prompts of other lengths share the launch shape and the graph (a split past a run's end
-        reads nothing)."""
+        reads nothing). An extend of several tokens reads a shorter cached prefix as a run too, once its rows
+        would read ``long_prefix_tokens`` in all on their own. Decodes with a cascade plan read its runs, their
+        rows shifted past the extend rows."""
         ps = self.page_size
         positions: list[int] = []
         slots: list[int] = []
@@ -420,12 +425,17 @@ class ModelRunner:
             slots.extend(e.pages[p // ps] * ps + p % ps for p in pos)
             keys.extend([item.rid] * e.num_new)
             cached = e.start // ps * ps
-            if cached >= self.long_prefix_tokens:
+            as_run = cached > 0 and max(cached, cached * e.num_new) >= self.long_prefix_tokens
+            if as_run:
                 runs.append(SharedRun(range(first, first + e.num_new), e.pages[:cached // ps], cached))
-            kv_start.extend([cached if cached >= self.long_prefix_tokens else 0] * e.num_new)
+            kv_start.extend([cached if as_run else 0] * e.num_new)
             if e.num_logits:
                 picks.append(len(positions) - 1)
         decodes = self._decode_rows(plan.decodes, decoding)
+        own = [0] * len(plan.decodes)
+        if plan.cascade is not None and plan.decodes:
+            runs.extend(shifted_runs(self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of), len(positions)))
+            own = self._decode_runs.own_start
         picks.extend(range(len(positions), len(positions) + len(plan.decodes)))
         table, page_rows, width = self._page_table.rows(keys + plan.decodes)
         if not self.graphs.fits(len(positions) + len(plan.decodes), width):
@@ -435,7 +445,7 @@ class ModelRunner:
             ids = torch.cat([ids, self._tokens.newest(plan.decodes)])
         shared = build_shared_runs(runs, self.device)
         step = GraphStep(ids, positions + list(decodes.positions), slots + list(decodes.slots), table, page_rows,
-                         width, kv_start=kv_start + [0] * len(plan.decodes) if shared is not None else None,
+                         width, kv_start=kv_start + own if shared is not None else None,
                          runs=shared, rope_delta=self._rope_delta(plan, decoding), round_runs=True)
         if events is not None:
             events[0].record()

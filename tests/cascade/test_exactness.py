@@ -196,7 +196,8 @@ def test_small_extends_run_as_decode_graph_rows(llama32, page_size, modes):
     """Steps whose extends compute a few tokens run on the decode graphs, one row per extend token (a
     token sees the ones before it: every layer stores all rows' K/V before attention), also beside
     decodes; an extend after a long cached prefix reads it as a shared run whose host length is
-    rounded up (page size 1: cached lengths like 25 plan as 26). Logits as the eager torch path."""
+    rounded up (page size 1: cached lengths like 25 plan as 26); decodes beside them keep their cascade
+    plan (its runs shifted past the extend rows). Logits as the eager torch path."""
     waves = prompt_tree(random.Random(17), system_len=13, problems=2, samples=3)
     options = dict(max_tokens=5, chunked_prefill_tokens=6, page_size=page_size)   # extends beside decodes
     off = run_workload(llama32, waves, mode="off", **options)
@@ -204,6 +205,8 @@ def test_small_extends_run_as_decode_graph_rows(llama32, page_size, modes):
         got = run_workload(llama32, waves, mode=mode, backend=make_backend("triton", "cpu"), graph_max_batch=16,
                            long_prefix_tokens=8, **options)
         assert_same(off, got, atol=2e-3)
-        assert got.runner.extend_row_steps >= 4
+        assert got.runner.extend_row_steps == sum(1 for p in got.plans if p.extends) >= 4   # every one of them
+        if mode == "on":
+            assert any(p.extends and p.decodes and p.cascade is not None for p in got.plans)
     assert any(p.extends and p.decodes and p.cascade is None for p in got.plans)
     assert any(p.extends and any(e.start >= 8 for e in p.extends) for p in got.plans)

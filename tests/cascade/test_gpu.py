@@ -76,6 +76,22 @@ def test_cuda_graphs_equal_eager(llama_fp32, mode):
         assert graphed.planner.counters.cascade_steps > 0
 
 
+def test_small_extends_beside_cascade_decodes_on_cuda_graphs(llama_fp32):
+    """Steps that admit a few prompt tokens beside cascade decodes replay one decode graph (extend tokens
+    as rows, the decodes' runs shifted past them): tokens and logits as the eager path's."""
+    waves = prompt_tree(random.Random(17), system_len=40, problems=2, samples=4)
+    opts = dict(mode="on", max_tokens=6, page_size=16, chunked_prefill_tokens=6)
+    eager = run_workload(llama_fp32, waves, backend=make_backend("triton", "cuda"), **opts)
+    graphed = run_workload(llama_fp32, waves, backend=make_backend("triton", "cuda"), graph_max_batch=32,
+                           long_prefix_tokens=16, **opts)
+    assert graphed.runner.extend_row_steps == sum(1 for p in graphed.plans if p.extends) >= 4
+    assert any(p.extends and p.decodes and p.cascade is not None for p in graphed.plans)
+    assert graphed.tokens == eager.tokens
+    for a, b in zip(eager.logits, graphed.logits):
+        for rid in a:
+            torch.testing.assert_close(b[rid], a[rid], rtol=1e-4, atol=1e-4)
+
+
 CFG128 = dataclasses.replace(CFG, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128)
 
 
