@@ -61,8 +61,9 @@ from radixrelay.worker.step_state import ResidentTokens
 # decode graphs, one row per extend token (``ModelRunner._forward_rows``): an idle server's cached
 # prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay,
 # and under load the step that admits them beside 256 decodes (cascade included) is one replay too,
-# instead of a piecewise step whose 32 layers of attention are launched from Python (~10 ms of host
-# work at Llama-3-8B shapes). The worker's decode graphs take max_running_requests + this many rows.
+# instead of a piecewise step whose 32 layers of attention are launched from Python (H100, Llama-3-8B
+# shapes, shared-prefix at 48 req/s: host launch 7.2 -> 3.9 ms per step with 32 -> 256 here,
+# benchmarks/results/serving_loop.md). The worker's decode graphs take max_running_requests + this many rows.
 SMALL_EXTEND_ROWS = 256
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them
@@ -425,7 +426,7 @@ class ModelRunner:
             slots.extend(e.pages[p // ps] * ps + p % ps for p in pos)
             keys.extend([item.rid] * e.num_new)
             cached = e.start // ps * ps
-            as_run = cached > 0 and max(cached, cached * e.num_new) >= self.long_prefix_tokens
+            as_run = cached > 0 and cached * e.num_new >= self.long_prefix_tokens    # KV reads as own ranges
             if as_run:
                 runs.append(SharedRun(range(first, first + e.num_new), e.pages[:cached // ps], cached))
             kv_start.extend([cached if as_run else 0] * e.num_new)
