@@ -30,10 +30,13 @@ class KVCache:
                 raise ValueError(f"KVCache.{name}: must be >= 1, got {value}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        # k[l], v[l]: [num_slots, num_kv_heads, head_dim]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
+        # One allocation [num_layers, 2 (K, V), num_slots, num_kv_heads, head_dim], so that one gather
+        # along dim 2 reads a set of pages of every layer (the KV tiers' saves); k[l] = buffer[l, 0],
+        # v[l] = buffer[l, 1]: contiguous views [num_slots, num_kv_heads, head_dim].
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
+        self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.layer_ready: list | None = None     # see wait_for_layer
 
     @property
@@ -66,4 +69,4 @@ class KVCache:
         self.v[layer_id].index_copy_(0, slots, v.to(self.dtype))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.buffer.numel() * self.buffer.element_size()

@@ -39,6 +39,11 @@ class PageAllocator:
     def num_free(self) -> int:
         return self._num_free
 
+    @property
+    def longest_run(self) -> int:
+        """Length of the longest free run (0 when nothing is free)."""
+        return self._by_length[-1][0] if self._by_length else 0
+
     def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
         """``n`` pages (see the module docstring for which); None, taking nothing, when fewer than
         ``n`` are free."""

@@ -296,26 +296,37 @@ class KVTiers:
 
     def _alloc(self, n: int, spare: set[bytes] = frozenset(), chain: list[bytes] = ()) -> list[int]:
         """Up to ``n`` free host slots, evicting LRU entries that are neither in flight, nor in
-        ``spare`` or ``chain``, nor (policy ``scheduler``) protected."""
+        ``spare`` or ``chain``, nor (policy ``scheduler``) protected.
+
+        A save whose slots are consecutive moves as one block per layer (``TierStore``), and a piece
+        costs the worker a copy per layer and K/V: so once host memory is full, eviction goes on past
+        the shortage (up to ``n`` more LRU entries, which the next saves would evict anyway) until one
+        free run holds all ``n``. Evicting exactly the shortage would free runs out of phase with the
+        saves (the tail of one old chain, the head of the next) and split every later save in two."""
         if n <= 0:
             return []
-        short = n - self._slots.num_free
-        if short > 0:
+        slots = self._slots
+        if n > slots.num_free:
             if chain:
                 spare = spare | set(chain)
             victims = []
+            budget = n - slots.num_free + n
             for key, entry in self._host.items():
-                if len(victims) == short:
+                if len(victims) == budget:
                     break
                 if entry.state != "ready" or entry.writing:
                     continue
                 if key in spare or (self.policy == "scheduler" and key in self._protected):
                     continue
                 victims.append(key)
+            evicted = 0
             for key in victims:
+                if slots.num_free >= n and slots.longest_run >= n:
+                    break
                 self._drop(key)
-            self.counters.host_evicted += len(victims)
-        return self._slots.alloc(min(n, self._slots.num_free), one_run=True) or []
+                evicted += 1
+            self.counters.host_evicted += evicted
+        return slots.alloc(min(n, slots.num_free), one_run=True) or []
 
     def _drop(self, key: bytes) -> None:
         entry = self._host.pop(key, None)

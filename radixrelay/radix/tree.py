@@ -105,7 +105,7 @@ class RadixTree:
         used. ``start`` = (node, its end position): a node whose root path spells
         ``token_ids[:position]`` (e.g. a locked one); the walk begins there, and the result's pages
         are only those below it. ``length``: match ``token_ids[:length]`` (without copying it)."""
-        node, num_tokens, pages = self._walk(token_ids, salt, split=True, start=start, length=length)
+        node, num_tokens, pages, _ = self._walk(token_ids, salt, split=True, start=start, length=length)
         if node is None or node.parent is None:
             return MatchResult(None, [], 0)
         self._touch(node)
@@ -131,8 +131,32 @@ class RadixTree:
         unknown salt, the root when nothing matched) and the matched length, which may end inside
         one of its children. Changes neither structure nor LRU. ``start``, ``length``: as for
         ``match_prefix``."""
-        node, num_tokens, _ = self._walk(token_ids, salt, split=False, start=start, length=length)
+        node, num_tokens, _, _ = self._walk(token_ids, salt, split=False, start=start, length=length)
         return node, num_tokens
+
+    def peek_resumed(self, token_ids: list[int], salt: str | None, hint: tuple[RadixNode, int] | None,
+                     length: int | None = None) -> tuple[tuple[RadixNode, int] | None, int]:
+        """``peek_prefix`` that resumes from ``hint`` = (node, the position it ends at), returned by an
+        earlier call for a prefix of the same tokens, while that node is still in the tree: then only the
+        tokens below it are compared, and a queue re-peeked every step costs O(new pages) per request,
+        not O(prompt). Returns (the hint for the next call: the deepest fully matched node and its end,
+        None when nothing matched) and the matched length (as ``peek_prefix``).
+
+        A hint stays exact while its node is attached: a split above it keeps its end position, and
+        eviction detaches whatever it removes (a partly evicted leaf's removed part is the old node)."""
+        end = len(token_ids) if length is None else min(length, len(token_ids))
+        start = hint if hint is not None and hint[1] <= end and self._attached(hint[0], salt) else None
+        node, matched, _, node_end = self._walk(token_ids, salt, split=False, start=start, length=length)
+        return ((node, node_end) if node is not None and node.parent is not None else None), matched
+
+    def _attached(self, node: RadixNode, salt: str | None) -> bool:
+        """Whether ``node`` is still in the tree, under ``salt``'s root. O(depth)."""
+        ps = self.page_size
+        while node.parent is not None:
+            if node.parent.children.get(tuple(node.key[:ps])) is not node:
+                return False
+            node = node.parent
+        return self._roots.get(salt) is node
 
     def path(self, node: RadixNode) -> list[RadixNode]:
         """Non-root nodes from the namespace root down to ``node``."""
@@ -165,7 +189,7 @@ class RadixTree:
                              f"are not whole pages of size {ps}")
         if not n:
             return 0
-        node, existing, _ = self._walk(token_ids, salt, split=True, start=start, length=n)
+        node, existing, _, _ = self._walk(token_ids, salt, split=True, start=start, length=n)
         if node is None:
             node = self._roots[salt] = RadixNode(next(self._ids), [], [], None, salt)
         if existing < n:
@@ -272,14 +296,15 @@ class RadixTree:
 
     def _walk(self, token_ids: list[int], salt: str | None, split: bool,
               start: tuple[RadixNode, int] | None = None,
-              length: int | None = None) -> tuple[RadixNode | None, int, list[int]]:
+              length: int | None = None) -> tuple[RadixNode | None, int, list[int], int]:
         """Follow whole pages of ``token_ids[:length]`` down from the salt's root (or from ``start``:
         a node and the position it ends at; the pages returned are then those below it).
 
-        Returns (deepest node on the match, matched tokens, matched pages); the node is None when
-        the salt has no namespace yet (roots are created by ``insert`` only). With ``split`` a match
-        ending inside a node splits it, so the node returned ends exactly at the match; without,
-        the node is the deepest *fully* matched one and the count may go further.
+        Returns (deepest node on the match, matched tokens, matched pages, the position that node ends
+        at); the node is None when the salt has no namespace yet (roots are created by ``insert``
+        only). With ``split`` a match ending inside a node splits it, so the node returned ends
+        exactly at the match; without, the node is the deepest *fully* matched one and the count may
+        go further.
         """
         ps = self.page_size
         end = len(token_ids) if length is None else min(length, len(token_ids))
@@ -287,7 +312,7 @@ class RadixTree:
         node, pos = start if start is not None else (self._roots.get(salt), 0)
         pages: list[int] = []
         if node is None:
-            return None, 0, pages
+            return None, 0, pages, 0
         while pos < end:
             child = node.children.get(tuple(token_ids[pos:pos + ps]))
             if child is None:
@@ -297,14 +322,14 @@ class RadixTree:
             n = self._common_pages(key, token_ids, pos, limit)
             if n < len(key):
                 if not split:
-                    return node, pos + n, pages
+                    return node, pos + n, pages, pos
                 child = self._split(child, n)
             pages.extend(child.pages)
             pos += n
             node = child
             if n < len(key):
                 break
-        return node, pos, pages
+        return node, pos, pages, pos
 
     def _common_pages(self, key: list[int], token_ids: list[int], pos: int, limit: int) -> int:
         """Tokens in the longest whole-page common prefix of ``key`` and ``token_ids[pos:]``, up

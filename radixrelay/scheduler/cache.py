@@ -302,7 +302,8 @@ class CacheManager:
             if limit <= 0 or req.modules:     # a modular request's spans are prefetched by their own
                 continue
             keys = self.page_keys(req, limit)
-            _, cached = self.tree.peek_prefix(req.token_ids, req.salt, length=limit * self.page_size)
+            req.tree_hint, cached = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                                           length=limit * self.page_size)
             chains.append((keys, cached // self.page_size, limit))
             if req.shifted_prefix:      # a truncated prompt: its previous sequence's pages too
                 off = len(req.shifted_prefix) // self.page_size

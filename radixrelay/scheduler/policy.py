@@ -10,7 +10,8 @@
 
 Cache-aware orders cost one tree walk per queued request, so queues longer than
 ``policy_queue_limit`` fall back to FCFS (and a queue of one needs no order: no walk). lpm keeps each
-request's match until the tree's contents change (``RadixTree.version``).
+request's match until the tree's contents change (``RadixTree.version``), and then walks again only from
+where the last walk ended (``RadixTree.peek_resumed``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def order_waiting(queue: Sequence[Request], tree: RadixTree, config: SchedulerCo
 def _device_match(req: Request, tree: RadixTree) -> int:
     """Cached tokens of ``req``'s prompt (all but its last token) in ``tree``: walked again only when the
     tree's contents or the request's tokens (a retracted request's outputs) changed since the last
-    walk, so a queue waiting through steps that insert and evict nothing costs no walks."""
+    walk, so a queue waiting through steps that insert and evict nothing costs no walks; a walk resumes
+    at the node the last one reached, while it is in the tree."""
     key = (tree.version, len(req.token_ids))
     if req.lpm_match is None or req.lpm_match[:2] != key:
-        req.lpm_match = (*key, tree.peek_prefix(req.token_ids, req.salt, length=len(req.token_ids) - 1)[1])
+        req.tree_hint, matched = tree.peek_resumed(req.token_ids, req.salt, req.tree_hint, length=len(req.token_ids) - 1)
+        req.lpm_match = (*key, matched)
     return req.lpm_match[2]
 
 

@@ -77,6 +77,9 @@ class Request:
     host_hint: tuple[int, int] | None = None    # (device match, host tokens after it): lpm's hint
     # lpm's device match while waiting: (tree version, len(token_ids), matched tokens) (policy.py)
     lpm_match: tuple[int, int, int] | None = None
+    # where the last peek at the tree for this request ended (``RadixTree.peek_resumed``): the next
+    # resumes there. Valid because a request's token_ids only ever grow.
+    tree_hint: tuple[RadixNode, int] | None = None
     # -- modular prompt (see the module docstring) ----------------------------------------------
     modules: list[ModuleSpan] = field(default_factory=list)
     rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)

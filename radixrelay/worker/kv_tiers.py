@@ -39,9 +39,10 @@ from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 logger = logging.getLogger("radixrelay.worker")
 
-# Pages a save gathers into its staging buffer at a time (2 x STAGE_PAGES pages of one layer: 32 MiB
-# at Llama-3-8B shapes, bf16, pages of 16 tokens).
-STAGE_PAGES = 512
+# Device memory for the pages a save gathers at a time, every layer (64 pages at Llama-3-8B shapes, bf16,
+# pages of 16 tokens: 2 MiB a page), and at most STAGE_MAX_PAGES pages.
+STAGE_BYTES = 128 << 20
+STAGE_MAX_PAGES = 512
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -74,9 +75,10 @@ class TierStore:
         self._cpu_load_s = self._cpu_exposed_s = 0.0
         # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
         self.rotary = None
-        # [2 (K, V), STAGE_PAGES * page_size, Hkv, D]: scattered saves (``_gather_out``); on CUDA taken at
-        # start-up, beside the KV cache, not on the first save
-        self._stage: torch.Tensor | None = self._stage_buffer(STAGE_PAGES) if self._cuda else None
+        # flat, room for ``_stage_pages`` pages [num_layers, 2, pages * page_size, Hkv, D]: scattered saves
+        # (``_gather_out``); on CUDA taken at start-up, beside the KV cache, not on the first save
+        self._stage_pages = max(1, min(STAGE_MAX_PAGES, STAGE_BYTES // self.page_bytes))
+        self._stage: torch.Tensor | None = self._stage_buffer() if self._cuda else None
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -209,39 +211,66 @@ class TierStore:
 
     def _save_runs(self, pairs: list[tuple[int, int]]) -> None:
         """Saves of (host slot, device page) pairs. Pages consecutive on both sides move as plain copies
-        (``_copy_run``); a run of consecutive host slots whose device pages are scattered (a request's
-        decode pages, allocated one at a time) is gathered on the device into a staging buffer, up to
-        ``STAGE_PAGES`` pages at a time, then copied out as one block per layer and K/V: O(layers) copies
-        per run instead of O(layers x pages). The staging buffer is reused in stream order (each gather
-        follows the copy out of the one before it on the same stream)."""
+        (``_copy_run``). Runs of consecutive host slots whose device pages are scattered (a request's
+        decode pages, allocated one at a time) are gathered on the device, every layer at once, into the
+        staging buffer, up to ``_stage_pages`` pages at a time, then copied out as one block per (slot
+        run, layer, K/V).
+
+        One gather kernel per chunk, not one per layer: on a busy device a kernel on this stream waits
+        for a gap between the forward's kernels, and the copies behind it wait for the kernel, so a
+        save of L layers gathered one by one trickles out over many forwards (the stream falls behind,
+        its queue fills, and then every launch on the worker's thread blocks). The staging buffer is
+        reused in stream order (each gather follows the copies out of the one before it)."""
+        gathered: list[tuple[int, list[int]]] = []          # (first slot, device pages), slot runs
         for slots, pages in _slot_runs(pairs):
             direct = list(_runs(list(zip(slots, pages))))
             if len(direct) <= 2:                # as cheap as a gather: copy straight out
                 for layer in range(self.kv.num_layers):
                     for run_slots, run_pages in direct:
                         self._copy_run(layer, run_slots, run_pages, True)
-                continue
-            for at in range(0, len(pages), STAGE_PAGES):
-                chunk = pages[at:at + STAGE_PAGES]
-                self._gather_out(range(slots.start + at, slots.start + at + len(chunk)), chunk)
+            else:
+                gathered.append((slots.start, pages))
+        chunk: list[tuple[int, list[int]]] = []
+        size = 0
+        for first, pages in gathered:
+            at = 0
+            while at < len(pages):
+                take = min(len(pages) - at, self._stage_pages - size)
+                chunk.append((first + at, pages[at:at + take]))
+                size, at = size + take, at + take
+                if size == self._stage_pages:
+                    self._gather_out(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            self._gather_out(chunk)
 
-    def _gather_out(self, slots: range, pages: list[int]) -> None:
+    def _gather_out(self, pieces: list[tuple[int, list[int]]]) -> None:
+        """``pieces``: (first host slot, device pages) runs of consecutive slots, ``_stage_pages`` pages
+        at most in all. One gather of their pages, every layer and K/V, then a copy per (piece, layer,
+        K/V) out to host memory."""
         kv, ps = self.kv, self.kv.page_size
+        pages = [p for _, run in pieces for p in run]
         n = len(pages) * ps
         rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
         rows = upload(rows, torch.int64, kv.device) if self._cuda else torch.from_numpy(rows)
-        if self._stage is None or self._stage.shape[1] < n:
-            self._stage = self._stage_buffer(STAGE_PAGES)
-        stage = self._stage[:, :n]
-        host_rows = slice(slots.start * ps, slots.stop * ps)
-        for layer in range(kv.num_layers):
-            for j, cache in enumerate((kv.k[layer], kv.v[layer])):
-                torch.index_select(cache, 0, rows, out=stage[j])
-                self.host[layer, j, host_rows].copy_(stage[j], non_blocking=self._cuda)
+        if self._stage is None:
+            self._stage = self._stage_buffer()
+        # [num_layers, 2, n, Hkv, D], contiguous: the first part of the staging buffer
+        stage = self._stage[:kv.buffer[:, :, :n].numel()].view(kv.buffer[:, :, :n].shape)
+        torch.index_select(kv.buffer, 2, rows, out=stage)
+        at = 0
+        for first, run in pieces:
+            host_rows = slice(first * ps, (first + len(run)) * ps)
+            stage_rows = slice(at, at + len(run) * ps)
+            for layer in range(kv.num_layers):
+                for j in range(2):
+                    self.host[layer, j, host_rows].copy_(stage[layer, j, stage_rows], non_blocking=self._cuda)
+            at += len(run) * ps
 
-    def _stage_buffer(self, pages: int) -> torch.Tensor:
-        k = self.kv.k[0]
-        return torch.empty((2, pages * self.kv.page_size) + tuple(k.shape[1:]), dtype=k.dtype, device=self.kv.device)
+    def _stage_buffer(self) -> torch.Tensor:
+        """Flat staging memory for ``_stage_pages`` pages of every layer."""
+        return torch.empty(self._stage_pages * self.page_bytes // self.kv.buffer.element_size(),
+                           dtype=self.kv.dtype, device=self.kv.device)
 
     def _copy_run(self, layer: int, slots: range, pages: range, save: bool) -> None:
         kv, ps = self.kv, self.kv.page_size

@@ -163,3 +163,25 @@ def test_match_below_a_peeked_node_equals_a_full_match(length):
             assert (got.node.key, got.node.pages) == (want.node.key, want.node.pages)
         full.check_integrity()
         below.check_integrity()
+
+
+def test_peek_resumed_walks_only_below_its_hint_and_never_trusts_a_detached_one(monkeypatch):
+    t = RadixTree(2)
+    doc = list(range(100, 140))                         # a 40-token cached prefix
+    t.insert(doc, list(range(20)))
+    query = doc + [7, 8, 9, 10]
+    hint, matched = t.peek_resumed(query, None, None)
+    assert matched == 40 and hint is not None and hint[1] == 40
+    compared = []
+    real = t._common_pages
+    monkeypatch.setattr(t, "_common_pages", lambda *a: compared.append(a) or real(*a))
+    assert t.peek_resumed(query, None, hint) == (hint, 40) and not compared     # nothing above it again
+    t.insert(doc + [7, 8], list(range(20)) + [50])      # grows below the hint: found from there
+    compared.clear()
+    hint2, matched = t.peek_resumed(query, None, hint)
+    assert matched == 42 and hint2[1] == 42 and len(compared) == 1
+    t.match_prefix(doc[:20])                            # a split above the hint keeps its end
+    assert t.peek_resumed(query, None, hint2)[1] == 42
+    assert sorted(t.evict(2)) == [19, 50]               # LRU: the query's leaf, then the document's last page
+    assert t.peek_resumed(query, None, hint2)[1] == 38   # detached hint: walked from the root
+    assert t.peek_resumed(query, "other", hint2) == (None, 0)   # another namespace: not its hint

@@ -27,6 +27,7 @@ class TreeVsModel(RuleBasedStateMachine):
         self.model: dict[Prefix, int] = {}
         self.held: list[tuple[RadixNode, list[Prefix]]] = []
         self.fresh = itertools.count()
+        self.hints: dict[tuple[str | None, tuple[int, ...]], tuple[RadixNode, int] | None] = {}
 
     def _seq(self, data: st.DataObject) -> list[int]:
         pages = data.draw(st.integers(0, 4))
@@ -61,6 +62,20 @@ class TreeVsModel(RuleBasedStateMachine):
         assert m.pages == expected and m.num_tokens == len(expected) * self.ps
         assert self.tree.peek_prefix(seq, salt)[1] == m.num_tokens
 
+    @rule(data=st.data(), salt=SALTS, extra=st.integers(0, 2))
+    def peek_resumed(self, data: st.DataObject, salt: str | None, extra: int) -> None:
+        """A queued request re-peeked across inserts, splits and evictions, resuming from its last hint
+        (kept per sequence, as ``Request.tree_hint``), matches what a walk from the root finds."""
+        seq = tuple(self._seq(data) + [0] * extra)
+        if self.hints and data.draw(st.booleans()):          # often the same request again
+            salt, seq = data.draw(st.sampled_from(sorted(self.hints, key=repr)))
+        hint, matched = self.tree.peek_resumed(list(seq), salt, self.hints.get((salt, seq)))
+        assert matched == len(self._model_match(salt, list(seq))) * self.ps
+        if hint is not None:
+            node, end = hint
+            assert sum(len(n.key) for n in self.tree.path(node)) == end <= matched
+        self.hints[(salt, seq)] = hint
+
     @rule(data=st.data(), salt=SALTS)
     def lock(self, data: st.DataObject, salt: str | None) -> None:
         seq = self._seq(data)
@@ -93,6 +108,8 @@ class TreeVsModel(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         self.tree.check_integrity()
+        for (salt, seq), hint in self.hints.items():     # a stale hint is never trusted
+            assert self.tree.peek_resumed(list(seq), salt, hint)[1] == len(self._model_match(salt, list(seq))) * self.ps
         locked = {p for _, path in self.held for p in path}
         assert self.tree.cached_tokens == len(self.model) * self.ps
         assert self.tree.locked_tokens == len(locked) * self.ps

@@ -22,8 +22,8 @@ def test_lpm_walks_again_only_after_the_tree_changed(monkeypatch):
     a = request(1, list(range(100, 140)))
     b = request(2, list(range(200, 240)))
     walks = []
-    peek = tree.peek_prefix
-    monkeypatch.setattr(tree, "peek_prefix", lambda *args, **kw: walks.append(1) or peek(*args, **kw))
+    peek = tree.peek_resumed
+    monkeypatch.setattr(tree, "peek_resumed", lambda *args, **kw: walks.append(1) or peek(*args, **kw))
     assert list(order_waiting([a, b], tree, cfg)) == [a, b] and len(walks) == 2
     assert list(order_waiting([a, b], tree, cfg)) == [a, b] and len(walks) == 2      # nothing changed
     tree.insert(list(range(200, 216)), [1, 2, 3, 4])                                 # b's first 16 tokens

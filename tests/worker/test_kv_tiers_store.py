@@ -72,15 +72,18 @@ def test_round_trip_cuda(tmp_path, dtype):
 
 def _scattered_saves(device: str, monkeypatch) -> None:
     """Saves whose host slots are consecutive but whose device pages are scattered (a request's decode
-    pages) are gathered through the staging buffer, in chunks of STAGE_PAGES; runs consecutive on both
+    pages) are gathered, every layer at once, through the staging buffer, in chunks of its size (a
+    chunk may hold pieces of several slot runs, a slot run may span chunks); runs consecutive on both
     sides are copied straight; every slot then holds exactly its page."""
     import radixrelay.worker.kv_tiers as kv_tiers
 
-    monkeypatch.setattr(kv_tiers, "STAGE_PAGES", 2)       # 5 scattered pages: chunks of 2, 2, 1
     kv = _cache(device)
-    store = TierStore(kv, host_pages=12)
+    monkeypatch.setattr(kv_tiers, "STAGE_BYTES", 2 * page_bytes(kv))
+    store = TierStore(kv, host_pages=16)
+    assert store._stage_pages == 2
     before = {p: _page(kv, p) for p in range(12)}
-    scattered = [(7, 0), (2, 1), (10, 2), (4, 3), (0, 4)]          # (page, slot)
+    # two slot runs of scattered pages, 8 pages: chunks [slots 0, 1], [2, 3], [4, 12], [13, 14]
+    scattered = [(7, 0), (2, 1), (10, 2), (4, 3), (0, 4), (3, 12), (1, 13), (9, 14)]     # (page, slot)
     straight = [(5, 8), (6, 9)]
     store.apply(0, KVTransfers(saves=scattered + straight + [(11, 6)]))
     assert store.acks(wait=True).saved_steps == [0]
