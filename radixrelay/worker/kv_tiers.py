@@ -60,6 +60,7 @@ class TierStore:
         self._cuda = kv.device.type == "cuda"
         shape = (kv.num_layers, 2, host_pages * kv.page_size, k.shape[1], k.shape[2])
         self.host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._cuda)
+        self._host_planes = self.host.view((-1,) + shape[2:])       # [num_layers * 2, slots * page_size, Hkv, D]
         self.page_bytes = page_bytes(kv)
         # CUDA: saves and loads on two copy streams (a load never queues behind a large save);
         # a copy touching a host slot waits for the last copy on the other stream that touched it.
@@ -258,13 +259,14 @@ class TierStore:
         # [num_layers, 2, n, Hkv, D], contiguous: the first part of the staging buffer
         stage = self._stage[:kv.buffer[:, :, :n].numel()].view(kv.buffer[:, :, :n].shape)
         torch.index_select(kv.buffer, 2, rows, out=stage)
+        planes = stage.view((-1,) + stage.shape[2:])                     # [num_layers * 2, n, Hkv, D]
         at = 0
         for first, run in pieces:
             host_rows = slice(first * ps, (first + len(run)) * ps)
-            stage_rows = slice(at, at + len(run) * ps)
-            for layer in range(kv.num_layers):
-                for j in range(2):
-                    self.host[layer, j, host_rows].copy_(stage[layer, j, stage_rows], non_blocking=self._cuda)
+            dst = self._host_planes[:, host_rows].unbind(0)
+            src = planes[:, at:at + len(run) * ps].unbind(0)
+            for host_plane, stage_plane in zip(dst, src):
+                host_plane.copy_(stage_plane, non_blocking=self._cuda)
             at += len(run) * ps
 
     def _stage_buffer(self) -> torch.Tensor:
