@@ -9,7 +9,8 @@ and K/V (the copy engines' work, no gather kernels); pinned on CUDA. A disk file
 Ordering (what the scheduler relies on, ``KVTransfers``):
 - on CUDA every save and load runs on one copy stream, after everything the compute stream was given
   before (an event): a save reads KV that earlier steps wrote; a load may fill pages that a step still
-  in flight last used. The step's forward waits for the loads (``load_exposed_s``); saves run while
+  in flight last used. A plan's saves are launched after its forward (``TierStore.apply``), so their
+  host work overlaps the device's. The step's forward waits for the loads (``load_exposed_s``); saves run while
   later steps compute (the scheduler keeps their pages locked until acknowledged);
 - disk reads and writes run on one I/O thread, in plan order, each handed over only once the copies
   queued before it are done (so a slot is never read for disk while its save is in flight, nor
@@ -73,6 +74,7 @@ class TierStore:
         self._io_jobs: deque[Future] = deque()            # on the I/O thread, in plan order
         self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
+        self._deferred: tuple[int, list[tuple[int, int]], object] | None = None   # (step, saves, after)
         self._cpu_load_s = self._cpu_exposed_s = 0.0
         # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
         self.rotary = None
@@ -86,14 +88,21 @@ class TierStore:
     def apply(self, step_id: int, t: KVTransfers) -> None:
         """Queue ``t`` (before the step's forward). A failed save is reported in ``KVAcks.failed_steps``.
         Loads are layer-wise on CUDA: layer l's attention waits only for layer l's pages
-        (``KVCache.wait_for_layer``), so loading later layers overlaps computing earlier ones."""
+        (``KVCache.wait_for_layer``), so loading later layers overlaps computing earlier ones.
+
+        Saves are only recorded here and queued by ``after_forward`` (or the next ``apply`` or
+        ``acks``), so that their launches (a gather and a copy per slot run, layer and K/V) happen while
+        the device computes, not before the step's kernels. They read pages earlier steps wrote (the
+        event taken now) and that this step's forward does not touch (the scheduler keeps them locked),
+        so the later launch changes nothing they copy; a plan that loads from a slot it also saves
+        queues its saves first, as before."""
+        self._flush_saves()
         after = self._after_compute()
         if t.saves:
-            try:
-                self._saves.append((step_id, self._copy(t.saves, save=True, after=after)[-1]))
-            except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
-                logger.exception("KV save of step %d failed", step_id)
-                self._failed.append(step_id)
+            self._deferred = (step_id, t.saves, after)
+            loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
+            if loads and {slot for _, slot in t.saves} & {slot for slot, _ in loads}:
+                self._flush_saves()
         if t.loads or t.shifted_loads:
             begun = time.perf_counter()
             loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
@@ -123,9 +132,23 @@ class TierStore:
             _sync(fence)
             self._io_jobs.extend(self._io.submit(fn, *args) for fn, args in jobs)
 
+    def _flush_saves(self) -> None:
+        """Queue the saves ``apply`` recorded (see there)."""
+        if self._deferred is None:
+            return
+        step_id, saves, after = self._deferred
+        self._deferred = None
+        try:
+            self._saves.append((step_id, self._copy(saves, save=True, after=after)[-1]))
+        except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
+            logger.exception("KV save of step %d failed", step_id)
+            self._failed.append(step_id)
+
     def after_forward(self) -> None:
-        """After the step's forward was queued: a forward that did not wait for every layer (an
-        error, a path without attention hooks) makes the compute stream wait for all loads."""
+        """After the step's forward was queued: its saves are queued now; a forward that did not wait
+        for every layer (an error, a path without attention hooks) makes the compute stream wait for
+        all loads."""
+        self._flush_saves()
         events = self.kv.layer_ready
         if events:
             torch.cuda.current_stream(self.kv.device).wait_event(events[-1])
@@ -133,6 +156,7 @@ class TierStore:
 
     def acks(self, wait: bool) -> KVAcks | None:
         """Transfers completed since the last call; ``wait``: block until all queued ones are."""
+        self._flush_saves()
         saved = []
         while self._saves and (wait or _done(self._saves[0][1])):
             step, event = self._saves.popleft()

@@ -107,6 +107,25 @@ def test_scattered_saves_cuda(monkeypatch):
     _scattered_saves("cuda", monkeypatch)
 
 
+def test_saves_are_queued_after_the_forward_cpu():
+    """A plan's saves are launched once its forward was queued (``after_forward``), not before it; a plan
+    that loads from a slot it also saves queues the save first; ``acks`` never loses a recorded save."""
+    kv = _cache("cpu")
+    store = TierStore(kv, host_pages=4)
+    store.host.fill_(-1.0)
+    before = {p: _page(kv, p) for p in range(12)}
+    store.apply(0, KVTransfers(saves=[(2, 0)]))
+    assert (store.host[:, :, 0:PS] == -1).all()                  # recorded, not yet queued
+    store.after_forward()
+    assert torch.equal(store.host[:, :, 0:PS], before[2])
+    store.apply(1, KVTransfers(saves=[(3, 1)], loads=[(1, 5)]))  # loads what it saves: save first
+    assert torch.equal(_page(kv, 5), before[3])
+    store.apply(2, KVTransfers(saves=[(4, 2)]))
+    assert store.acks(wait=True).saved_steps == [0, 1, 2]       # step 2's save queued by acks
+    assert torch.equal(store.host[:, :, 2 * PS:3 * PS], before[4])
+    store.close()
+
+
 def _shifted_load(device: str, dtype, tol: float) -> None:
     """A shifted load rotates the keys by the delta: K computed at position p arrives as K at p + d
     (RoPE of the default-like config), values and other pages untouched."""
