@@ -106,6 +106,7 @@ class DecodeGraphs:
         self._scratch = array("q", [scratch_slot]) * stride
         self._max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._side: torch.cuda.Stream | None = None         # warm-up and capture stream (``_capture``)
         self.captures = 0
         self.advances = 0               # steps advanced on the device (``advance``)
         self.fallbacks = 0              # steps run on a larger graph that covers their size class
@@ -363,14 +364,23 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             g.logits = self._forward(g)
             return
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        side.wait_stream(stream)
         with torch.cuda.stream(side):
-            g.logits = self._forward(g)          # warm-up (compiles kernels); the same step's work, so harmless
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._pool):
-            g.logits = self._forward(g)
+            g.logits = self._forward(g)          # warm-up (loads kernels); the same step's work, so harmless
+            # Captured right behind it, not through ``torch.cuda.graph``: that context synchronizes the
+            # device, runs ``gc.collect()`` and empties the allocator's cache on entry, a stall of the
+            # serving loop (the queued steps drain) and cudaMallocs again for later eager work.
+            g.graph = torch.cuda.CUDAGraph()
+            g.graph.capture_begin(pool=self._pool)
+            try:
+                g.logits = self._forward(g)
+            finally:
+                g.graph.capture_end()
+        stream.wait_stream(side)
         g.graph.replay()
 
     def _replay(self, g: _Graph) -> None:
