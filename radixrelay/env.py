@@ -8,6 +8,9 @@
   writes ``worker_trace.json`` (a Chrome trace) and ``worker_trace.txt`` (ops by device time and a
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
+- ``RADIXRELAY_OVERLAP_DEPTH``: steps the scheduler keeps in flight with overlap on (2 when unset: step
+  N+1 is planned while N computes). For measuring deeper pipelines; a finished request may then compute
+  up to depth - 1 tokens that are never streamed.
 - ``RADIXRELAY_SMALL_EXTEND_ROWS``: extend tokens a step may run as decode-graph rows (the worker's
   ``SMALL_EXTEND_ROWS``, 256, when unset; 0: never, every step with an extend runs piecewise). For
   comparing the two paths.
@@ -45,3 +48,17 @@ def small_extend_rows() -> int | None:
     if not text.isdigit():
         raise ValueError(f"RADIXRELAY_SMALL_EXTEND_ROWS must be an integer >= 0, got {text!r}")
     return int(text)
+
+
+def overlap_depth() -> int:
+    """``RADIXRELAY_OVERLAP_DEPTH`` (default 2); a malformed or smaller-than-2 value is an error."""
+    text = os.environ.get("RADIXRELAY_OVERLAP_DEPTH")
+    if not text:
+        return 2
+    try:
+        depth = int(text)
+    except ValueError:
+        depth = 0
+    if depth < 2:
+        raise ValueError(f"RADIXRELAY_OVERLAP_DEPTH must be an integer >= 2, got {text!r}")
+    return depth

@@ -35,6 +35,7 @@ import zmq
 from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
+from radixrelay.env import overlap_depth
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.model.registry import tokenizer_path
@@ -70,7 +71,7 @@ class SchedulerLoop:
         self._worker_msgs = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
         self._live: dict[int, _Pending] = {}
         self._tokens = TokenTable(vocab_size)   # packed prompt ids -> lists of shared int objects
-        self.depth = 1 if args.config.disable_overlap else 2
+        self.depth = 1 if args.config.disable_overlap else overlap_depth()
         self._stopping = False
         self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
