@@ -23,3 +23,14 @@ def test_trace_steps(monkeypatch) -> None:
     monkeypatch.setenv("RADIXRELAY_TRACE_STEPS", "4")
     with pytest.raises(ValueError, match="START:COUNT"):
         env.trace_steps()
+
+
+def test_overlap_depth(monkeypatch) -> None:
+    monkeypatch.delenv("RADIXRELAY_OVERLAP_DEPTH", raising=False)
+    assert env.overlap_depth() == 2
+    monkeypatch.setenv("RADIXRELAY_OVERLAP_DEPTH", "3")
+    assert env.overlap_depth() == 3
+    for bad in ("1", "two"):
+        monkeypatch.setenv("RADIXRELAY_OVERLAP_DEPTH", bad)
+        with pytest.raises(ValueError, match="RADIXRELAY_OVERLAP_DEPTH"):
+            env.overlap_depth()

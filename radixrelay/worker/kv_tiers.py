@@ -7,8 +7,8 @@ and K/V (the copy engines' work, no gather kernels); pinned on CUDA. A disk file
 ``[num_layers, 2, page_size, num_kv_heads, head_dim]``, gathered / scattered on the I/O thread.
 
 Ordering (what the scheduler relies on, ``KVTransfers``):
-- on CUDA every save and load runs on one copy stream, after everything the compute stream was given
-  before (an event): a save reads KV that earlier steps wrote; a load may fill pages that a step still
+- on CUDA saves run on one copy stream and loads on another, each after everything the compute stream
+  was given before (an event): a save reads KV that earlier steps wrote; a load may fill pages that a step still
   in flight last used. A plan's saves are launched after its forward (``TierStore.apply``), so their
   host work overlaps the device's. The step's forward waits for the loads (``load_exposed_s``); saves run while
   later steps compute (the scheduler keeps their pages locked until acknowledged);
@@ -25,6 +25,7 @@ copies, the keys of those pages are rotated by their position delta on the same 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,14 +99,13 @@ class TierStore:
         queues its saves first, as before."""
         self._flush_saves()
         after = self._after_compute()
+        loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
         if t.saves:
             self._deferred = (step_id, t.saves, after)
-            loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
             if loads and {slot for _, slot in t.saves} & {slot for slot, _ in loads}:
                 self._flush_saves()
-        if t.loads or t.shifted_loads:
+        if loads:
             begun = time.perf_counter()
-            loads = t.loads + [(slot, page) for slot, page, _ in t.shifted_loads]
             events = self._copy(loads, save=False, after=after, shifts=t.shifted_loads)
             if self._cuda:
                 self.kv.layer_ready = events[1:]
@@ -280,8 +280,8 @@ class TierStore:
         rows = upload(rows, torch.int64, kv.device) if self._cuda else torch.from_numpy(rows)
         if self._stage is None:
             self._stage = self._stage_buffer()
-        # [num_layers, 2, n, Hkv, D], contiguous: the first part of the staging buffer
-        stage = self._stage[:kv.buffer[:, :, :n].numel()].view(kv.buffer[:, :, :n].shape)
+        shape = (kv.num_layers, 2, n) + tuple(kv.buffer.shape[3:])
+        stage = self._stage[:math.prod(shape)].view(shape)       # contiguous: the staging buffer's first part
         torch.index_select(kv.buffer, 2, rows, out=stage)
         planes = stage.view((-1,) + stage.shape[2:])                     # [num_layers * 2, n, Hkv, D]
         at = 0
