@@ -140,7 +140,10 @@ class Engine:
                 "prefill_cascade_steps": stats.prefill_cascade_steps,
                 "prefill_cascade_runs": stats.prefill_cascade_runs,
                 "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,
-                "prefill_long_prefix_runs": stats.prefill_long_prefix_runs}
+                "prefill_long_prefix_runs": stats.prefill_long_prefix_runs,
+                "worker_gc_s": stats.worker_gc.seconds, "scheduler_gc_s": stats.scheduler_gc.seconds,
+                "gc_full_collections": stats.worker_gc.full_collections + stats.scheduler_gc.full_collections,
+                "gc_longest_pause_s": max(stats.worker_gc.longest_s, stats.scheduler_gc.longest_s)}
 
     @property
     def computed_tokens(self) -> int:

@@ -14,6 +14,9 @@
 - ``RADIXRELAY_SMALL_EXTEND_ROWS``: extend tokens a step may run as decode-graph rows (the worker's
   ``SMALL_EXTEND_ROWS``, 256, when unset; 0: never, every step with an extend runs piecewise). For
   comparing the two paths.
+- ``RADIXRELAY_GC``: ``managed`` (default) or ``python``: how the runtime's processes run Python's
+  garbage collector (``radixrelay.runtime.gc_control``: start-up heap frozen, full collections when
+  idle; or the interpreter's own policy, for comparison).
 """
 
 from __future__ import annotations
@@ -62,3 +65,11 @@ def overlap_depth() -> int:
     if depth < 2:
         raise ValueError(f"RADIXRELAY_OVERLAP_DEPTH must be an integer >= 2, got {text!r}")
     return depth
+
+
+def gc_mode() -> str:
+    """``RADIXRELAY_GC`` (default ``managed``); any other value than ``managed`` or ``python`` is an error."""
+    mode = os.environ.get("RADIXRELAY_GC") or "managed"
+    if mode not in ("managed", "python"):
+        raise ValueError(f"RADIXRELAY_GC must be 'managed' or 'python', got {mode!r}")
+    return mode

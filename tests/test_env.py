@@ -25,6 +25,16 @@ def test_trace_steps(monkeypatch) -> None:
         env.trace_steps()
 
 
+def test_gc_mode(monkeypatch) -> None:
+    monkeypatch.delenv("RADIXRELAY_GC", raising=False)
+    assert env.gc_mode() == "managed"
+    monkeypatch.setenv("RADIXRELAY_GC", "python")
+    assert env.gc_mode() == "python"
+    monkeypatch.setenv("RADIXRELAY_GC", "off")
+    with pytest.raises(ValueError, match="RADIXRELAY_GC"):
+        env.gc_mode()
+
+
 def test_overlap_depth(monkeypatch) -> None:
     monkeypatch.delenv("RADIXRELAY_OVERLAP_DEPTH", raising=False)
     assert env.overlap_depth() == 2

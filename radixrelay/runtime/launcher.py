@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from radixrelay.config import EngineConfig
+from radixrelay.env import gc_mode
 from radixrelay.runtime.messages import ChildArgs, Endpoints
 
 logger = logging.getLogger("radixrelay.runtime")
@@ -31,6 +32,7 @@ CHILD_KINDS = ("worker", "scheduler")
 
 class RuntimeProcesses:
     def __init__(self, config: EngineConfig) -> None:
+        gc_mode()                      # a malformed RADIXRELAY_GC fails here, not in a child
         self.config = config
         self.ipc_dir = Path(tempfile.mkdtemp(prefix="radixrelay-"))   # mode 0700
         def ipc(name: str) -> str:

@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from radixrelay.config import EngineConfig
+from radixrelay.runtime.gc_control import GcStats
 from radixrelay.worker.protocol import ModuleSpan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import KVAudit
@@ -122,6 +123,11 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     # one token further: no batch packing on the host), and run on a larger graph covering their size class:
     decode_steps_advanced: int = 0
     decode_steps_covered: int = 0
+    # Python garbage collection per process (``radixrelay.runtime.gc_control``): the worker's as of its
+    # latest step output, the scheduler's, and the frontend's (filled in by the server, empty elsewhere):
+    worker_gc: GcStats = GcStats()
+    scheduler_gc: GcStats = GcStats()
+    frontend_gc: GcStats = GcStats()
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -165,6 +171,7 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
     disk_pages: int = 0               # KV tier pages on disk (0: no disk tier)
     kv_namespace: str = ""            # model + KV layout identity (keys of the lower tiers)
     page_bytes: int = 0               # bytes of one page's KV (all layers, K and V)
+    gc_frozen: int = 0                # start-up objects the worker froze out of the garbage collector
 
 
 class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
@@ -180,6 +187,7 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
                                                                 # long-prefix runs (PrefillCascadeCounters)
     malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
     decode_graph_steps: tuple[int, int] = (0, 0)   # cumulative: decode steps advanced, covered (RuntimeStats)
+    gc: GcStats = GcStats()           # cumulative: the worker's garbage collections
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

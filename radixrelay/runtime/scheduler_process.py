@@ -35,10 +35,11 @@ import zmq
 from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
-from radixrelay.env import overlap_depth
+from radixrelay.env import gc_mode, overlap_depth
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.model.registry import tokenizer_path
+from radixrelay.runtime.gc_control import GcControl, GcStats
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
@@ -59,7 +60,8 @@ logger = logging.getLogger("radixrelay.scheduler")
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
                  frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
-                 worker_out: zmq.Socket, vocab_size: int = 0) -> None:
+                 worker_out: zmq.Socket, vocab_size: int = 0, collector: GcControl | None = None,
+                 worker_gc: GcStats = GcStats()) -> None:
         self.scheduler = scheduler
         self.planner = planner            # installed in the scheduler; kept here for its counters
         self.args = args
@@ -81,6 +83,8 @@ class SchedulerLoop:
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
+        self.collector = collector        # garbage collection: full collections when idle (gc_control)
+        self._worker_gc = worker_gc       # the worker's, as of its latest step output (or ready)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -92,6 +96,9 @@ class SchedulerLoop:
             events = dict(poller.poll(POLL_MS))
             if not events and parent_gone(self.args):
                 return 1
+            if self.collector is not None:
+                # idle: nothing arrived for POLL_MS and nothing is running or waiting
+                self.collector.poll(idle=not events and not self.scheduler.has_work())
             if self.worker_in in events:
                 self._drain_worker()
             self._drain_frontend()
@@ -139,6 +146,7 @@ class SchedulerLoop:
         self._decode_graph_steps = message.decode_graph_steps
         self._prefill_cascade = message.prefill_cascade
         self._worker_dropped = message.malformed_frames
+        self._worker_gc = message.gc
         try:
             self._process(message.output)
         finally:
@@ -212,7 +220,9 @@ class SchedulerLoop:
                             malformed_frames=self._frontend_msgs.dropped + self._worker_msgs.dropped
                             + self._worker_dropped,
                             decode_steps_advanced=self._decode_graph_steps[0],
-                            decode_steps_covered=self._decode_graph_steps[1])
+                            decode_steps_covered=self._decode_graph_steps[1],
+                            worker_gc=self._worker_gc,
+                            scheduler_gc=self.collector.stats() if self.collector is not None else GcStats())
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:
@@ -324,10 +334,12 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
         frontend_out.send(encode(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}")))
         return 1
+    collector = GcControl("scheduler", gc_mode(), logger)
+    collector.settle()                 # the tokenizer and the scheduler's structures: never scanned again
     frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
                                           ready.vocab_size)))
     return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
-                         ready.vocab_size).run()
+                         ready.vocab_size, collector, GcStats(frozen=ready.gc_frozen)).run()
 
 
 if __name__ == "__main__":

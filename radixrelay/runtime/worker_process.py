@@ -26,9 +26,10 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.backend import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
-from radixrelay.env import profile_dir, small_extend_rows, trace_steps
+from radixrelay.env import gc_mode, profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.model.registry import tokenizer_path
+from radixrelay.runtime.gc_control import GcControl, GcStats
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -139,13 +140,16 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         logger.error("worker start-up failed:\n%s", traceback.format_exc())
         outbox.send(encode(RuntimeFailed(f"worker start-up failed: {type(exc).__name__}: {exc}")))
         return 1
-    outbox.send(encode(ready))
+    collector = GcControl("worker", gc_mode(), logger)
+    collector.settle()                 # the model, KV cache and CUDA graphs: never scanned again
+    outbox.send(encode(msgspec.structs.replace(ready, gc_frozen=collector.stats().frozen)))
     logger.info("worker ready: %d KV pages of %d tokens", ready.num_pages, args.config.page_size)
     with torch.inference_mode():
-        return serve_steps(runner, inbox, outbox, args)
+        return serve_steps(runner, inbox, outbox, args, collector)
 
 
-def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs) -> int:
+def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs,
+                collector: GcControl | None = None) -> int:
     encode = encoder().encode
     commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
     in_flight: deque[tuple[LaunchedStep, float, bool]] = deque()  # (step, host seconds, has rows)
@@ -172,7 +176,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps,
                                           dataclasses.astuple(runner.prefill_cascade), commands.dropped,
-                                          runner.decode_graph_steps)))
+                                          runner.decode_graph_steps,
+                                          collector.stats() if collector is not None else GcStats())))
         if trace is not None:
             trace.finished(step.step_id)
 
@@ -185,6 +190,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 _wait_for_either(in_flight[0][0], inbox)
             elif parent_gone(args):
                 return 1
+            elif collector is not None:
+                collector.poll(idle=True)     # nothing on the device: a due full collection runs here
             continue
         command = commands(inbox.recv())
         if command is None:
@@ -201,6 +208,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 launched = runner.launch(command.plan)
         plan = command.plan
         in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
+        if collector is not None:
+            collector.poll(idle=False)        # a full collection only once FULL_EVERY_S has passed
 
 
 def _jit_variants_since_now(runner: ModelRunner):

@@ -25,10 +25,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrelay.config import EngineConfig, ServerConfig
+from radixrelay.env import gc_mode
 from radixrelay.modules.registry import SchemaRegistry
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
+from radixrelay.runtime.gc_control import GcControl
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, schemas, serving
@@ -61,6 +63,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.grammars = GrammarCheck(self.tokenizer)
         self.client: AsyncRuntimeClient | None = None
+        self.collector = GcControl("frontend", "python", logger, defer_full=False)   # replaced at start-up
         self.draining = False
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None   # set by whoever runs the server
@@ -226,9 +229,14 @@ def build_app(state: ServerState) -> FastAPI:
         state.client.on_death.append(state.on_runtime_death)
         logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
                     state.client.info.max_context)
+        # The tokenizer, templates and app: frozen out of the garbage collector (full collections stay
+        # automatic here: the frontend is off the device's critical path).
+        state.collector = GcControl("frontend", gc_mode(), logger, defer_full=False)
+        state.collector.settle()
         try:
             yield
         finally:
+            state.collector.uninstall()
             await state.client.shutdown(0)
 
     app = FastAPI(title="radixrelay", version=__version__, lifespan=lifespan, docs_url=None,
@@ -348,6 +356,7 @@ def build_app(state: ServerState) -> FastAPI:
         stats = None
         if state.client is not None and state.client.alive and not state.draining:
             stats = await state.client.stats()
+            stats = msgspec.structs.replace(stats, frontend_gc=state.collector.stats())
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")

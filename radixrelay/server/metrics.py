@@ -119,6 +119,17 @@ class _RuntimeCollector(Collector):
         yield counter("malformed_frames", "Runtime messages dropped because they did not decode as their "
                       "channel's messages (garbage, truncated, wrong type); the process kept serving.",
                       s.malformed_frames)
+        for process, gc_stats in (("worker", s.worker_gc), ("scheduler", s.scheduler_gc),
+                                  ("frontend", s.frontend_gc)):
+            yield counter(f"{process}_gc_seconds", f"Time the {process} process spent paused in Python's "
+                          "garbage collector.", gc_stats.seconds)
+            yield counter(f"{process}_gc_full_collections", f"Full (generation 2) garbage collections of the "
+                          f"{process} process.", gc_stats.full_collections)
+            yield gauge(f"{process}_gc_longest_pause_seconds", f"Longest garbage-collection pause of the "
+                        f"{process} process since start.", gc_stats.longest_s)
+            yield gauge(f"{process}_gc_frozen_objects", f"Objects of the {process} process's start-up heap "
+                        "frozen out of the garbage collector (RADIXRELAY_GC=managed; 0 otherwise).",
+                        gc_stats.frozen)
         if s.kv_audit is not None:
             yield from _audit_metrics(s.kv_audit)
 

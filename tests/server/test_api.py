@@ -79,6 +79,11 @@ def test_models_health_metrics(client, http):
                  "radixrelay_prefill_cascade_steps_total", "radixrelay_prefill_cascade_tokens_read_once_total",
                  "radixrelay_prefill_long_prefix_runs_total"):
         assert name in text, name
+    # Every runtime process froze its start-up heap out of the garbage collector (gc_control).
+    m = metrics(http)
+    for process in ("worker", "scheduler", "frontend"):
+        assert m[f"radixrelay_{process}_gc_frozen_objects"] > 1000, process
+        assert m[f"radixrelay_{process}_gc_seconds_total"] >= 0
 
 
 def test_chat_completion(client, http):

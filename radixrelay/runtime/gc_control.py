@@ -1,0 +1,136 @@
+"""The garbage collector in the runtime's processes: the start-up heap frozen out of it, full
+collections moved to idle moments, every pause timed.
+
+CPython's cyclic collector stops the process for a time proportional to the objects it scans. A
+full (generation 2) collection scans every tracked object: in the worker that is the model, its
+CUDA graphs and their pools of tensors (hundreds of thousands of objects after start-up), in the
+scheduler the radix tree and every queued request. Left to the interpreter, one fires every few
+seconds under load, at whatever allocation crosses the threshold, and the step being planned or
+launched waits for it: a stall of tens of milliseconds with the device idle.
+
+``GcControl`` (``RADIXRELAY_GC``, see ``radixrelay.env``):
+
+- ``managed`` (the default): once start-up is done, ``settle()`` collects and freezes the heap
+  (``gc.freeze``: those objects are never scanned again). In the scheduler and the worker
+  (``defer_full``) automatic full collections are turned off as well; the young generations are
+  still collected as usual (cheap: they hold only recent objects). The process calls ``poll(idle)``
+  between steps: a full collection runs when it is idle and the young collections have promoted
+  ``FULL_AFTER_PROMOTIONS`` batches since the last one, or, idle or not, once ``FULL_EVERY_S`` has
+  passed (a server that is never idle still frees cyclic garbage, with one pause that often).
+- ``python``: the interpreter's own policy (for comparison); pauses are still timed.
+
+Either way each collection is timed (``gc.callbacks``): total seconds, full collections and the
+longest pause, reported as ``GcStats`` and exported by ``/metrics``; a pause longer than
+``WARN_S`` is logged.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import msgspec
+
+WARN_S = 0.05                 # a pause at least this long is logged (warning)
+FULL_AFTER_PROMOTIONS = 100   # managed: an idle process collects fully once this many generation-1
+                              # collections ran since the last full one ...
+FULL_EVERY_S = 600.0          # ... and any process once this long has passed
+_NO_AUTO_FULL = 1 << 30       # threshold2 that the young collections never reach
+
+
+class GcStats(msgspec.Struct, frozen=True):
+    """One process's collections since start (cumulative)."""
+    seconds: float = 0.0          # time inside the collector
+    collections: int = 0          # collections of any generation
+    full_collections: int = 0     # of which generation 2
+    longest_s: float = 0.0        # longest single pause
+    frozen: int = 0               # objects frozen at start-up (managed mode; 0 otherwise)
+
+
+class GcControl:
+    def __init__(self, process: str, mode: str, logger: logging.Logger, defer_full: bool = True) -> None:
+        if mode not in ("managed", "python"):
+            raise ValueError(f"garbage collection mode must be 'managed' or 'python', got {mode!r}")
+        self.process, self.mode, self.logger = process, mode, logger
+        self.defer_full = defer_full and mode == "managed"
+        self._seconds = 0.0
+        self._collections = self._full = 0
+        self._longest = 0.0
+        self._frozen = 0
+        self._started: float | None = None
+        self._generation = 0
+        self._last_full = time.monotonic()
+        self._gen1_at_last_full = 0
+        self._installed = False
+
+    @property
+    def managed(self) -> bool:
+        return self.mode == "managed"
+
+    def install(self) -> None:
+        """Start timing collections (idempotent)."""
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed = False
+
+    def settle(self) -> None:
+        """Start-up is done: collect, then (managed) freeze what is left and (``defer_full``) stop
+        automatic full collections. Call once, after the process built its long-lived state."""
+        self.install()
+        gc.collect()
+        if not self.managed:
+            return
+        gc.freeze()
+        self._frozen = gc.get_freeze_count()
+        if self.defer_full:
+            t0, t1, _ = gc.get_threshold()
+            gc.set_threshold(t0, t1, _NO_AUTO_FULL)
+        self._last_full = time.monotonic()
+        self._gen1_at_last_full = gc.get_stats()[1]["collections"]
+        self.logger.info("%s: %d start-up objects frozen out of the garbage collector%s", self.process,
+                         self._frozen, "; full collections when idle" if self.defer_full else "")
+
+    def poll(self, idle: bool) -> bool:
+        """Between steps (``idle``: nothing to do for now): run a full collection if one is due
+        (``defer_full`` only). True if one ran."""
+        if not self.defer_full:
+            return False
+        elapsed = time.monotonic() - self._last_full
+        if elapsed < FULL_EVERY_S:
+            if not idle or gc.get_stats()[1]["collections"] - self._gen1_at_last_full < FULL_AFTER_PROMOTIONS:
+                return False
+        self.collect_full()
+        return True
+
+    def collect_full(self) -> None:
+        gc.collect(2)
+        self._last_full = time.monotonic()
+        self._gen1_at_last_full = gc.get_stats()[1]["collections"]
+
+    def stats(self) -> GcStats:
+        return GcStats(self._seconds, self._collections, self._full, self._longest, self._frozen)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            self._generation = info.get("generation", 0)
+            return
+        if self._started is None:
+            return
+        pause = time.perf_counter() - self._started
+        self._started = None
+        self._seconds += pause
+        self._collections += 1
+        self._full += self._generation == 2
+        self._longest = max(self._longest, pause)
+        if pause >= WARN_S:
+            self.logger.warning("%s: garbage collection of generation %d paused the process %.0f ms "
+                                "(%d objects collected)", self.process, self._generation, pause * 1e3,
+                                info.get("collected", 0))
+
