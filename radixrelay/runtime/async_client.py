@@ -79,6 +79,11 @@ class AsyncRuntimeClient:
         return self._death is None
 
     @property
+    def num_live(self) -> int:
+        """Requests whose results are still streaming."""
+        return len(self._streams)
+
+    @property
     def info(self) -> RuntimeReady:
         return self._info
 

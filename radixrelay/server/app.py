@@ -30,7 +30,7 @@ from radixrelay.modules.registry import SchemaRegistry
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
-from radixrelay.runtime.gc_control import GcControl
+from radixrelay.runtime.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S, GcControl
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, schemas, serving
@@ -63,7 +63,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.grammars = GrammarCheck(self.tokenizer)
         self.client: AsyncRuntimeClient | None = None
-        self.collector = GcControl("frontend", "python", logger, defer_full=False)   # replaced at start-up
+        self.collector = GcControl("frontend", "python", logger)   # replaced at start-up
         self.draining = False
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None   # set by whoever runs the server
@@ -216,6 +216,14 @@ class GateMiddleware:
 # -- the app ----------------------------------------------------------------------------------
 
 
+async def _collect_when_due(state: ServerState) -> None:
+    """The frontend's garbage-collection timer (``GcControl.poll``): idle while no request streams."""
+    while True:
+        await asyncio.sleep(FRONTEND_POLL_S)
+        client = state.client
+        state.collector.poll(idle=client is None or client.num_live == 0)
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -229,13 +237,15 @@ def build_app(state: ServerState) -> FastAPI:
         state.client.on_death.append(state.on_runtime_death)
         logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
                     state.client.info.max_context)
-        # The tokenizer, templates and app: frozen out of the garbage collector (full collections stay
-        # automatic here: the frontend is off the device's critical path).
-        state.collector = GcControl("frontend", gc_mode(), logger, defer_full=False)
+        # The tokenizer, templates and app: frozen out of the garbage collector; full collections when
+        # no request is streaming, or once a minute under load (gc_control).
+        state.collector = GcControl("frontend", gc_mode(), logger, full_every_s=FRONTEND_FULL_EVERY_S)
         state.collector.settle()
+        ticker = asyncio.create_task(_collect_when_due(state))
         try:
             yield
         finally:
+            ticker.cancel()
             state.collector.uninstall()
             await state.client.shutdown(0)
 

@@ -105,12 +105,12 @@ def test_python_mode_keeps_the_interpreter_policy(restore_gc) -> None:
     assert control.stats().collections >= 2          # settle's and this one, timed
 
 
-def test_frontend_freezes_without_deferring(restore_gc) -> None:
-    thresholds = gc.get_threshold()
-    control = GcControl("frontend", "managed", logger, defer_full=False)
+def test_own_full_every_s(restore_gc) -> None:
+    control = GcControl("frontend", "managed", logger, full_every_s=0.0)
     control.settle()
-    assert gc.get_freeze_count() > 0 and gc.get_threshold() == thresholds
-    assert not control.poll(idle=True)
+    ref = _old_garbage()
+    assert control.poll(idle=False)                  # busy, but its own bound has passed
+    assert ref() is None
 
 
 def test_long_pause_is_logged(restore_gc, monkeypatch, caplog) -> None:
