@@ -42,7 +42,7 @@ import msgspec
 WARN_S = 0.05                 # a pause at least this long is logged (warning)
 FULL_AFTER_PROMOTIONS = 100   # managed: an idle process collects fully once this many generation-1
                               # collections ran since the last full one ...
-FULL_EVERY_S = 600.0          # ... and a busy one once this long has passed (the default)
+FULL_EVERY_S = 300.0          # ... and a busy one once this long has passed (the default)
 FRONTEND_FULL_EVERY_S = 60.0  # the frontend's: its garbage grows with requests served (HTTP, asyncio)
 FRONTEND_POLL_S = 0.25        # the frontend polls from a timer this often
 _NO_AUTO_FULL = 1 << 30       # threshold2 that the young collections never reach
