@@ -1,10 +1,12 @@
 """Summarise a worker step trace (``RADIXRELAY_TRACE_STEPS``: ``worker_trace.json``, a Chrome trace).
 
-Per step (``record_function("step <id>")`` ranges of the worker): host launch span, CUDA API calls
-and their time, the kernels the step launched (by correlation id: graph replays count as their
-kernels), their summed device time, the device span from the first to the last, and the time inside that span
-with no kernel running (the device waiting for launches), and the idle gap before the step's first kernel. Then the CUDA API calls and kernels of the whole window,
-by total time.
+Per step (``record_function("step <id>")`` ranges of the worker): the worker's wait before it (time
+since the previous launch ended: waiting for this step's plan, or reading outputs), its host launch
+span, CUDA API calls and their time, the kernels the step launched (by correlation id: graph replays
+count as their kernels), their summed device time, the device span from the first to the last, the
+time inside that span with no kernel running (the device waiting for launches), and the idle gap
+before the step's first kernel. Then the CUDA API calls and kernels of the whole window, by total
+time.
 
     python benchmarks/trace_summary.py worker_trace.json [--top 25]
 """
@@ -35,9 +37,9 @@ def main() -> None:
     for e in gpu:
         by_corr[e.get("args", {}).get("correlation")].append(e)
 
-    print(f"{'step':>8} {'host ms':>8} {'api ms':>7} {'calls':>6} {'kernels':>7} {'dev ms':>7} {'span ms':>8} "
-          f"{'idle ms':>7} {'gap ms':>7}  longest API call")
-    prev_end = None
+    print(f"{'step':>8} {'wait ms':>8} {'host ms':>8} {'api ms':>7} {'calls':>6} {'kernels':>7} {'dev ms':>7} "
+          f"{'span ms':>8} {'idle ms':>7} {'gap ms':>7}  longest API call")
+    prev_end = prev_host_end = None
     rows = []
     for s in steps:
         lo, hi = s["ts"], s["ts"] + s["dur"]
@@ -51,8 +53,10 @@ def main() -> None:
         gap = (first - prev_end) / 1e3 if kernels and prev_end is not None else float("nan")
         longest = max(calls, key=lambda e: e["dur"], default=None)
         api_ms = sum(e["dur"] for e in calls) / 1e3
-        rows.append((s["dur"] / 1e3, api_ms, dev, span, idle, gap))
-        print(f"{s['name'][5:]:>8} {s['dur'] / 1e3:>8.2f} {api_ms:>7.2f} {len(calls):>6} {len(kernels):>7} "
+        wait = (lo - prev_host_end) / 1e3 if prev_host_end is not None else float("nan")
+        prev_host_end = hi
+        rows.append((wait, s["dur"] / 1e3, api_ms, dev, span, idle, gap))
+        print(f"{s['name'][5:]:>8} {wait:>8.2f} {s['dur'] / 1e3:>8.2f} {api_ms:>7.2f} {len(calls):>6} {len(kernels):>7} "
               f"{dev:>7.2f} {span:>8.2f} {idle:>7.2f} {gap:>7.2f}  "
               + (f"{longest['name']} {longest['dur'] / 1e3:.2f} ms" if longest else ""))
         if last is not None:
