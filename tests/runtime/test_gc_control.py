@@ -127,3 +127,12 @@ def test_long_pause_is_logged(restore_gc, monkeypatch, caplog) -> None:
 def test_bad_mode() -> None:
     with pytest.raises(ValueError, match="managed"):
         GcControl("test", "sometimes", logger)
+
+
+def test_bad_env_fails_in_the_parent_before_any_child(monkeypatch) -> None:
+    from radixrelay.config import EngineConfig
+    from radixrelay.runtime.launcher import RuntimeProcesses
+
+    monkeypatch.setenv("RADIXRELAY_GC", "never")
+    with pytest.raises(ValueError, match="RADIXRELAY_GC"):
+        RuntimeProcesses(EngineConfig())
