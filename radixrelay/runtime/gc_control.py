@@ -28,7 +28,7 @@ scheduler 8-9 times (56-79 ms) and the worker once or twice (90-109 ms).
 
 Either way each collection is timed (``gc.callbacks``): total seconds, full collections and the
 longest pause, reported as ``GcStats`` and exported by ``/metrics``; a pause longer than
-``WARN_S`` is logged.
+``WARN_S`` is logged (as a warning unless it is a collection this module ran while idle).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class GcControl:
         self._last_full = time.monotonic()
         self._gen1_at_last_full = 0
         self._installed = False
+        self._idle_collection = False   # a full collection run by poll(idle=True): not worth a warning
 
     @property
     def managed(self) -> bool:
@@ -92,8 +93,8 @@ class GcControl:
     def settle(self) -> None:
         """Start-up is done: collect, then (managed) freeze what is left and stop automatic full
         collections. Call once, after the process built its long-lived state."""
+        gc.collect()                   # start-up garbage: not a pause anyone waits for, not timed
         self.install()
-        gc.collect()
         if not self.managed:
             return
         gc.freeze()
@@ -114,11 +115,15 @@ class GcControl:
         if elapsed < (FULL_EVERY_S if self.full_every_s is None else self.full_every_s):
             if not idle or gc.get_stats()[1]["collections"] - self._gen1_at_last_full < FULL_AFTER_PROMOTIONS:
                 return False
-        self.collect_full()
+        self.collect_full(idle)
         return True
 
-    def collect_full(self) -> None:
-        gc.collect(2)
+    def collect_full(self, idle: bool = False) -> None:
+        self._idle_collection = idle
+        try:
+            gc.collect(2)
+        finally:
+            self._idle_collection = False
         self._last_full = time.monotonic()
         self._gen1_at_last_full = gc.get_stats()[1]["collections"]
 
@@ -139,7 +144,8 @@ class GcControl:
         self._full += self._generation == 2
         self._longest = max(self._longest, pause)
         if pause >= WARN_S:
-            self.logger.warning("%s: garbage collection of generation %d paused the process %.0f ms "
-                                "(%d objects collected)", self.process, self._generation, pause * 1e3,
-                                info.get("collected", 0))
+            level = logging.DEBUG if self._idle_collection else logging.WARNING
+            self.logger.log(level, "%s: garbage collection of generation %d paused the process %.0f ms "
+                            "(%d objects collected)", self.process, self._generation, pause * 1e3,
+                            info.get("collected", 0))
 
