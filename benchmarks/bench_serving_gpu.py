@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 from radixrelay.bench.arrivals import arrival_times  # noqa: E402
 from radixrelay.bench.client import BenchClient, ClientConfig  # noqa: E402
 from radixrelay.bench.metrics import SLO, summarize  # noqa: E402
+from radixrelay.bench.provenance import source_commit  # noqa: E402
 from radixrelay.bench.runner import run_sessions, run_sessions_parallel, token_counter  # noqa: E402
 from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, words  # noqa: E402
 
@@ -562,7 +563,7 @@ def parser() -> argparse.ArgumentParser:
                         "before its CPU limits the load offered (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None,
-                   help="commit named in the results (default: git rev-parse HEAD; a copied tree may lack it)")
+                   help="commit named in the results (default: the tree's HEAD, +modified when tracked files differ from it)")
     p.add_argument("--out-dir", type=Path,
                    default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results"),
                    help="results folder (default: $OUT if set, else benchmarks/results)")
@@ -591,12 +592,7 @@ def _device_name(device: str) -> str:
 
 
 def _meta(args: argparse.Namespace, model_desc: str, served_model: str) -> dict[str, Any]:
-    commit = args.commit
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        commit = commit or "unknown"
+    commit = args.commit or source_commit(ROOT)
     import torch  # the version only: importing torch does not initialise CUDA
 
     return {"device_name": _device_name(args.device), "commit": commit, "torch": torch.__version__,

@@ -60,6 +60,7 @@ import numpy as np  # noqa: E402
 from bench_serving_gpu import Server, default_tokenizer, llama3_8b_dir  # noqa: E402
 
 from radixrelay.bench.workloads import words  # noqa: E402
+from radixrelay.bench.provenance import source_commit  # noqa: E402
 
 Outcome = str                  # "completed" | "failed" | "aborted" | "lost"
 _SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples only
@@ -537,13 +538,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _meta(args: argparse.Namespace, server: str, warmup: float) -> dict[str, Any]:
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
+    commit = args.commit or source_commit(ROOT)
     device = "CPU"
     if "cuda" in server:
         try:
