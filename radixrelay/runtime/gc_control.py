@@ -2,9 +2,9 @@
 collections moved to idle moments, every pause timed.
 
 CPython's cyclic collector stops the process for a time proportional to the objects it scans. A
-full (generation 2) collection scans every tracked object: in the worker that is the model, its
-CUDA graphs and their pools of tensors (hundreds of thousands of objects after start-up), in the
-scheduler the radix tree and every queued request. Left to the interpreter, one fires every few
+full (generation 2) collection scans every tracked object: in the worker the model's modules and
+tensors and its CUDA graphs, in the scheduler the radix tree and every queued request, in the
+frontend every open HTTP stream. Left to the interpreter, one fires every few
 seconds under load, at whatever allocation crosses the threshold, and the step being planned or
 launched waits for it: a stall of tens of milliseconds with the device idle.
 
@@ -20,11 +20,12 @@ launched waits for it: a stall of tens of milliseconds with the device idle.
   a full collection when the objects promoted since the last one exceed a quarter of the old
   generation, and with the start-up heap frozen that quarter is small, so full collections of the
   live heap (every queued and running request) would come more often, not less.
-
-Measured at saturation (3,000 requests at 200 req/s, H100, the interpreter's policy): full
-collections paused the frontend 17-20 times a run (55-364 ms each, 4-6 s of a 28 s run), the
-scheduler 8-9 times (56-79 ms) and the worker once or twice (90-109 ms).
 - ``python``: the interpreter's own policy (for comparison); pauses are still timed.
+
+Measured at saturation (3,000 requests at 200 req/s, H100, the interpreter's policy, two servers):
+full collections paused the frontend about 16 times a run (118-474 ms each, 4-7 s of a 28 s run),
+the scheduler 4-6 times (52-83 ms) and the worker about once (90-114 ms); managed, 3 pauses of
+50 ms or more in all (benchmarks/results/serving_loop.md).
 
 Either way each collection is timed (``gc.callbacks``): total seconds, full collections and the
 longest pause, reported as ``GcStats`` and exported by ``/metrics``; a pause longer than
