@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from radixrelay import Engine, SamplingParams  # noqa: E402
+from radixrelay.bench.provenance import source_commit  # noqa: E402
 
 VOCAB = 128256
 
@@ -141,7 +142,9 @@ def main() -> None:
              f"other questions; timed: the questions from submission to the last token, their prefill included "
              f"(the round of median wall time of {args.repeats}, each with fresh questions). "
              f"torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `python benchmarks/bench_engine.py "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
+             f"{source_commit(os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))}. "
+             f"Command: `python benchmarks/bench_engine.py "
              f"{' '.join(sys.argv[1:])}`.", "",
              "| mode | wall s | output tok/s | vs first | cached tokens / request | computed tokens | steps | "
              "cascade steps | KV tokens read once |", "|---|---|---|---|---|---|---|---|---|"]
