@@ -60,8 +60,7 @@ logger = logging.getLogger("radixrelay.scheduler")
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
                  frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
-                 worker_out: zmq.Socket, vocab_size: int = 0, collector: GcControl | None = None,
-                 worker_gc: GcStats = GcStats()) -> None:
+                 worker_out: zmq.Socket, vocab_size: int, collector: GcControl, worker_gc: GcStats) -> None:
         self.scheduler = scheduler
         self.planner = planner            # installed in the scheduler; kept here for its counters
         self.args = args
@@ -96,9 +95,8 @@ class SchedulerLoop:
             events = dict(poller.poll(POLL_MS))
             if not events and parent_gone(self.args):
                 return 1
-            if self.collector is not None:
-                # idle: nothing arrived for POLL_MS and nothing is running or waiting
-                self.collector.poll(idle=not events and not self.scheduler.has_work())
+            # idle: nothing arrived for POLL_MS and nothing is running or waiting
+            self.collector.poll(idle=not events and not self.scheduler.has_work())
             if self.worker_in in events:
                 self._drain_worker()
             self._drain_frontend()
@@ -222,7 +220,7 @@ class SchedulerLoop:
                             decode_steps_advanced=self._decode_graph_steps[0],
                             decode_steps_covered=self._decode_graph_steps[1],
                             worker_gc=self._worker_gc,
-                            scheduler_gc=self.collector.stats() if self.collector is not None else GcStats())
+                            scheduler_gc=self.collector.stats())
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:

@@ -29,7 +29,7 @@ from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.model.registry import tokenizer_path
-from radixrelay.runtime.gc_control import GcControl, GcStats
+from radixrelay.runtime.gc_control import GcControl
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -149,7 +149,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
 
 
 def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs,
-                collector: GcControl | None = None) -> int:
+                collector: GcControl) -> int:
     encode = encoder().encode
     commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
     in_flight: deque[tuple[LaunchedStep, float, bool]] = deque()  # (step, host seconds, has rows)
@@ -176,8 +176,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps,
                                           dataclasses.astuple(runner.prefill_cascade), commands.dropped,
-                                          runner.decode_graph_steps,
-                                          collector.stats() if collector is not None else GcStats())))
+                                          runner.decode_graph_steps, collector.stats())))
         if trace is not None:
             trace.finished(step.step_id)
 
@@ -190,7 +189,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 _wait_for_either(in_flight[0][0], inbox)
             elif parent_gone(args):
                 return 1
-            elif collector is not None:
+            else:
                 collector.poll(idle=True)     # nothing on the device: a due full collection runs here
             continue
         command = commands(inbox.recv())
@@ -208,8 +207,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 launched = runner.launch(command.plan)
         plan = command.plan
         in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
-        if collector is not None:
-            collector.poll(idle=False)        # a full collection only once FULL_EVERY_S has passed
+        collector.poll(idle=False)            # a full collection only once FULL_EVERY_S has passed
 
 
 def _jit_variants_since_now(runner: ModelRunner):
