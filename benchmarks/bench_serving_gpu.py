@@ -11,7 +11,7 @@ graphs are captured), then, each run on an emptied radix cache:
       with max_tokens 1 (non-streaming: TTFT = latency), median of several, per prompt length;
   (d) multi-turn: 64 sessions x 4 turns over a 2K system prompt each, Poisson session arrivals.
 /metrics is scraped around each run: counter deltas give the steps, the device-busy fraction of the
-wall time and host milliseconds per step. A time budget (--time-budget) is split evenly among the
+traffic's duration (first arrival to last response) and host milliseconds per step. A time budget (--time-budget) is split evenly among the
 configurations still to run; a run that would not fit its share is skipped and listed as skipped.
 Results (a markdown table per device, the raw numbers as JSON, each server's log) are rewritten after
 every run, in --out-dir ($OUT if set, else benchmarks/results/).
@@ -233,8 +233,14 @@ async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for line in text.splitlines() if (m := _SAMPLE.match(line))}
 
 
-def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, Any]:
-    """Counter deltas of a run; per-step host times in ms; None where the server has no counter."""
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: float,
+                   traffic_s: float | None = None) -> dict[str, Any]:
+    """Counter deltas of a run; per-step host times in ms; None where the server has no counter.
+
+    ``wall_s``: between the two scrapes (with client processes: their start-up included, while the server
+    has nothing to do); ``traffic_s``: the traffic's own window, from the schedule's start to the last
+    response (default ``wall_s``). The device-busy fraction is over the traffic window."""
+    traffic_s = wall_s if traffic_s is None else traffic_s
     delta = {k[len("radixrelay_"):-len("_total")]: after[k] - before.get(k, 0.0)
              for k in after if k.endswith("_total")}
     steps = delta.get("steps") or 0.0
@@ -243,8 +249,9 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: fl
         return 1e3 * delta[name] / steps if name in delta and steps else None
 
     device = delta.get("worker_device_seconds")
-    return {"wall_s": wall_s, "steps": int(steps), "cascade_steps": int(delta.get("cascade_steps", 0)),
-            "device_busy": device / wall_s if device is not None and wall_s > 0 else None,
+    return {"wall_s": wall_s, "traffic_s": traffic_s, "steps": int(steps),
+            "cascade_steps": int(delta.get("cascade_steps", 0)),
+            "device_busy": device / traffic_s if device is not None and traffic_s > 0 else None,
             "worker_ms_per_step": per_step_ms("worker_busy_seconds"),
             "launch_ms_per_step": per_step_ms("worker_launch_seconds"),
             "scheduler_ms_per_step": per_step_ms("scheduler_busy_seconds"),
@@ -402,7 +409,7 @@ class Bench:
         summary = summarize(result.records, result.duration_s, SLO())
         row = {"config": spec.name, "workload": name, "rate": "inf" if math.isinf(rate) else rate,
                "params": dataclasses.asdict(workload),  # type: ignore[call-overload]
-               "summary": _summary_brief(summary), "steps": step_breakdown(before, after, wall)}
+               "summary": _summary_brief(summary), "steps": step_breakdown(before, after, wall, result.duration_s)}
         self.runs.append(row)
         print("   " + _row_text(row), flush=True)
 
@@ -464,7 +471,8 @@ class Bench:
                  f"{z.mt_sessions} sessions x {z.mt_turns} turns, own {z.prefix_len}-token system "
                  f"prompt, {z.mt_turn_len}-token turns, {z.mt_output_len} out, think time "
                  f"{z.mt_think_s} s, sessions at {z.mt_rate:g}/s. Step columns from /metrics "
-                 "deltas over the run: device busy = worker device seconds / wall; ms per step: "
+                 "deltas over the run: device busy = worker device seconds / the traffic's duration (first "
+                 "arrival to last response; the client processes' start-up is not counted); ms per step: "
                  "worker busy (of it launch: host work before the kernels are launched) and "
                  "scheduler busy; graph replays: share of steps that replayed a CUDA graph (decode "
                  "graphs or piecewise graphs).", "",

@@ -1,0 +1,26 @@
+"""``bench_serving_gpu.step_breakdown``: counter deltas of one serving run, and the device-busy fraction
+over the traffic's own window (not the client processes' start-up around it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_serving_gpu import step_breakdown
+
+
+def test_device_busy_is_over_the_traffic_window() -> None:
+    before = {"radixrelay_steps_total": 100.0, "radixrelay_worker_device_seconds_total": 5.0,
+              "radixrelay_worker_launch_seconds_total": 1.0}
+    after = {"radixrelay_steps_total": 300.0, "radixrelay_worker_device_seconds_total": 23.0,
+             "radixrelay_worker_launch_seconds_total": 1.4}
+    st = step_breakdown(before, after, wall_s=23.0, traffic_s=20.0)
+    assert st["steps"] == 200
+    assert st["device_busy"] == pytest.approx(18.0 / 20.0)     # not 18 / 23: start-up is not traffic
+    assert (st["wall_s"], st["traffic_s"]) == (23.0, 20.0)
+    assert st["launch_ms_per_step"] == pytest.approx(2.0)
+
+
+def test_without_a_traffic_window_the_wall_time_counts() -> None:
+    st = step_breakdown({}, {"radixrelay_worker_device_seconds_total": 3.0}, wall_s=4.0)
+    assert st["device_busy"] == pytest.approx(0.75)
+    assert st["launch_ms_per_step"] is None                   # no steps counter: no per-step figure
