@@ -62,6 +62,14 @@ MIN_SAVED_TOKENS = 32768
 OWN_ALIGN = 128
 OWN_ALONE = dict(block_n=128)
 OWN_BESIDE = dict(block_n=64, num_stages=2, maxnreg=96)
+# Beside a light node (every shared run <= LIGHT_NODE_TOKENS: a 2K system prompt, a few-shot prefix) the node's
+# programs finish early and the own-KV decode has the GPU most of the time; short own ranges (a chat's
+# question and answer) then do better in 32-token tiles of 2 warps: production cascade, H100, ms per layer,
+# 256 requests x 2K shared x own 64 / 160 / 256 / 512 / 1024 tokens: 0.065 / 0.116 / 0.138 / 0.228 / 0.405
+# with OWN_BESIDE, 0.062 / 0.100 / 0.132 / 0.219 / 0.388 with this; 128 x 4K x 256: 0.090 -> 0.084. Beside a
+# 16K node OWN_BESIDE stays ahead (256 x 16K x 256: 0.182 vs 0.198). benchmarks/results/attention.md.
+OWN_BESIDE_LIGHT = dict(block_n=32, num_warps=2, num_stages=2)
+LIGHT_NODE_TOKENS = 4096
 
 
 def worth_cascading(num_requests: int, node_tokens: int) -> bool:
@@ -94,6 +102,12 @@ class CascadePlan:
     own_chunk: int
     shared_config: tuple[int, int, int, int]   # BLOCK_M, BLOCK_N, warps, stages
     kv_tma: bool = False          # every group's pages are consecutive ids: node K/V by TMA (Hopper)
+    light_nodes: bool = False     # every shared run <= LIGHT_NODE_TOKENS: own KV beside them in OWN_BESIDE_LIGHT
+
+    @property
+    def own_options(self) -> dict:
+        """Launch options of the own-KV decode when it runs beside the shared nodes (side stream)."""
+        return OWN_BESIDE_LIGHT if self.light_nodes else OWN_BESIDE
 
     @property
     def num_requests(self) -> int:
@@ -194,7 +208,7 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
         torch.from_numpy(indptr).to(device, non_blocking=True),
         torch.from_numpy(ids).to(device, non_blocking=True),
         page_size, head_dim, group, m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config,
-        kv_tma,
+        kv_tma, light_nodes=max_kv <= LIGHT_NODE_TOKENS,
     )
 
 
@@ -238,7 +252,7 @@ class CascadeDecode:
             q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end, sm_scale,
             o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),
             lse_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads), group, plan.own_chunk,
-            **(OWN_BESIDE if self.side is not None else OWN_ALONE))
+            **(plan.own_options if self.side is not None else OWN_ALONE))
         self.merge = bind_merge(o_parts, lse_parts, plan.merge_indptr, plan.merge_part_ids, o, lse, 0)
 
     def __call__(self, q, k_cache, v_cache, o, lse) -> None:

@@ -230,7 +230,7 @@ class DecodeGraphs:
             self._capture(g)
             self._graphs[key] = g
             logger.info("decode graph %d captured in %.0f ms: batch bucket %d, groups/rows/pages caps %s, launch "
-                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma) %s, own length class %d",
+                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma, light nodes) %s, own length class %d",
                         self.captures, 1e3 * (time.perf_counter() - start), bs, caps, key[2], shape_key[-1])
             if len(self._graphs) > self._max_graphs:
                 self._graphs.popitem(last=False)
@@ -439,7 +439,7 @@ def _groups(runs, device) -> tuple[torch.Tensor, ...]:
 
 def _launch_shape(plan: CascadePlan) -> _LaunchShape:
     return (plan.m_tiles, plan.shared_splits, plan.shared_chunk, plan.own_splits, plan.own_chunk,
-            plan.shared_config, plan.kv_tma)
+            plan.shared_config, plan.kv_tma, plan.light_nodes)
 
 
 def _pow2(n: int) -> int:

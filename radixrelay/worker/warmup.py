@@ -8,7 +8,8 @@ pointer aligned to 16 bytes). The kernels do not specialise what changes from st
 fixed by the model and the cache (heads, head dim, dtype, page size, cache strides) plus these sets:
 
     kernel        varies with the step                          values (Llama-3-8B, bf16, H100)
-    paged_decode  out dtype x launch options                    (bf16, alone), (fp32, alone), (fp32, beside)
+    paged_decode  out dtype x launch options                    (bf16, alone), (fp32, alone), (fp32, beside),
+                                                                (fp32, beside light)
     shared_node   tile config (folded rows; TMA) x out dtype    BLOCK_M 16, 32, 64 gathered, 128 by TMA
                                                                 x {bf16 (one split), fp32 (parts)}
     merge         INDEXED x BLOCK_H (rows)                      {False, True} x {1, 2, 4, 8, 16, 32}
@@ -16,7 +17,7 @@ fixed by the model and the cache (heads, head dim, dtype, page size, cache strid
     extend        BLOCK_M (the step's longest extend)           16, 32, 64, 128
 
 ("alone": the own-KV decode with the GPU to itself; "beside": next to the shared node on the side stream,
-``cascade.OWN_BESIDE``; the out dtype is the model's where one split writes the result directly, fp32 where
+``cascade.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside short nodes; the out dtype is the model's where one split writes the result directly, fp32 where
 splits or cascade levels go to a parts buffer.) Each variant is launched once, on a few tokens of the
 real KV cache (read only; outputs go to scratch tensors), through the same launch functions serving uses.
 
@@ -141,7 +142,7 @@ def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = 
     first layer's cache. Cascaded and flat decode first, then extend and the prefill cascade."""
     s = _Scratch(dims, kv_cache)
     alone = [("alone", cascade.OWN_ALONE)]
-    beside = [("beside", cascade.OWN_BESIDE)] if overlap else []
+    beside = [("beside", cascade.OWN_BESIDE), ("beside light", cascade.OWN_BESIDE_LIGHT)] if overlap else []
     out = []
     # own KV of a cascade (fp32 parts), flat decode with splits (fp32), flat decode in one split (model dtype)
     for (how, options), dtype in [*((o, torch.float32) for o in alone + beside), (alone[0], s.dtype)]:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from radixrelay.kernels import cascade_decode_attention, cascade_decode_attention_reference, plan_cascade
+from radixrelay.kernels.cascade import LIGHT_NODE_TOKENS, OWN_BESIDE, OWN_BESIDE_LIGHT
 from tests.kernels.helpers import DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table
 
 
@@ -53,6 +54,15 @@ def test_cascade_two_levels(num_q_heads, num_kv_heads, head_dim, page_size, spli
              seed=head_dim, **splits)
 
 
+def test_light_nodes_pick_the_short_tile_own_decode():
+    """Every node <= LIGHT_NODE_TOKENS: the own KV beside them takes OWN_BESIDE_LIGHT; one longer node: OWN_BESIDE."""
+    light = run_case([[0, 1, 2]], [LIGHT_NODE_TOKENS], [(0, 5), (0, 0), (2, 30)], 4, 2, 16, 64, torch.float32, seed=9)
+    heavy = run_case([[0, 1, 2], [0, 1]], [LIGHT_NODE_TOKENS + 64, 16], [(0, 5), (0, 0), (2, 30)], 4, 2, 16, 64,
+                     torch.float32, seed=9)
+    assert light.light_nodes and light.own_options == OWN_BESIDE_LIGHT
+    assert not heavy.light_nodes and heavy.own_options == OWN_BESIDE
+
+
 def test_cascade_without_shared_nodes():
     run_case([], [], [(0, 30), (5, 5)], 4, 2, 32, 8, torch.float32, seed=3)
 
@@ -65,6 +75,16 @@ def test_cascade_real_size_gpu(overlap):
     own = [(0, int(n)) for n in torch.randint(0, 700, (batch,), generator=torch.Generator().manual_seed(5))]
     side = torch.cuda.Stream() if overlap else None
     run_case(group_rows, [8192, 1024, 4000], own, 32, 8, 128, 16, torch.bfloat16, seed=6, side_stream=side)
+
+
+@pytest.mark.gpu
+def test_cascade_light_nodes_real_size_gpu():
+    """A 2K system prompt over 256 requests with short own ranges, the own KV beside it in 32-token tiles."""
+    batch = 256
+    own = [(0, int(n)) for n in torch.randint(0, 300, (batch,), generator=torch.Generator().manual_seed(11))]
+    plan = run_case([list(range(batch))], [2048], own, 32, 8, 128, 16, torch.bfloat16, seed=12,
+                    side_stream=torch.cuda.Stream(), contiguous=True)
+    assert plan.light_nodes
 
 
 def test_cascade_contiguous_nodes():

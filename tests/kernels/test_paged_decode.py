@@ -6,6 +6,7 @@ import torch
 
 from radixrelay.kernels import paged_decode_attention, paged_decode_attention_reference
 from radixrelay.kernels import paged_decode as decode_mod
+from radixrelay.kernels.cascade import OWN_BESIDE, OWN_BESIDE_LIGHT
 from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table,
                                    poisoned)
 
@@ -40,6 +41,14 @@ def test_decode_ragged_batch(num_q_heads, num_kv_heads, head_dim, page_size):
     starts = [0, 9, 0, 7, 3, 0]
     ends = [150, 9, 1, 100, 37, page_size]
     run_case(starts, ends, num_q_heads, num_kv_heads, head_dim, page_size, torch.float32, seed=head_dim)
+
+
+@pytest.mark.parametrize("options", [OWN_BESIDE_LIGHT, {k: v for k, v in OWN_BESIDE.items() if k != "maxnreg"}],
+                         ids=["beside light", "beside"])
+def test_decode_cascade_launch_options(options):
+    """The tiles the cascade launches the own KV with (beside the shared nodes): ranges shorter than, equal to
+    and longer than a tile, starting mid-page."""
+    run_case([0, 3, 17, 0], [31, 35, 200, 64], 8, 2, 64, 16, torch.float32, seed=21, **options)
 
 
 @pytest.mark.parametrize("slots_per_sm", [1, 64])    # many splits, then a single split

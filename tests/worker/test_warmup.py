@@ -27,12 +27,12 @@ def test_variants_of_llama_8b():
     names = [v.name for v in serving_variants(LLAMA_8B, kv)]
     assert len(set(names)) == len(names)
     tma = 1 if shared_node.tma_capable(kv.device) else 0
-    assert sum(n.startswith("paged_decode") for n in names) == 3
+    assert sum(n.startswith("paged_decode") for n in names) == 4       # alone x 2 dtypes, beside, beside light
     assert sum(n.startswith("merge") for n in names) == 2 * 6           # indexed / splits x BLOCK_H 1..32
     assert sum(n.startswith("shared_node") for n in names) == 2 * (3 + tma)
     assert [n for n in names if n.startswith("extend")] == [f"extend BLOCK_M={m}" for m in (16, 32, 64, 128)]
     no_overlap = [v.name for v in serving_variants(LLAMA_8B, kv, overlap=False)]
-    assert set(names) - set(no_overlap) == {"paged_decode beside out=float32"}
+    assert set(names) - set(no_overlap) == {"paged_decode beside out=float32", "paged_decode beside light out=float32"}
 
 
 def test_value_sets_are_closed():
