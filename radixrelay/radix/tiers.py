@@ -101,6 +101,7 @@ class KVTiers:
                 self._stale_disk.append(key)
         self._out = _Outbox(disk_deletes=list(self._stale_disk))
         self._saving: dict[int, list[bytes]] = {}    # step id -> keys it saves
+        self.epoch = 0                               # bumped whenever a key leaves host memory
         self._num_fetching = 0
         self._num_writing = 0
         self._protected: set[bytes] = frozenset()    # look-ahead window (policy "scheduler")
@@ -157,20 +158,27 @@ class KVTiers:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def save(self, keys: list[bytes], pages: list[int]) -> int:
+    def save(self, keys: list[bytes], pages: list[int], known: int = 0) -> int:
         """Copy the pages whose key host memory lacks (``pages[i]`` holds ``keys[i]``); returns how
-        many copies were queued. Keys present are marked recently used (the chain's tail least)."""
+        many copies were queued. Keys present are marked recently used (the chain's tail least).
+        ``known``: the first ``known`` keys are known to be in host memory (the caller saw them there
+        since the last ``epoch`` change) and were marked used this step: neither looked up nor touched
+        here (``touch`` them once later), still spared as the chain's own."""
         host = self._host
-        missing = [i for i, key in enumerate(keys) if key not in host]
+        missing = [i for i in range(known, len(keys)) if keys[i] not in host]
         slots = self._alloc(len(missing), chain=keys)     # the chain's own pages are not the victims
         self.counters.save_skipped += len(missing) - len(slots)
         for i, slot in zip(missing, slots):
             self._host[keys[i]] = HostEntry(slot, "saving")
             self._out.saves.append((pages[i], slot))
             self._out.save_keys.append(keys[i])
-        self._touch(keys)
+        self._touch(keys[known:] if known else keys)
         self.counters.saved += len(slots)
         return len(slots)
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark ``keys`` (a chain, root first) used now, the first most recently."""
+        self._touch(keys)
 
     def load(self, keys: list[bytes], pages: list[int], shift: int = 0) -> None:
         """Promote ``keys`` (each loadable: ``host_run``) into device ``pages``; ``shift``: a
@@ -331,6 +339,7 @@ class KVTiers:
     def _drop(self, key: bytes) -> None:
         entry = self._host.pop(key, None)
         if entry is not None:
+            self.epoch += 1
             if entry.writing:
                 self._num_writing -= 1
             self._slots.free([entry.slot])

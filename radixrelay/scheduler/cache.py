@@ -41,6 +41,10 @@ class CacheManager:
         self._seeds: dict[str | None, bytes] = {}
         self._save_locks: list[RadixNode] = []              # locked for saves not yet sent
         self._locks_by_step: dict[int, list[RadixNode]] = {}  # locked for saves sent with a step
+        # this step's saves (``_save``): node id -> KVTiers.epoch at which all its keys were in host memory,
+        # and the nodes a save skipped as known (touched once by ``take_transfers``)
+        self._on_host: dict[int, int] = {}
+        self._retouch: dict[int, RadixNode] = {}
         self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
         self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
         self.repositioned_tokens = 0                        # of which re-positioned (truncated prompts)
@@ -319,11 +323,21 @@ class CacheManager:
         locked until ``on_acks`` sees them done."""
         if self.tiers is None:
             return None
+        self._touch_known()
         transfers = self.tiers.take(step_id)
         if transfers is not None and transfers.saves:
             self._locks_by_step[step_id] = self._save_locks
             self._save_locks = []
         return transfers
+
+    def _touch_known(self) -> None:
+        """The step's saves skipped the path nodes known in host memory: mark them used once now, deepest
+        first (a chain's head ends most recent), and start the next step's bookkeeping afresh."""
+        for nd in reversed(list(self._retouch.values())):
+            if nd.page_keys is not None:
+                self.tiers.touch(nd.page_keys)
+        self._retouch.clear()
+        self._on_host.clear()
 
     def on_acks(self, acks: KVAcks | None) -> None:
         if self.tiers is None or acks is None:
@@ -352,15 +366,33 @@ class CacheManager:
 
     def _save(self, req: Request, node: RadixNode, pages: list[int]) -> None:
         """Save the path's pages that host memory lacks; ``node`` (the path's end) stays locked
-        until the copy is acknowledged."""
-        if self.tiers is None or not pages:
+        until the copy is acknowledged.
+
+        O(new pages) for requests under a long shared prefix: a path node whose keys this step found all
+        in host memory (``_on_host``: nothing left host memory since, ``KVTiers.epoch``) is neither looked
+        up nor touched again by the step's later saves; ``take_transfers`` touches it once, after them,
+        so the shared head stays more recent than every tail saved under it (as a touch per save left it).
+        Without this, 256 questions about a 16K-token document cost 256 x 1,024 lookups and LRU moves."""
+        tiers = self.tiers
+        if tiers is None or not pages:
             return
         keys = self._node_keys(req, node)
         if len(keys) != len(pages):       # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
-        if self.tiers.save(keys, pages):
+        path = self.tree.path(node)
+        known = 0
+        for nd in path:
+            if self._on_host.get(nd.node_id) != tiers.epoch:
+                break
+            self._retouch[nd.node_id] = nd
+            known += len(nd.pages)
+        skipped = tiers.counters.save_skipped
+        if tiers.save(keys, pages, known):
             self.tree.lock(node)
             self._save_locks.append(node)
+        if tiers.counters.save_skipped == skipped:          # every key of the path is in host memory now
+            for nd in path:
+                self._on_host[nd.node_id] = tiers.epoch
 
     def check_integrity(self, running: Iterable[Request]) -> None:
         self.allocator.check_integrity()
