@@ -164,9 +164,12 @@ class SchedulerLoop:
                 pending = self._live.get(rid)
                 if pending is not None and pending.logprobs is not None and lp is not None:
                     pending.logprobs.append(lp)
-        updates = self.scheduler.process_output(out)
-        if updates:
-            self._send_updates(updates)
+        try:
+            updates = self.scheduler.process_output(out, defer_release=True)
+            if updates:
+                self._send_updates(updates)
+        finally:
+            self.scheduler.release_finished()       # after the tokens are on their way
 
     def _send_updates(self, updates: list[RequestUpdate]) -> None:
         items = []

@@ -69,6 +69,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}        # admission order
         self._released: list[int] = []               # rids the worker must drop next plan
+        self._finished: list[tuple[Request, bool]] = []   # finished, KV not yet given back (keep cache?)
         self._inflight: deque[_InFlight] = deque()   # oldest first
         self._next_step = 0
         self._arrivals = 0
@@ -254,8 +255,25 @@ class Scheduler:
         self._next_step += 1
         return plan
 
-    def process_output(self, out: StepOutput) -> list[RequestUpdate]:
-        """Apply the output of the oldest step in flight."""
+    def process_output(self, out: StepOutput, *, defer_release: bool = False) -> list[RequestUpdate]:
+        """Apply the output of the oldest step in flight. With ``defer_release`` the requests it finishes
+        give their KV back (tree inserts, tier saves) only at ``release_finished()``, which the caller
+        makes before any other call: the runtime loop sends the step's updates first, so that the last
+        tokens of a wave of finishing requests do not wait for their releases."""
+        try:
+            return self._process_output(out)
+        finally:
+            if not defer_release:
+                self.release_finished()
+
+    def release_finished(self) -> None:
+        """Give back the KV of the requests finished since the last call (``process_output``)."""
+        finished, self._finished = self._finished, []
+        for req, keep_cache in finished:
+            self.cache.release(req, keep_cache=keep_cache)
+            self._released.append(req.rid)
+
+    def _process_output(self, out: StepOutput) -> list[RequestUpdate]:
         if not self._inflight or out.step_id != self._inflight[0].step_id:
             raise ValueError(f"StepOutput {out.step_id} does not answer the oldest step in flight")
         step = self._inflight.popleft()
@@ -367,8 +385,7 @@ class Scheduler:
         del self._running[req.rid]
         if req.internal:
             self._span_jobs.pop((req.salt, tuple(req.token_ids[:req.num_prompt])), None)
-        self.cache.release(req, keep_cache=error is None)
-        self._released.append(req.rid)
+        self._finished.append((req, error is None))      # released by ``release_finished``
         return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
 
     def _fail_waiting(self, spans: set[tuple[str | None, tuple[int, ...]]], error: str) -> list[RequestUpdate]:

@@ -218,3 +218,22 @@ def test_shifted_prefix_must_be_whole_pages_inside_the_prompt():
             sched.add_request(0, [5] * 8, sp, shifted_prefix=prefix, shifted_at=at)
     sched.add_request(0, [5] * 8, sp, shifted_prefix=[1] * 4, shifted_at=4)
     assert sched.has_work()
+
+
+def test_deferred_release_keeps_the_kv_until_release_finished():
+    """``process_output(defer_release=True)`` (the runtime loop: updates are sent first) returns the final
+    update while the finished request still holds its pages; ``release_finished`` then gives them back,
+    into the tree, and names the request for the worker's next plan, as a plain ``process_output`` does."""
+    sched, worker = make(page_size=4)
+    sched.add_request(1, list(range(10)), SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    updates = sched.process_output(worker.step(plan), defer_release=True)
+    assert [(u.rid, u.finished) for u in updates] == [(1, True)]
+    assert sched.cache.allocator.num_free == sched.config.num_pages - 3      # its partial third page: held
+    assert sched.cache.tree.locked_tokens == 8                             # its cached prefix: still locked
+    sched.release_finished()
+    assert sched.cache.allocator.num_free == sched.config.num_pages - 2
+    assert (sched.stats().cached_tokens, sched.cache.tree.locked_tokens) == (8, 0)
+    sched.check_integrity()
+    sched.add_request(2, list(range(10)), SamplingParams(max_tokens=1))
+    assert sched.schedule().released == [1]                               # the next plan drops it
