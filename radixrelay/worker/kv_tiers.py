@@ -37,6 +37,7 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.host_staging import upload
 from radixrelay.model.layers import apply_rope
 from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.worker.host_memory import pinned_empty, release
 from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 logger = logging.getLogger("radixrelay.worker")
@@ -61,7 +62,8 @@ class TierStore:
         k = kv.k[0]
         self._cuda = kv.device.type == "cuda"
         shape = (kv.num_layers, 2, host_pages * kv.page_size, k.shape[1], k.shape[2])
-        self.host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._cuda)
+        # pinned on CUDA (non-blocking copies): mapped and registered in seconds (``host_memory``)
+        self.host = pinned_empty(shape, kv.dtype) if self._cuda else torch.empty(shape, dtype=kv.dtype)
         self._host_planes = self.host.view((-1,) + shape[2:])       # [num_layers * 2, slots * page_size, Hkv, D]
         self.page_bytes = page_bytes(kv)
         # CUDA: saves and loads on two copy streams (a load never queues behind a large save);
@@ -188,6 +190,9 @@ class TierStore:
     def close(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self._cuda:
+            torch.cuda.synchronize(self.kv.device)       # no copy may still read or write the pool
+            release(self.host)
 
     # -- copies ---------------------------------------------------------------------------------
 
