@@ -67,7 +67,8 @@ OWN_BESIDE = dict(block_n=64, num_stages=2, maxnreg=96)
 # question and answer) then do better in 32-token tiles of 2 warps: production cascade, H100, ms per layer,
 # 256 requests x 2K shared x own 64 / 160 / 256 / 512 / 1024 tokens: 0.065 / 0.116 / 0.138 / 0.228 / 0.405
 # with OWN_BESIDE, 0.062 / 0.100 / 0.132 / 0.219 / 0.388 with this; 128 x 4K x 256: 0.090 -> 0.084. Beside a
-# 16K node OWN_BESIDE stays ahead (256 x 16K x 256: 0.182 vs 0.198). benchmarks/results/attention.md.
+# 16K node OWN_BESIDE stays ahead (256 x 16K x 256: 0.182 vs 0.198):
+# benchmarks/results/attention_own_tiles_h100_80gb_hbm3.md (benchmarks/sweep_own_tiles.py).
 OWN_BESIDE_LIGHT = dict(block_n=32, num_warps=2, num_stages=2)
 LIGHT_NODE_TOKENS = 4096
 
