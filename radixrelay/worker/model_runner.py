@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from operator import attrgetter
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -165,6 +166,7 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(generator)
         self._table: dict[int, _Resident] = {}
+        self._num_rope = 0                      # residents with RoPE position deltas (modular prompts)
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
         self._tokens = ResidentTokens(self.device, self.vocab_size)
         self._sampling = SamplingTensorsCache()              # the sampling rows' tensors while they repeat
@@ -227,7 +229,8 @@ class ModelRunner:
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for rid in plan.released:
-            if self._table.pop(rid, None) is not None:
+            if (gone := self._table.pop(rid, None)) is not None:
+                self._num_rope -= bool(gone.rope_runs)
                 self._page_table.release(rid)
                 self._tokens.release(rid)
                 self._decode_runs.release(rid)
@@ -235,6 +238,9 @@ class ModelRunner:
                     self.constraints.release(rid)
         for req in plan.admitted:
             self._decode_runs.release(req.rid)        # a new page list: nothing checked of the old one holds
+            if (old := self._table.get(req.rid)) is not None:      # admitted again without a release
+                self._num_rope -= bool(old.rope_runs)
+            self._num_rope += bool(req.rope_runs)
             self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
                                              req.token_offset + len(req.token_ids), list(req.pages), req.sampling,
                                              req.rope_runs)
@@ -295,7 +301,7 @@ class ModelRunner:
                 sample_rows.extend(range(num_rows, num_rows + len(plan.decodes)))
                 logits = logits.index_select(0, to_device(sample_rows, torch.int64, self.device))
             residents = [self._table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
-            tensors = self._sampling.get(residents, _params_of, _outputs_of, self._tokens.penalties(samplers),
+            tensors = self._sampling.get(residents, _PARAMS_OF, _outputs_of, self._tokens.penalties(samplers),
                                          vocab_size=logits.shape[-1], device=self.device)
             logits = logits.float()
             if self.constraints:                  # constrained rows resident: mask what their grammars forbid
@@ -469,6 +475,8 @@ class ModelRunner:
 
     def _rope_delta(self, plan: StepPlan, decoding: list[_Resident]) -> list[int] | None:
         """Per token of the step, RoPE position - KV index; None when all are 0 (no modular rows)."""
+        if not self._num_rope:                    # no resident has modular rows: O(1), not O(batch)
+            return None
         extending = [self._table[item.rid] for item in plan.extends]
         if not any(r.rope_runs for r in extending) and not any(r.rope_runs for r in decoding):
             return None
@@ -517,8 +525,7 @@ class ModelRunner:
         return self._table[rid].pages
 
 
-def _params_of(res: _Resident) -> SamplingParams:
-    return res.sampling
+_PARAMS_OF = attrgetter("sampling")         # _Resident -> its SamplingParams (a C callable: mapped over the batch)
 
 
 def _outputs_of(res: _Resident) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import is_
+from operator import attrgetter, is_
 from typing import TypeVar
 
 import torch
@@ -112,12 +112,13 @@ class SamplingTensors:
         if not callable(num_outputs) and len(params) != len(num_outputs):
             raise ValueError("from_rows: params and num_outputs differ in length")
         outputs = num_outputs if callable(num_outputs) else num_outputs.__getitem__
-        num_logprobs = tuple(p.logprobs for p in params)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
+        num_logprobs = tuple(map(_LOGPROBS, params))                      # C-level maps: O(batch), small constant
+        temperatures = list(map(_TEMPERATURE, params))
+        if not any(temperatures):                                         # every row greedy
             ones, column = _constant_rows(len(params), device)
             return cls(greedy=ones, all_greedy=True, temperatures=column, top_k=None, top_p=None, min_p=None,
                        penalties=penalties, step_seeds=(None,) * len(params), num_logprobs=num_logprobs)
+        greedy = [t == 0 for t in temperatures]
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device).unsqueeze(1)
@@ -140,6 +141,7 @@ class SamplingTensors:
 
 
 _CONSTANT_ROWS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_LOGPROBS, _TEMPERATURE = attrgetter("logprobs"), attrgetter("temperature")
 
 
 def _constant_rows(n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,11 +176,12 @@ class SamplingTensorsCache:
         base = self._base
         if (base is None or vocab_size != self._vocab_size or len(owners) != len(self._owners)
                 or not all(map(is_, owners, self._owners))):
-            params = [params_of(o) for o in owners]
+            params = list(map(params_of, owners))
             base = self._base = SamplingTensors.from_rows(params, lambda i: outputs_of(owners[i]), penalties,
                                                           vocab_size=vocab_size, device=device)
             self._owners, self._vocab_size = list(owners), vocab_size
-            self._seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+            self._seeded = ([] if base.all_greedy else
+                            [(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy])
             return base
         if not self._seeded and penalties is base.penalties:
             return base
