@@ -230,7 +230,8 @@ class DecodeGraphs:
             self._capture(g)
             self._graphs[key] = g
             logger.info("decode graph %d captured in %.0f ms: batch bucket %d, groups/rows/pages caps %s, launch "
-                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma, light nodes) %s, own length class %d",
+                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma, light nodes) %s, "
+                        "own length class %d",
                         self.captures, 1e3 * (time.perf_counter() - start), bs, caps, key[2], shape_key[-1])
             if len(self._graphs) > self._max_graphs:
                 self._graphs.popitem(last=False)

@@ -17,8 +17,8 @@ fixed by the model and the cache (heads, head dim, dtype, page size, cache strid
     extend        BLOCK_M (the step's longest extend)           16, 32, 64, 128
 
 ("alone": the own-KV decode with the GPU to itself; "beside": next to the shared node on the side stream,
-``cascade.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside short nodes; the out dtype is the model's where one split writes the result directly, fp32 where
-splits or cascade levels go to a parts buffer.) Each variant is launched once, on a few tokens of the
+``cascade.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside light nodes; the out dtype is the model's where one
+split writes the result directly, fp32 where splits or cascade levels go to a parts buffer.) Each variant is launched once, on a few tokens of the
 real KV cache (read only; outputs go to scratch tensors), through the same launch functions serving uses.
 
 Bounded in time: the budget is checked between launches (one compilation, about a second, can overrun
