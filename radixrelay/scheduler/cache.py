@@ -189,12 +189,13 @@ class CacheManager:
         keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
         return keys if len(keys) == num_pages else keys[:num_pages]
 
-    def _node_keys(self, req: Request, node: RadixNode) -> list[bytes]:
+    def _node_keys(self, req: Request, node: RadixNode, path: list[RadixNode] | None = None) -> list[bytes]:
         """Content keys of the pages of the tree path root -> ``node`` (a prefix of ``req``'s tokens),
-        kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet."""
+        kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet. ``path``: that
+        path (``RadixTree.path(node)``) if the caller has it."""
         keys: list[bytes] = []
         prev = self._seed(req)
-        for nd in self.tree.path(node):
+        for nd in self.tree.path(node) if path is None else path:
             if nd.page_keys is None:
                 nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
             keys.extend(nd.page_keys)
@@ -376,10 +377,10 @@ class CacheManager:
         tiers = self.tiers
         if tiers is None or not pages:
             return
-        keys = self._node_keys(req, node)
+        path = self.tree.path(node)
+        keys = self._node_keys(req, node, path)
         if len(keys) != len(pages):       # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
-        path = self.tree.path(node)
         known = 0
         for nd in path:
             if self._on_host.get(nd.node_id) != tiers.epoch:

@@ -45,10 +45,10 @@ def fault_in(buffer: np.ndarray, threads: int | None = None) -> None:
         w.join()
 
 
-def anonymous_buffer(nbytes: int, huge_pages: bool = True) -> tuple[np.ndarray, mmap.mmap]:
-    """A zeroed, faulted-in anonymous mapping of ``nbytes`` (uint8 view, mapping)."""
+def anonymous_buffer(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
+    """A zeroed, faulted-in anonymous mapping of ``nbytes`` (uint8 view, mapping), advised for huge pages."""
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:                                 # transparent huge pages off: 4 KiB pages
@@ -64,7 +64,7 @@ _REGISTERED: set[int] = set()          # data pointers of the buffers ``pinned_e
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked host tensor of ``shape`` (contents undefined, as ``torch.empty``) for copies to and
     from CUDA devices; see the module docstring. Give it back with ``release``."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     try:
         view, _ = anonymous_buffer(nbytes)
         err = torch.cuda.cudart().cudaHostRegister(view.ctypes.data, nbytes, 0)
