@@ -261,7 +261,7 @@ class DevicePageTable:
             row, start, pages = pending[0]
             self._table[row, start:start + len(pages)] = to_device(pages, torch.int32, self.device)
             return
-        # [3, n] int64: values, rows, columns; the page lists are appended at C speed (``array.extend``),
+        # [3, n] int64: rows, columns, values; the page lists are appended at C speed (``array.extend``),
         # rows and columns made by numpy: admitting 256 requests of 1,025 pages is ~262K entries.
         values = array("q")
         for _, _, pages in pending:
@@ -272,12 +272,16 @@ class DevicePageTable:
         rows = np.fromiter((w[0] for w in pending), dtype=np.int64, count=len(pending))
         firsts = np.cumsum(counts) - counts                  # each write's first index into ``values``
         host = np.empty(3 * n, dtype=np.int64)
-        host[:n] = np.frombuffer(values, dtype=np.int64)
-        host[n:2 * n] = np.repeat(rows, counts)
-        host[2 * n:] = np.arange(n, dtype=np.int64) + np.repeat(starts - firsts, counts)
-        packed = (upload(host, torch.int64, self.device) if self.device.type == "cuda"
-                  else torch.from_numpy(host)).view(3, n)
-        self._table.index_put_((packed[1], packed[2]), packed[0].to(torch.int32))
+        host[:n] = np.repeat(rows, counts)
+        host[n:2 * n] = np.arange(n, dtype=np.int64) + np.repeat(starts - firsts, counts)
+        host[2 * n:] = np.frombuffer(values, dtype=np.int64)
+        if self.device.type == "cuda":                       # one copy, one launch
+            from radixrelay.kernels.row_patch import scatter_pages   # Triton: loaded by CUDA workers only
+
+            scatter_pages(self._table, upload(host, torch.int64, self.device).view(3, n))
+            return
+        packed = torch.from_numpy(host).view(3, n)
+        self._table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
 
     def rows(self, keys: Sequence[int]) -> tuple[torch.Tensor, list[int], int]:
         """(the table with every queued write applied, each key's row, the most pages among them): for a

@@ -22,7 +22,8 @@ prefix per query tile). One level: sets are keyed by their first page. Work is O
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import is_
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_not
 
 from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs, consecutive
 from radixrelay.cascade.cost import CostModel
@@ -72,7 +73,7 @@ def _decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesO
     """``decode_runs``; with ``held`` (from the previous call, valid while every page list only grew and
     none was replaced) a member found to hold a run before, with the same page list, is not compared
     again page by page. Returns the runs and ``held`` for this plan's members."""
-    index = {rid: i for i, rid in enumerate(decode_rids)}
+    index = dict(zip(decode_rids, range(len(decode_rids))))
     held = held or {}
     runs = []
     now: _Held = {}
@@ -87,12 +88,13 @@ def _decode_runs(plan: CascadePlan, decode_rids: Sequence[int], pages_of: PagesO
         if g.start % page_size or len(pages) != hi - lo:
             raise ValueError(f"cascade group at {g.start}+{g.num_tokens}: not page aligned or past the pages")
         mine = list(map(pages_of, g.rids))
-        if not all(map(is_, map(holders.get, g.rids), mine)):      # some not found holding it before
-            for rid, theirs in zip(g.rids, mine):
-                if holders.get(rid) is not theirs and theirs[lo:hi] != pages:
-                    raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
+        # members not found holding it before (C-level filter: a changed plan has a few)
+        for rid, theirs in compress(zip(g.rids, mine), map(is_not, map(holders.get, g.rids), mine)):
+            if theirs[lo:hi] != pages:
+                raise ValueError(f"cascade group at {g.start}: request {rid} does not hold the run's pages")
         now.setdefault((lo, hi), []).append((pages, dict(zip(g.rids, mine))))
-        run = SharedRun(list(map(index.__getitem__, g.rids)), pages, g.num_tokens)
+        # rows ascending: a member that takes a departed member's row leaves the run as it was
+        run = SharedRun(sorted(map(index.__getitem__, g.rids)), pages, g.num_tokens)
         runs.extend(split_at_page_breaks(run, page_size, min_piece_pages) if split_pages else [run])
     return runs, now
 
@@ -175,10 +177,14 @@ def shifted_runs(runs: SharedRuns, offset: int) -> list[SharedRun]:
 
 def _same_runs(runs: Sequence[SharedRun], built: SharedRuns) -> bool:
     """Whether ``runs`` are the runs ``built`` holds (a plan whose members changed but whose rows, pages
-    and lengths did not: a request left and another took its row)."""
+    and lengths did not: a request left and another took its row). C-level over rows and pages."""
     return (len(runs) == len(built.host_kv_lens) and all(r.num_tokens == n for r, n in zip(runs, built.host_kv_lens))
-            and [i for r in runs for i in r.rows] == list(built.host_rows)
-            and [p for r in runs for p in r.pages] == list(built.host_pages))
+            and tuple(chain.from_iterable(map(_ROWS, runs))) == built.host_rows
+            and tuple(chain.from_iterable(map(_RUN_PAGES, runs))) == built.host_pages)
+
+
+_ROWS = attrgetter("rows")
+_RUN_PAGES = attrgetter("pages")
 
 
 class DecodeRunsCache:
@@ -218,9 +224,8 @@ class DecodeRunsCache:
                                             MIN_PIECE_PAGES, self._held)
             if self._runs is None or not _same_runs(runs, self._runs):   # else: the same tensors (identity)
                 self._runs = build_shared_runs(runs, self.device)
-            own = plan.own_start
-            self._own = [own.get(rid, 0) for rid in decode_rids]
-            self._members = {rid for entries in self._held.values() for _, holders in entries for rid in holders}
+            self._own = list(map(plan.own_start.get, decode_rids, repeat(0)))
+            self._members = set().union(*(holders for entries in self._held.values() for _, holders in entries))
             self._key = key
             self.builds += 1
         return self._runs

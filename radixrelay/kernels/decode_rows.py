@@ -4,7 +4,8 @@ same order, each one token further).
 
 API::
 
-    advance_decode_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, page_size)
+    advance_decode_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, page_size,
+                        ids=None, tokens=None, token_rows=None)
 
     positions:   int64 [>= num]  position of each row's token; becomes position + 1
     prefix_lens: int32 [>= num]  becomes the new position (tokens before the new one)
@@ -12,6 +13,8 @@ API::
     out_slots:   int64 [>= num]  becomes the KV slot of the new position:
                                  page_table[row, pos // page_size] * page_size + pos % page_size
     page_table:  int32 [R >= num, W], row stride W, unit column stride (pages of row r's request)
+    ids:         optional int64 [>= num]: becomes tokens[token_rows] (each row's newest token, gathered
+                 in the same launch); tokens int64 [T], token_rows int64 [>= num], both contiguous
 
 Rows ``num`` and beyond are not touched (padded rows keep their values). The caller guarantees that
 each row's page list holds the new position (``pos // page_size < W`` and the page written there): the
@@ -34,10 +37,12 @@ BLOCK = 256
 
 # num varies per step; not specialised (radixrelay.worker.warmup: no compiles after ready).
 @triton.jit(do_not_specialize=["num"])
-def _advance_kernel(positions, prefix_lens, seq_lens, out_slots, page_table, num, stride_pt,
-                    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _advance_kernel(positions, prefix_lens, seq_lens, out_slots, page_table, num, stride_pt, ids, tokens,
+                    token_rows, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < num
+    if GATHER:
+        tl.store(ids + rows, tl.load(tokens + tl.load(token_rows + rows, mask=ok, other=0), mask=ok), mask=ok)
     pos = tl.load(positions + rows, mask=ok, other=0) + 1                 # int64
     page = tl.load(page_table + rows.to(tl.int64) * stride_pt + pos // PAGE_SIZE, mask=ok, other=0)
     tl.store(positions + rows, pos, mask=ok)
@@ -47,10 +52,20 @@ def _advance_kernel(positions, prefix_lens, seq_lens, out_slots, page_table, num
 
 
 def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                        out_slots: torch.Tensor, page_table: torch.Tensor, num: int, page_size: int) -> None:
+                        out_slots: torch.Tensor, page_table: torch.Tensor, num: int, page_size: int, *,
+                        ids: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                        token_rows: torch.Tensor | None = None) -> None:
     """See the module docstring."""
-    for name, t, dtype in (("positions", positions, torch.int64), ("prefix_lens", prefix_lens, torch.int32),
-                           ("seq_lens", seq_lens, torch.int32), ("out_slots", out_slots, torch.int64)):
+    gather = ids is not None
+    check(gather == (tokens is not None) == (token_rows is not None),
+          "advance_decode_rows: ids, tokens and token_rows go together")
+    buffers = [("positions", positions, torch.int64), ("prefix_lens", prefix_lens, torch.int32),
+               ("seq_lens", seq_lens, torch.int32), ("out_slots", out_slots, torch.int64)]
+    if gather:
+        buffers += [("ids", ids, torch.int64), ("token_rows", token_rows, torch.int64)]
+        check(tokens.dim() == 1 and tokens.dtype == torch.int64 and tokens.stride(0) == 1,
+              "advance_decode_rows: tokens must be contiguous int64 [T]")
+    for name, t, dtype in buffers:
         check(t.dim() == 1 and t.dtype == dtype and t.stride(0) == 1 and t.numel() >= num,
               f"advance_decode_rows: {name} must be contiguous {dtype} [>= {num}], got {t.dtype} {tuple(t.shape)}")
     check(page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
@@ -61,10 +76,14 @@ def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_
         pos, prefix, seq, slots = advance_decode_rows_reference(positions, page_table, num, page_size)
         for t, v in ((positions, pos), (prefix_lens, prefix), (seq_lens, seq), (out_slots, slots)):
             t[:num] = v
+        if gather:
+            torch.index_select(tokens, 0, token_rows[:num], out=ids[:num])
     elif num > 0:
         _advance_kernel[(triton.cdiv(num, BLOCK),)](positions, prefix_lens, seq_lens, out_slots, page_table, num,
-                                                  page_table.stride(0), PAGE_SIZE=page_size, BLOCK=BLOCK,
-                                                  num_warps=4)
+                                                  page_table.stride(0), ids if gather else positions,
+                                                  tokens if gather else positions,
+                                                  token_rows if gather else positions, PAGE_SIZE=page_size,
+                                                  BLOCK=BLOCK, GATHER=gather, num_warps=4)
 
 
 def advance_decode_rows_reference(positions: torch.Tensor, page_table: torch.Tensor, num: int,

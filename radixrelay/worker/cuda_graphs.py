@@ -24,7 +24,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import sub
 from typing import NamedTuple
 
@@ -35,11 +35,12 @@ import triton
 from radixrelay.attention.host_staging import upload
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
-from radixrelay.worker.graph_step import GraphStep, round_length
+from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
 from radixrelay.kernels.decode_rows import advance_decode_rows
+from radixrelay.kernels.row_patch import patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -48,6 +49,10 @@ _LaunchShape = tuple   # the plan's host-side launch parameters
 # has been seen this many times: then its own graph is captured. Transient classes (a batch shrinking as
 # requests finish, a plan that lasts a few steps) never pay a capture (~100 ms at 32 layers).
 CAPTURE_AFTER = 32
+# A decode step whose rows differ from the last graph step's in at most this many rows (requests that
+# joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
+# past it, the step's rows are filled from the host like any other step.
+MAX_PATCH_ROWS = 64
 logger = logging.getLogger("radixrelay.worker")
 
 
@@ -63,7 +68,8 @@ class _Graph:
     batch: ForwardBatch                  # fixed tensors, bs decode rows
     kv_start: torch.Tensor               # int32 [bs]
     plan: CascadePlan                    # over fixed tensors
-    rows64: torch.Tensor                 # int64 [4, stride]: positions, out_slots, rope_delta, page-table rows
+    rows64: torch.Tensor                 # int64 [5, stride]: positions, out_slots, rope_delta, page-table rows,
+                                         #   newest-token rows (``ResidentTokens``: ids[i] = tokens[row i])
     rows32: torch.Tensor                 # int32 [3, stride]: prefix_lens, seq_lens, kv_start
     groups32: torch.Tensor               # int32: every index tensor of ``plan``, one upload (``_GroupLayout``)
     layout: _GroupLayout
@@ -77,12 +83,14 @@ class _Graph:
 @dataclass
 class _Repeat:
     """The last step run on a graph, for ``advance``: its rows (request ids, in order), shared runs and
-    the own-KV length its launch shape was chosen for."""
+    the own-KV length its launch shape was chosen for; after ``arrange``, the next step's rows."""
     graph: _Graph
     rids: list[int]
     runs: SharedRuns | None
     own_len: int
-    row_of: dict[int, int] | None = None   # rid -> row, built on the first page append
+    row_of: dict[int, int] | None = None   # rid -> row, built on first use (``arrange``'s order once it ran)
+    arranged: list[int] | None = None      # ``arrange``'s order for the next step ...
+    changed: list[int] = field(default_factory=list)   # ... its rows holding another request, ascending
 
 
 class DecodeGraphs:
@@ -103,6 +111,7 @@ class DecodeGraphs:
         self._zero_rows = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         stride = -(-max_batch // 4) * 4
         self._zeros = array("q", bytes(8 * stride))                  # host padding of the row blocks
+        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(max_batch + 1)]
         self._scratch = array("q", [scratch_slot]) * stride
         self._max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
@@ -110,6 +119,10 @@ class DecodeGraphs:
         self.captures = 0
         self.advances = 0               # steps advanced on the device (``advance``)
         self.fallbacks = 0              # steps run on a larger graph that covers their size class
+        self.patches = 0                # advanced steps whose changed rows were patched (of ``advances``)
+        # int64 [num] newest-token rows of the last decode step run here (its ids were gathered by them),
+        # valid until the next step; None after a step whose ids came from the caller
+        self.token_rows: torch.Tensor | None = None
         self._misses: dict[tuple, int] = {}     # size class without a graph -> steps seen
         self._group = cfg.num_heads // cfg.num_kv_heads
         self._repeat: _Repeat | None = None
@@ -122,50 +135,184 @@ class DecodeGraphs:
     def forget(self) -> None:
         """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
         self._repeat = None
+        self.token_rows = None
 
-    def repeats(self, rids: list[int]) -> bool:
-        """Whether a step of these rows may ``advance`` the last one (its other conditions checked there)."""
-        return self._repeat is not None and self._repeat.rids == rids
-
-    def advance(self, rids: list[int], runs: SharedRuns | None, ids: torch.Tensor,
-                appends: list[tuple[int, int, list[int]]]) -> torch.Tensor | None:
-        """logits [B, V] of a decode step whose rows ``rids`` are the last ``run``'s or ``advance``'s rows, in
-        the same order, each one token further, with the same shared runs (``runs``, identity); None when
-        the step does not repeat it that way (then ``run`` it). ``ids``: int64 [B] on the device;
-        ``appends``: (rid, first column, pages) written to page lists since that step."""
+    def arrange(self, rids: list[int]) -> list[int]:
+        """The row order of a decode-only step (a permutation of ``rids``): a request of the last graph
+        step keeps its row; a newcomer takes a row freed by one that left, else a row past the end; a
+        row left empty takes the last row's request (rows stay dense). The changed rows are kept for
+        ``changed_rows`` / ``advance``, which patch them instead of refilling the whole batch. Returns
+        ``rids`` itself when there is no last step or more than ``MAX_PATCH_ROWS`` rows would change.
+        O(len(rids)) in C-level set operations, O(changes) in Python."""
         r = self._repeat
-        if r is None or r.runs is not runs or r.rids != rids:
+        if r is None or r.rids == rids:
+            return rids
+        if r.row_of is None:
+            r.row_of = {rid: i for i, rid in enumerate(r.rids)}
+        row_of = r.row_of
+        now = set(rids)
+        left = row_of.keys() - now
+        joined = sorted(now - row_of.keys())
+        if not left and not joined:
+            r.arranged, r.changed = r.rids, []
+            return r.rids
+        if len(left) + len(joined) > MAX_PATCH_ROWS or len(now) != len(rids):
+            return rids
+        freed = sorted(map(row_of.pop, left))
+        order = r.rids.copy()
+        changed = []
+        for row, rid in zip(freed, joined):
+            order[row] = rid
+            changed.append(row)
+        for rid in joined[len(freed):]:
+            changed.append(len(order))
+            order.append(rid)
+        holes = freed[len(joined):]               # ascending; filled from the end of the batch
+        lo, hi = 0, len(holes)
+        while lo < hi:
+            if holes[hi - 1] == len(order) - 1:
+                order.pop()
+                hi -= 1
+            else:
+                order[holes[lo]] = order.pop()
+                changed.append(holes[lo])
+                lo += 1
+        changed = sorted(row for row in changed if row < len(order))
+        for row in changed:
+            row_of[order[row]] = row
+        r.arranged, r.changed = order, changed
+        return order
+
+    def changed_rows(self, rids: list[int]) -> list[int] | None:
+        """Rows of ``rids`` (the next step's rows) that hold another request than in the last graph step
+        (``arrange``); None when the step does not continue that step (then ``run`` it)."""
+        r = self._repeat
+        if r is None:
             return None
+        if r.arranged is rids:
+            return r.changed
+        return [] if r.rids == rids else None
+
+    def advance(self, rids: list[int], runs: SharedRuns | None, tokens: torch.Tensor,
+                appends: list[tuple[int, int, list[int]]], patch: RowPatch | None = None) -> torch.Tensor | None:
+        """logits [B, V] of a decode step that continues the last ``run`` or ``advance``: rows ``rids`` (the
+        last step's, or ``arrange``'s order for this step), each the same request one token further except
+        the rows in ``patch`` (values from the host), with the same shared runs (``runs``, identity); None
+        when the step does not continue it that way (then ``run`` it). ``tokens``: int64 [R] newest token
+        per ``ResidentTokens`` row, every write made; ``appends``: (rid, first column, pages) written to
+        page lists since that step."""
+        r = self._repeat
+        if r is None:
+            return None
+        g, num, before = r.graph, len(rids), len(r.rids)
         own_len = r.own_len + 1
+        arranged = r.arranged is rids and rids is not r.rids      # rows changed (``arrange``)
+        if r.runs is not runs and not arranged:
+            return None
+        if not arranged:
+            if patch is not None or r.rids != rids:
+                return None
+        else:
+            if (list(patch.rows) if patch is not None else []) != r.changed:
+                return None
+            if self._bucket_of[num] != self._bucket_of[before]:
+                return None                               # another graph: the full path
+            if patch is not None:
+                if patch.width > self.max_pages:
+                    return None
+                own = (patch.positions if patch.kv_start is None
+                       else list(map(sub, patch.positions, patch.kv_start)))
+                if own and min(own) < 0:
+                    raise ValueError("DecodeGraphs.advance: kv_start must hold, per row, 0 <= kv_start <= position")
+                own_len = max(own_len, max(own, default=0) + 1)
         if _pow2(own_len) != _pow2(r.own_len):         # maybe another launch shape: take the full path
             return None
-        g, num = r.graph, len(rids)
-        if appends:
-            if r.row_of is None:
-                r.row_of = {rid: i for i, rid in enumerate(rids)}
-            rows: list[int] = []
-            cols: list[int] = []
-            pages: list[int] = []
-            for rid, start, new in appends:
-                row = r.row_of.get(rid)
-                if row is None:
-                    continue
-                if start + len(new) > self.max_pages:
-                    return None
-                rows.extend([row] * len(new))
-                cols.extend(range(start, start + len(new)))
-                pages.extend(new)
-            if rows:
-                index = to_device(rows + cols + pages, torch.int64, self.device).view(3, -1)
-                g.batch.page_table.index_put_((index[0], index[1]), index[2].to(torch.int32))
+        if r.runs is not runs and not self._holds(g, runs, own_len):
+            return None
+        host = array("q")
+        writes = self._page_writes(r, appends, host) if appends else 0
+        if writes < 0:
+            return None
+        patched = self._row_values(patch, num, before, host) if arranged else 0
+        if writes or patched:                             # one upload: page writes, then patched rows
+            dev = to_device(host, torch.int64, self.device)
+            sb = g.batch
+            if writes:
+                scatter_pages(sb.page_table, dev[:3 * writes].view(3, writes))
+            if patched:
+                at = 3 * writes
+                patch_rows(g.rows64, g.rows32, sb.page_table, patch.table if patch is not None else sb.page_table,
+                           dev[at:at + 9 * patched].view(9, patched), patch.width if patch is not None else 0)
+        if arranged:
+            if g.runs is not runs:
+                self._fill_groups(g, runs, num)
+                g.runs = r.runs = runs
+            self.patches += 1
         sb = g.batch
-        g.ids[:num].copy_(ids)
+        self.token_rows = g.rows64[4, :num]
         advance_decode_rows(sb.positions, sb.prefix_lens, sb.seq_lens, sb.out_slots, sb.page_table, num,
-                            self.kv_cache.page_size)
+                            self.kv_cache.page_size, ids=g.ids, tokens=tokens, token_rows=self.token_rows)
         self._replay(g)
-        r.own_len = own_len
+        r.rids, r.own_len, r.arranged, r.changed = rids, own_len, None, []
+        g.num = num                                       # the merge index does not depend on it
         self.advances += 1
         return g.logits[:num]
+
+    def _holds(self, g: _Graph, runs: SharedRuns | None, own_len: int) -> bool:
+        """Whether graph ``g``'s buffers and launch shape can run shared runs ``runs`` (its groups refilled)."""
+        if runs is None or not g.cascade:
+            return runs is None and not g.cascade
+        caps = (_pow2(len(runs.host_kv_lens)), _pow2(len(runs.host_rows)), _pow2(len(runs.host_pages)))
+        if any(c > have for c, have in zip(caps, g.key[1])):
+            return False
+        return _covers(g.plan, _Need(True, runs.max_rows * self._group, runs.max_kv_len, own_len, runs.contiguous))
+
+    def _page_writes(self, r: _Repeat, appends: list[tuple[int, int, list[int]]], host: array) -> int:
+        """Append to ``host`` the graph page-table writes of pages appended to the rows' page lists (rows a
+        patch refills get theirs there whole) as rows, columns, pages; returns how many (padded to an even
+        count: the next block stays 16-byte aligned), or -1 when one would not fit."""
+        if r.row_of is None:
+            r.row_of = {rid: i for i, rid in enumerate(r.rids)}
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
+        for rid, start, new in appends:
+            row = r.row_of.get(rid)
+            if row is None:
+                continue
+            if start + len(new) > self.max_pages:
+                return -1
+            rows.extend([row] * len(new))
+            cols.extend(range(start, start + len(new)))
+            pages.extend(new)
+        if len(rows) % 2:                                 # a repeated write: the same value again
+            rows.append(rows[-1])
+            cols.append(cols[-1])
+            pages.append(pages[-1])
+        host.extend(rows)
+        host.extend(cols)
+        host.extend(pages)
+        return len(rows)
+
+    def _row_values(self, patch: RowPatch | None, num: int, before: int, host: array) -> int:
+        """Append to ``host`` the patched rows' values (``patch_rows`` layout: graph row, 5 rows64 values,
+        3 rows32 values), then padding values for rows [num, before) that the batch gave up; returns how
+        many rows. A patched row holds its position - 1: the advance that follows makes its position,
+        sequence lengths and slot from its new page row (rows past ``num`` do not advance)."""
+        vacated = before - num if num < before else 0
+        if patch is None:                                  # rows given up, none changed
+            patch = RowPatch((), (), (), torch.empty(0), (), 0, ())
+        n = len(patch.rows) + vacated
+        pad = self._zeros[:vacated]
+        positions = array("q", [p - 1 for p in patch.positions])
+        host.extend(patch.rows)
+        host.extend(range(num, num + vacated))
+        for values, padding in ((positions, pad), (patch.slots, self._scratch[:vacated]), (None, pad),
+                                (patch.page_rows, pad), (patch.token_rows, pad), (positions, pad),
+                                (patch.positions, pad), (patch.kv_start, pad)):
+            host.extend(self._zeros[:len(positions)] if values is None else values)
+            host.extend(padding)
+        return n
 
     def run(self, step: GraphStep, rids: list[int] | None = None) -> torch.Tensor:
         """logits [num, V] of a decode-graph step (a view of the graph's output: read it before the next
@@ -238,15 +385,20 @@ class DecodeGraphs:
         else:
             self._graphs.move_to_end(g.key)
             self._replay(g)
-        self._repeat = _Repeat(g, list(rids), runs, own_len) if rids is not None else None
+        self._repeat = _Repeat(g, rids, runs, own_len) if rids is not None else None
         return g.logits[:num]
 
     def _warm_advance(self) -> None:
-        """Compile (or load) the advance kernel now, for this page table's width: not while serving."""
+        """Compile (or load) the advance and patch kernels now, for this page table's width: not while
+        serving."""
         i32 = dict(dtype=torch.int32, device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
+        table = torch.zeros(2, self.max_pages, **i32)
         advance_decode_rows(torch.zeros(1, **i64), torch.zeros(1, **i32), torch.zeros(1, **i32),
-                            torch.zeros(1, **i64), torch.zeros(1, self.max_pages, **i32), 1, self.kv_cache.page_size)
+                            torch.zeros(1, **i64), table, 1, self.kv_cache.page_size,
+                            ids=torch.zeros(1, **i64), tokens=torch.zeros(1, **i64), token_rows=torch.zeros(1, **i64))
+        scatter_pages(table, torch.zeros(3, 2, **i64))
+        patch_rows(torch.zeros(5, 4, **i64), torch.zeros(3, 4, **i32), table, table, torch.zeros(9, 2, **i64), 1)
 
     def _covering(self, num: int, caps: tuple[int, int, int], need: _Need) -> _Graph | None:
         """The smallest captured graph that can run a step of ``num`` rows with buffers of ``caps`` and the
@@ -280,7 +432,7 @@ class DecodeGraphs:
         i32 = dict(dtype=torch.int32, device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
         stride = -(-bs // 4) * 4                # every row of the blocks starts 16-byte aligned
-        rows64 = torch.zeros(4, stride, **i64)
+        rows64 = torch.zeros(5, stride, **i64)
         rows64[1].fill_(self.scratch_slot)
         rows32 = torch.zeros(3, stride, **i32)
         positions, out_slots, rope_delta = rows64[0, :bs], rows64[1, :bs], rows64[2, :bs]
@@ -312,20 +464,20 @@ class DecodeGraphs:
         positions = array("q", step.positions)
         host = array("q")
         for values, padding in ((positions, zeros), (step.slots, self._scratch), (step.rope_delta, zeros),
-                                (step.page_rows, zeros), (positions, zeros),
+                                (step.page_rows, zeros), (step.token_rows, zeros), (positions, zeros),
                                 (array("q", [p + 1 for p in positions]), zeros), (step.kv_start, zeros)):
             host += zeros[:num] if values is None else values if isinstance(values, array) else array("q", values)
             host += padding[:pad]
-        if step.ids is None:                                         # token rows: [num] after the blocks
-            host += step.token_rows if isinstance(step.token_rows, array) else array("q", step.token_rows)
-        dev = to_device(host, torch.int64, self.device)            # [7 * stride (+ num)]
-        g.rows64.view(-1).copy_(dev[:4 * stride])
-        g.rows32.view(-1).copy_(dev[4 * stride:7 * stride])         # int64 -> int32
+        dev = to_device(host, torch.int64, self.device)            # [8 * stride]
+        g.rows64.view(-1).copy_(dev[:5 * stride])
+        g.rows32.view(-1).copy_(dev[5 * stride:])                   # int64 -> int32
         width = step.width
         g.batch.page_table[:num, :width].copy_(step.table[:, :width].index_select(0, g.rows64[3, :num]))
         if step.ids is None:
-            torch.index_select(step.tokens, 0, dev[7 * stride:], out=g.ids[:num])
+            self.token_rows = g.rows64[4, :num]
+            torch.index_select(step.tokens, 0, self.token_rows, out=g.ids[:num])
         else:
+            self.token_rows = None
             g.ids[:num].copy_(step.ids)
 
     def _fill_groups(self, g: _Graph, runs: SharedRuns | None, num: int) -> None:

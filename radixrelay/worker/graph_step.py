@@ -35,6 +35,22 @@ class GraphStep:
         return len(self.positions)
 
 
+@dataclass
+class RowPatch:
+    """Rows of a decode-graph step that hold another request than in the step before (``DecodeGraphs.
+    arrange``), with their values as in ``GraphStep``; every other row is the same request one token
+    further (advanced on the device)."""
+
+    rows: Sequence[int]                # [c] graph rows, each < the step's row count
+    positions: Sequence[int]           # [c]
+    slots: Sequence[int]               # [c]
+    table: torch.Tensor                # int32 [R, C] (``DevicePageTable``)
+    page_rows: Sequence[int]           # [c] row of ``table`` holding each row's page list
+    width: int                         # columns of ``table`` the rows need (<= C)
+    token_rows: Sequence[int]          # [c] row of the newest-token table (``ResidentTokens``)
+    kv_start: Sequence[int] | None = None      # [c] with shared runs: first position attended on its own
+
+
 def round_length(n: int) -> int:
     """``n`` rounded up to 4 significant bits (8 classes per power of two): a launch shape planned for
     the rounded length leaves less than 1/8 of its splits past the real end idle."""

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, gt, mul
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from radixrelay.attention import AttentionBackend, KVCache
@@ -54,7 +56,7 @@ from radixrelay.worker.protocol import positions_of
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
-from radixrelay.worker.graph_step import GraphStep
+from radixrelay.worker.graph_step import GraphStep, RowPatch
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 
@@ -166,6 +168,8 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(generator)
         self._table: dict[int, _Resident] = {}
+        self._pages: dict[int, list[int]] = {}   # rid -> its resident's page list (the same object)
+        self._pages_of = self._pages.__getitem__             # C-level: mapped over a cascade group's members
         self._num_rope = 0                      # residents with RoPE position deltas (modular prompts)
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
         self._tokens = ResidentTokens(self.device, self.vocab_size)
@@ -230,6 +234,7 @@ class ModelRunner:
     def _apply_diff(self, plan: StepPlan) -> None:
         for rid in plan.released:
             if (gone := self._table.pop(rid, None)) is not None:
+                del self._pages[rid]
                 self._num_rope -= bool(gone.rope_runs)
                 self._page_table.release(rid)
                 self._tokens.release(rid)
@@ -241,9 +246,10 @@ class ModelRunner:
             if (old := self._table.get(req.rid)) is not None:      # admitted again without a release
                 self._num_rope -= bool(old.rope_runs)
             self._num_rope += bool(req.rope_runs)
-            self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
-                                             req.token_offset + len(req.token_ids), list(req.pages), req.sampling,
-                                             req.rope_runs)
+            res = self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
+                                                   req.token_offset + len(req.token_ids), list(req.pages),
+                                                   req.sampling, req.rope_runs)
+            self._pages[req.rid] = res.pages
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
             if req.sampling.structured is not None:
@@ -256,6 +262,10 @@ class ModelRunner:
             self._page_table.append(append.rid, append.pages)
 
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
+        if self.graphs is not None and plan.decodes and not plan.extends:
+            order = self.graphs.arrange(plan.decodes)      # stable graph rows: a changed batch is patched
+            if order is not plan.decodes:
+                plan = msgspec.structs.replace(plan, decodes=order)
         # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
         # rows: per extend its prompt-logprobs run (if any), then its sampling row; one per decode.
         extends: list[BatchRequest] = []
@@ -279,7 +289,7 @@ class ModelRunner:
             if item.sample:
                 samplers.append(item.rid)
                 sample_rows.append(num_rows - 1)
-        decoding = [self._table[rid] for rid in plan.decodes]
+        decoding = list(map(self._table.__getitem__, plan.decodes))
         if not extends and not decoding:
             return LaunchedStep(plan.step_id)
         samplers.extend(plan.decodes)           # decodes sample too; their logits rows follow the extends'
@@ -307,7 +317,9 @@ class ModelRunner:
             if self.constraints:                  # constrained rows resident: mask what their grammars forbid
                 logits = self.constraints.mask(samplers, logits)
             out = self.sampler(logits, tensors)
-            self._tokens.record(samplers, out.token_ids)
+            # rows of the newest-token table: the decode graph's own (kept by row) when it gathered them
+            rows = self.graphs.token_rows if not extends and self.graphs is not None else None
+            self._tokens.record(samplers, out.token_ids, rows)
             for res in residents:
                 res.num_tokens += 1
             tokens = out.token_ids.to("cpu", non_blocking=True)
@@ -330,18 +342,30 @@ class ModelRunner:
         self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
 
     def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
-        """logits of a decode-only step that repeats the last graph step one token further (``DecodeGraphs.
-        advance``: no batch packing on the host), or None."""
-        if not self.graphs.repeats(plan.decodes):
+        """logits of a decode-only step that continues the last graph step one token further (``DecodeGraphs.
+        advance``: no batch packing on the host), its changed rows (``DecodeGraphs.arrange``) patched from
+        host values computed for them alone; or None."""
+        changed = self.graphs.changed_rows(plan.decodes)
+        if changed is None or (changed and self._num_rope):   # modular rows' RoPE deltas: the full path
             return None
-        ps = self.page_size
-        if any((r.num_tokens - 1) // ps >= len(r.pages) for r in decoding):
+        # (num_tokens - 1) // ps >= len(pages) <=> num_tokens > len(pages) * ps; C-level over the batch
+        if any(map(gt, map(_NUM_TOKENS, decoding), map(mul, map(len, map(_PAGES, decoding)), repeat(self.page_size)))):
             return None                                   # the full path raises the error
         runs = (self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of) if plan.cascade is not None
                 else None)
+        patch = None
+        if changed:
+            rids = [plan.decodes[i] for i in changed]
+            rows = self._decode_rows(rids, [decoding[i] for i in changed])
+            table, page_rows, width = self._page_table.rows(rids)
+            _, token_rows = self._tokens.rows(rids)
+            own = self._decode_runs.own_start if runs is not None else None
+            patch = RowPatch(changed, rows.positions, rows.slots, table, page_rows, width, token_rows,
+                             None if own is None else [own[i] for i in changed])
+        tokens = self._tokens.table()
         if events is not None:
             events[0].record()
-        return self.graphs.advance(plan.decodes, runs, self._tokens.newest(plan.decodes), self._appends)
+        return self.graphs.advance(plan.decodes, runs, tokens, self._appends, patch)
 
     def _forward(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
                  input_ids: list[int], events) -> torch.Tensor:
@@ -521,11 +545,10 @@ class ModelRunner:
                                    kv_start=kv_start, decode_runs=decode_shared, prefill_runs=prefill_shared,
                                    decodes=decodes)
 
-    def _pages_of(self, rid: int) -> list[int]:
-        return self._table[rid].pages
-
 
 _PARAMS_OF = attrgetter("sampling")         # _Resident -> its SamplingParams (a C callable: mapped over the batch)
+_NUM_TOKENS = attrgetter("num_tokens")
+_PAGES = attrgetter("pages")
 
 
 def _outputs_of(res: _Resident) -> int:

@@ -132,15 +132,21 @@ class ResidentTokens:
         row = self._rows.row
         return self.last, [row[k] for k in keys]
 
+    def table(self) -> torch.Tensor:
+        """int64 [rows] newest token per row, every queued write made (rows of ``rows``)."""
+        self._flush()
+        return self.last
+
     def newest(self, keys: Sequence[int]) -> torch.Tensor:
         """int64 [len(keys)]: each request's newest token, on the device."""
         self._flush()
         return self.last.index_select(0, self._rows_of(keys))
 
-    def record(self, keys: Sequence[int], tokens: torch.Tensor) -> None:
-        """``tokens``: int64 [len(keys)] just sampled for ``keys`` (device)."""
+    def record(self, keys: Sequence[int], tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """``tokens``: int64 [len(keys)] just sampled for ``keys`` (device); ``rows``: the keys' rows on the
+        device if the caller has them (int64 [len(keys)]), else looked up."""
         self._flush()
-        self.last.index_copy_(0, self._rows_of(keys), tokens)
+        self.last.index_copy_(0, self._rows_of(keys) if rows is None else rows, tokens)
         if not self._pen_rows.row:
             return
         pen = [(i, self._pen_rows.row[k]) for i, k in enumerate(keys) if k in self._pen_rows.row]

@@ -66,7 +66,8 @@ def test_rebuilt_on_new_plan_order_or_member_release(split):
     last = None
     for i, (plan, order) in enumerate(steps, start=1):
         runs = cache.get(plan, order, pages.__getitem__)
-        assert runs is not last and cache.builds == i
+        # a run's rows are ascending: the whole group in another order is the same run (same tensors)
+        assert (runs is last) == (i == 2) and cache.builds == i
         same_runs(runs, plan, order, pages, split)
         last = runs
     plan, order = steps[-1]

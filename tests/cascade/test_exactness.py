@@ -130,14 +130,15 @@ def test_changing_batches_on_decode_graphs(llama32):
 def test_shrinking_batch_runs_on_a_covering_graph(llama32):
     """Requests finishing one after another shrink the batch into smaller buckets: those steps run on the
     larger graph already captured (padded rows attend nothing), with the unpadded result, and capture
-    nothing new."""
+    nothing new: the rows given up are patched to padding in place while the bucket stays (6 -> 5 rows),
+    and a step in a smaller bucket runs on the covering graph."""
     waves = prompt_tree(random.Random(11), system_len=8, problems=2, samples=3)
     limits = {rid: 2 + i for i, (rid, _) in enumerate(w for wave in waves for w in wave)}
     off = run_workload(llama32, waves, mode="off", max_tokens=limits)
     for mode in ("off", "on"):
         got = run_workload(llama32, waves, mode=mode, max_tokens=limits, backend=make_backend("triton", "cpu"),
                            graph_max_batch=8, small_extend_rows=0)
-        assert got.graphs.fallbacks >= 2
+        assert got.graphs.fallbacks >= 1 and got.graphs.patches >= 2
         assert_same(off, got, atol=2e-3)
 
 

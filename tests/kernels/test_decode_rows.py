@@ -40,3 +40,23 @@ def test_advance_rejects_bad_buffers():
         advance_decode_rows(i64, i32, i32, i64, table.long(), 2, 4)
     with pytest.raises(ValueError, match="seq_lens"):
         advance_decode_rows(i64, i32, i32[:1], i64, table, 2, 4)
+
+
+@pytest.mark.parametrize("num, rows", [(1, 1), (5, 8), (300, 320)])
+def test_advance_gathers_each_rows_newest_token(num, rows):
+    """With ``ids``, the same launch writes ids[r] = tokens[token_rows[r]] for rows < num, nothing past."""
+    gen = torch.Generator().manual_seed(num)
+    table = torch.randint(0, 1000, (rows, 8), generator=gen, dtype=torch.int32).to(DEVICE)
+    positions = torch.randint(0, 30, (rows,), generator=gen).to(DEVICE)
+    prefix, seq = (torch.zeros(rows, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    slots = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    tokens = torch.randint(0, 50_000, (500,), generator=gen).to(DEVICE)
+    token_rows = torch.randint(0, 500, (rows,), generator=gen).to(DEVICE)
+    ids = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    want = advance_decode_rows_reference(positions.clone(), table, num, 4)
+    advance_decode_rows(positions, prefix, seq, slots, table, num, 4, ids=ids, tokens=tokens, token_rows=token_rows)
+    assert torch.equal(ids[:num], tokens[token_rows[:num]]) and (ids[num:] == -1).all()
+    for got, ref in zip((positions, prefix, seq, slots), want):
+        assert torch.equal(got[:num], ref)
+    with pytest.raises(ValueError, match="together"):
+        advance_decode_rows(positions, prefix, seq, slots, table, num, 4, ids=ids)

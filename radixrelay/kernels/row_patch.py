@@ -1,0 +1,111 @@
+"""Small scatters of a changed decode batch, one launch each (``radixrelay.worker.cuda_graphs``: a decode
+step whose rows changed patches them in place; ``DevicePageTable``: page-list writes of a step).
+
+API::
+
+    scatter_pages(table, writes)
+        table:  int32 [R, C], unit column stride
+        writes: int64 [3, n] (any row stride, unit column stride): rows, columns, values;
+                table[rows[i], columns[i]] = values[i]
+
+    patch_rows(rows64, rows32, page_table, source, patch, width)
+        rows64:     int64 [5, S] per-row blocks of a decode graph (positions, slots, RoPE deltas,
+                    page-table rows, newest-token rows), unit column stride
+        rows32:     int32 [3, S] (prefix lengths, sequence lengths, own-KV starts), unit column stride
+        page_table: int32 [B, W] the graph's page table, unit column stride
+        source:     int32 [R, C] page lists of resident requests (``DevicePageTable``), unit column stride
+        patch:      int64 [9, n] (any row stride, unit column stride): per patched row its graph row,
+                    then its 5 rows64 values and its 3 rows32 values
+        width:      columns copied: page_table[row, :width] = source[rows64 page-table row value, :width]
+
+Both take a host-built buffer that reached the device in one copy; ``n`` and ``width`` vary per step and
+are not specialised (no compilation while serving). On the CPU without ``TRITON_INTERPRET=1`` the same
+writes run as torch ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrelay.kernels._common import check
+
+BLOCK = 256          # writes per program (scatter_pages)
+BLOCK_W = 128        # page-table columns per iteration (patch_rows)
+
+
+@triton.jit(do_not_specialize=["num", "stride_w", "stride_t"])
+def _scatter_kernel(table, writes, num, stride_w, stride_t, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num
+    row = tl.load(writes + i, mask=ok, other=0)
+    col = tl.load(writes + stride_w + i, mask=ok, other=0)
+    val = tl.load(writes + 2 * stride_w + i, mask=ok, other=0)
+    tl.store(table + row * stride_t + col, val.to(tl.int32), mask=ok)
+
+
+@triton.jit(do_not_specialize=["stride_p", "width", "stride64", "stride32", "stride_pt", "stride_src"])
+def _patch_kernel(rows64, rows32, page_table, source, patch, stride_p, width, stride64, stride32, stride_pt,
+                  stride_src, BLOCK_W: tl.constexpr):
+    p = tl.program_id(0)                       # one patched row per program
+    row = tl.load(patch + p)
+    for k in tl.static_range(5):
+        tl.store(rows64 + k * stride64 + row, tl.load(patch + (1 + k) * stride_p + p))
+    for k in tl.static_range(3):
+        tl.store(rows32 + k * stride32 + row, tl.load(patch + (6 + k) * stride_p + p).to(tl.int32))
+    src = tl.load(patch + 4 * stride_p + p)    # its page-table row value: the row of ``source``
+    for start in range(0, width, BLOCK_W):
+        cols = start + tl.arange(0, BLOCK_W)
+        ok = cols < width
+        pages = tl.load(source + src * stride_src + cols, mask=ok, other=0)
+        tl.store(page_table + row * stride_pt + cols, pages, mask=ok)
+
+
+def _torch_fallback(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def scatter_pages(table: torch.Tensor, writes: torch.Tensor) -> None:
+    """See the module docstring."""
+    check(table.dim() == 2 and table.dtype == torch.int32 and table.stride(1) == 1,
+          "scatter_pages: table must be int32 [R, C] with unit column stride")
+    check(writes.dim() == 2 and writes.shape[0] == 3 and writes.dtype == torch.int64 and writes.stride(1) == 1,
+          f"scatter_pages: writes must be int64 [3, n] with unit column stride, got {writes.dtype} "
+          f"{tuple(writes.shape)}")
+    num = writes.shape[1]
+    if num == 0:
+        return
+    if _torch_fallback(table):
+        table.index_put_((writes[0], writes[1]), writes[2].to(torch.int32))
+        return
+    _scatter_kernel[(triton.cdiv(num, BLOCK),)](table, writes, num, writes.stride(0), table.stride(0),
+                                                BLOCK=BLOCK, num_warps=4)
+
+
+def patch_rows(rows64: torch.Tensor, rows32: torch.Tensor, page_table: torch.Tensor, source: torch.Tensor,
+               patch: torch.Tensor, width: int) -> None:
+    """See the module docstring."""
+    for name, t, rows, dtype in (("rows64", rows64, 5, torch.int64), ("rows32", rows32, 3, torch.int32),
+                                 ("patch", patch, 9, torch.int64)):
+        check(t.dim() == 2 and t.shape[0] == rows and t.dtype == dtype and t.stride(1) == 1,
+              f"patch_rows: {name} must be {dtype} [{rows}, n] with unit column stride, got {t.dtype} "
+              f"{tuple(t.shape)}")
+    for name, t in (("page_table", page_table), ("source", source)):
+        check(t.dim() == 2 and t.dtype == torch.int32 and t.stride(1) == 1,
+              f"patch_rows: {name} must be int32 [rows, columns] with unit column stride")
+    check(0 <= width <= min(page_table.shape[1], source.shape[1]),
+          f"patch_rows: width {width} past the tables' columns")
+    num = patch.shape[1]
+    if num == 0:
+        return
+    if _torch_fallback(rows64):
+        rows = patch[0]
+        rows64.index_copy_(1, rows, patch[1:6])
+        rows32.index_copy_(1, rows, patch[6:9].to(torch.int32))
+        page_table[:, :width].index_copy_(0, rows, source[:, :width].index_select(0, patch[4]))
+        return
+    _patch_kernel[(num,)](rows64, rows32, page_table, source, patch, patch.stride(0), width, rows64.stride(0),
+                          rows32.stride(0), page_table.stride(0), source.stride(0), BLOCK_W=BLOCK_W, num_warps=1)
