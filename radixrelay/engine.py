@@ -137,6 +137,7 @@ class Engine:
                 "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps,
                 "decode_steps_advanced": stats.decode_steps_advanced,
                 "decode_steps_covered": stats.decode_steps_covered,
+                "decode_steps_patched": stats.decode_steps_patched,
                 "prefill_cascade_steps": stats.prefill_cascade_steps,
                 "prefill_cascade_runs": stats.prefill_cascade_runs,
                 "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,

@@ -120,9 +120,11 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     # output) and the frontend's inbox:
     malformed_frames: int = 0
     # Decode-graph steps (cumulative, of graph_replays): advanced on the device (the previous step's rows
-    # one token further: no batch packing on the host), and run on a larger graph covering their size class:
+    # one token further: no batch packing on the host), and run on a larger graph covering their size class;
+    # of the advanced ones, those whose changed rows (requests joined, left) were patched in place:
     decode_steps_advanced: int = 0
     decode_steps_covered: int = 0
+    decode_steps_patched: int = 0
     # Python garbage collection per process (``radixrelay.runtime.gc_control``): the worker's as of its
     # latest step output, the scheduler's, and the frontend's (filled in by the server, empty elsewhere):
     worker_gc: GcStats = GcStats()
@@ -186,7 +188,8 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
                                                                 # long-prefix runs (PrefillCascadeCounters)
     malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
-    decode_graph_steps: tuple[int, int] = (0, 0)   # cumulative: decode steps advanced, covered (RuntimeStats)
+    decode_graph_steps: tuple[int, int, int] = (0, 0, 0)   # cumulative: decode steps advanced, covered,
+                                                           # patched (RuntimeStats)
     gc: GcStats = GcStats()           # cumulative: the worker's garbage collections
 
 

@@ -78,7 +78,7 @@ class SchedulerLoop:
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
-        self._decode_graph_steps = (0, 0)  # worker's cumulative decode-graph steps (advanced, covered)
+        self._decode_graph_steps = (0, 0, 0)  # worker's cumulative decode-graph steps (advanced, covered, patched)
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
@@ -222,6 +222,7 @@ class SchedulerLoop:
                             + self._worker_dropped,
                             decode_steps_advanced=self._decode_graph_steps[0],
                             decode_steps_covered=self._decode_graph_steps[1],
+                            decode_steps_patched=self._decode_graph_steps[2],
                             worker_gc=self._worker_gc,
                             scheduler_gc=self.collector.stats())
 

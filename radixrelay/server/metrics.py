@@ -108,6 +108,8 @@ class _RuntimeCollector(Collector):
                       "token further, advanced on the device (no batch packing on the host).", s.decode_steps_advanced)
         yield counter("decode_steps_covered", "Decode graph steps run on a larger captured graph covering "
                       "their size class (instead of capturing one).", s.decode_steps_covered)
+        yield counter("decode_steps_patched", "Advanced decode graph steps whose batch changed (requests joined "
+                      "or left): only the changed rows were written from the host.", s.decode_steps_patched)
         yield counter("prefill_cascade_steps", "Steps whose extend rows read a cached run shared between"
                       " requests once (prefill cascade).", s.prefill_cascade_steps)
         yield counter("prefill_cascade_runs", "Prefill cascade shared runs, summed over steps.",

@@ -198,9 +198,11 @@ class ModelRunner:
                 + (self.piecewise.captures if self.piecewise is not None else 0))
 
     @property
-    def decode_graph_steps(self) -> tuple[int, int]:
-        """Decode-graph steps advanced on the device and run on a covering graph (cumulative)."""
-        return (self.graphs.advances, self.graphs.fallbacks) if self.graphs is not None else (0, 0)
+    def decode_graph_steps(self) -> tuple[int, int, int]:
+        """Decode-graph steps advanced on the device, run on a covering graph, and advanced with changed
+        rows patched (cumulative)."""
+        g = self.graphs
+        return (g.advances, g.fallbacks, g.patches) if g is not None else (0, 0, 0)
 
     @property
     def num_resident(self) -> int:
