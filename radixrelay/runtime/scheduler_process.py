@@ -20,7 +20,9 @@ is at most one step ahead of what the host knows.
 A frame that does not decode as its channel's message (or a worker message other than a step
 output while serving) is logged and dropped; the loop keeps serving. Each ``StatsRequest`` also
 audits the KV cache (``Scheduler.audit``: pages and locks by holder, ``check_integrity``) and logs
-a failed check.
+a failed check. ``check_integrity`` runs on every audit while idle, and at most every
+``INTEGRITY_EVERY_S`` while requests are live (it stalls the loop for ~ms at a full host tier; a
+scrape in between reports the last verdict and its age).
 """
 
 from __future__ import annotations
@@ -48,11 +50,16 @@ from radixrelay.runtime.messages import (
     WorkerStop, encoder,
 )
 from radixrelay.runtime.token_ids import TokenTable
+from radixrelay.scheduler.audit import PacedAudit
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import RequestUpdate
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.worker.protocol import PromptLogprobsChunk, StepOutput, TokenLogprobs
+
+# While requests are live, the KV integrity check (memory-bound over every page and host-tier entry)
+# runs at most this often; at idle, on every stats request.
+INTEGRITY_EVERY_S = 30.0
 
 logger = logging.getLogger("radixrelay.scheduler")
 
@@ -82,6 +89,7 @@ class SchedulerLoop:
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
+        self._audits = PacedAudit(INTEGRITY_EVERY_S)
         self.collector = collector        # garbage collection: full collections when idle (gc_control)
         self._worker_gc = worker_gc       # the worker's, as of its latest step output (or ready)
 
@@ -208,7 +216,7 @@ class SchedulerLoop:
 
     def _stats(self) -> RuntimeStats:
         counters = self.planner.counters if self.planner is not None else CascadeCounters()
-        audit = self.scheduler.audit()
+        audit = self._audits.audit(self.scheduler, time.monotonic())
         if audit.integrity_error is not None and audit.integrity_error != self._integrity_logged:
             logger.error("KV cache integrity check failed: %s", audit.integrity_error)
         self._integrity_logged = audit.integrity_error

@@ -329,9 +329,11 @@ class Scheduler:
             locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
             prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions)
 
-    def audit(self) -> KVAudit:
-        """Who holds the KV pages and radix locks, and ``check_integrity``'s verdict (per scrape)."""
-        return audit_kv(self.cache, self._running.values(), len(self._requests), self.check_integrity)
+    def audit(self, integrity: bool = True) -> KVAudit:
+        """Who holds the KV pages and radix locks, and (``integrity``) ``check_integrity``'s verdict; without
+        it ``integrity_error`` is None: the caller supplies its last verdict."""
+        return audit_kv(self.cache, self._running.values(), len(self._requests),
+                        self.check_integrity if integrity else None)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless KV accounting and request state agree."""

@@ -151,9 +151,12 @@ def _audit_metrics(a: KVAudit) -> Iterator[Metric]:
                 a.lock_refs)
     yield gauge("radix_lock_holders", "Running requests holding a lock on their cached prefix.",
                 a.lock_holders)
-    yield gauge("kv_integrity_ok", "1 when the scheduler's check_integrity passed at this scrape (free +"
-                " cached + request pages == total, tree and allocator invariants), else 0; the reason "
-                "is in the scheduler's log.", int(a.integrity_ok))
+    yield gauge("kv_integrity_ok", "1 when the scheduler's last check_integrity passed (free + cached + "
+                "request pages == total, tree and allocator invariants), else 0; the reason is in the "
+                "scheduler's log. Checked at every scrape while idle, at most every 30 s under load.",
+                int(a.integrity_ok))
+    yield gauge("kv_integrity_age_seconds", "Seconds since the check behind kv_integrity_ok ran (0: at "
+                "this scrape).", a.integrity_age_s)
     yield gauge("kv_idle_baseline", "1 when no request is live and no KV page or radix lock is held for "
                 "one (only cached, unlocked pages besides free ones), with integrity ok; expected 1 once "
                 "traffic has ended.", int(a.at_idle_baseline))

@@ -9,9 +9,16 @@ class (bucket, groups, rows, largest group, longest run, own KV length rounded u
 that a growing suffix rarely changes it), computed once per class. Graphs are keyed by (bucket, padded
 sizes, launch shape) and captured on first use, unless a captured graph covers the step (a larger bucket,
 larger caps, tiles and splits that reach its rows and lengths): the step runs on that one, and only a size
-class seen ``CAPTURE_AFTER`` times gets a graph of its own. In steady decode a step is a few buffer copies and one
+class seen ``CAPTURE_AFTER`` times gets a graph of its own. In steady decode a step is one launch that advances every row (``advance``) and one
 replay, without a device sync (the shared runs and merge index are refilled only when the plan changes).
 Padded rows write their K/V to a scratch slot that no request owns and attend nothing.
+
+Rows are stable (a persistent batch): a request keeps its graph row from one decode step to the next
+(``arrange``: a newcomer takes a row freed by one that left, a freed row left over takes the last row's
+request). A decode step whose batch changed by up to ``MAX_PATCH_ROWS`` rows then writes only those rows'
+values from the host (one upload, ``scatter_pages`` + ``patch_rows``) before the same advance, on the
+same graph (and, if the cascade plan's rows changed, its groups refilled); the decode runs' rows are
+ascending, so a newcomer in a departed member's row leaves the plan's tensors as they were.
 
 On the CPU the same buffers and plans run eagerly (no capture): the padding logic is tested there
 with the Triton interpreter.

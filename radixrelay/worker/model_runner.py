@@ -19,7 +19,8 @@ the device), and its page list. A decode computes the request's newest token, wh
 Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
 
-Forward paths, first that fits: a decode step repeating the last one (``DecodeGraphs.advance``); a step of
+Forward paths, first that fits: a decode step continuing the last graph step, its rows one token
+further and any rows that changed (joins, leaves) patched (``DecodeGraphs.arrange`` / ``advance``); a step of
 small extends (``SMALL_EXTEND_ROWS`` tokens) as decode-graph rows, one per token (``_forward_rows``);
 a decode-only step on a decode graph; piecewise graphs (attention launched between captured pieces);
 the eager model.
