@@ -127,6 +127,7 @@ class DecodeGraphs:
         self.advances = 0               # steps advanced on the device (``advance``)
         self.fallbacks = 0              # steps run on a larger graph that covers their size class
         self.patches = 0                # advanced steps whose changed rows were patched (of ``advances``)
+        self.deferred = 0               # steps of an uncovered size class handed back (``run(defer=True)``)
         # int64 [num] newest-token rows of the last decode step run here (its ids were gathered by them),
         # valid until the next step; None after a step whose ids came from the caller
         self.token_rows: torch.Tensor | None = None
@@ -321,9 +322,13 @@ class DecodeGraphs:
             host.extend(padding)
         return n
 
-    def run(self, step: GraphStep, rids: list[int] | None = None) -> torch.Tensor:
+    def run(self, step: GraphStep, rids: list[int] | None = None, defer: bool = False) -> torch.Tensor | None:
         """logits [num, V] of a decode-graph step (a view of the graph's output: read it before the next
-        run). ``rids`` (the rows' request ids): the next step may ``advance`` this one."""
+        run). ``rids`` (the rows' request ids): the next step may ``advance`` this one. ``defer``: the
+        caller can run the step another way (piecewise graphs): a size class that no captured graph
+        covers returns None until it has been seen ``CAPTURE_AFTER`` times, instead of being captured
+        on its first step (a capture stalls the loop ~100 ms: at the start of a burst, on its first
+        tokens)."""
         num = step.num
         if not self.fits(num, step.width):
             raise ValueError(f"DecodeGraphs.run: {num} rows over {step.width} pages do not fit "
@@ -366,6 +371,9 @@ class DecodeGraphs:
             seen = self._misses[key] = self._misses.get(key, 0) + 1
             need = _Need(runs is not None, max_rows * self._group, max_kv, own_len, contiguous)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
+            if g is None and defer and seen < CAPTURE_AFTER:
+                self.deferred += 1
+                return None
             if g is None:
                 fresh = True
                 g = self._buffers(bs, caps, shape)

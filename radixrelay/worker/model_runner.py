@@ -419,8 +419,10 @@ class ModelRunner:
                          rope_delta=self._rope_delta(plan, decoding), tokens=tokens, token_rows=token_rows)
         if events is not None:
             events[0].record()
-        self.graph_replays += 1
-        return self.graphs.run(step, rids=plan.decodes)              # [num_rows, V]
+        logits = self.graphs.run(step, rids=plan.decodes, defer=self._piecewise_fits(step.num))  # [num_rows, V]
+        if logits is not None:
+            self.graph_replays += 1
+        return logits
 
     def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
         """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
@@ -483,10 +485,17 @@ class ModelRunner:
                          runs=shared, rope_delta=self._rope_delta(plan, decoding), round_runs=True)
         if events is not None:
             events[0].record()
-        logits = self.graphs.run(step)                      # no rids: the next step cannot advance this one
+        # no rids: the next step cannot advance this one
+        logits = self.graphs.run(step, defer=self._piecewise_fits(step.num))
+        if logits is None:
+            return None
         self.graph_replays += 1
         self.extend_row_steps += 1
         return logits.index_select(0, to_device(picks, torch.int64, self.device))
+
+    def _piecewise_fits(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` rows can run on the piecewise graphs (a decode graph may defer to them)."""
+        return self.piecewise is not None and tokens <= self.piecewise.max_tokens
 
     def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
         """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""

@@ -189,3 +189,33 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
 
     assert graphs.patches >= changed - 1          # one may need another bucket or launch shape: full path
     assert graphs.advances >= graphs.patches + 2   # and the steady steps advanced as before
+
+
+def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch):
+    """With piecewise graphs beside them, the decode graphs do not capture a size class on its first
+    step (a ~100 ms stall at the start of a burst): a class no captured graph covers runs on the
+    piecewise graphs until it has been seen ``CAPTURE_AFTER`` times, then gets its graph; outputs as
+    the eager runner's throughout."""
+    from radixrelay.worker import cuda_graphs
+    from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
+
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_AFTER", 3)
+    eager_kv, graph_kv = kv_cache(), kv_cache()
+    eager = ModelRunner(model, eager_kv, TorchBackend())
+    backend = make_backend("triton", "cpu")
+    graphs = graphs_of(model, graph_kv)
+    piecewise = PiecewiseGraphs(model, graph_kv, backend, token_buckets=[8, 16], scratch_slot=NUM_PAGES * PS)
+    fast = ModelRunner(model, graph_kv, backend, graphs=graphs, piecewise=piecewise)
+    eager.sampler, fast.sampler = Recorder(eager.sampler), Recorder(fast.sampler)
+    work = Churn(cascade=True, seed=3)
+    for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0), (0, 0)]):
+        plan = work.plan(leave, join)
+        want, got = eager.step(plan), fast.step(plan)
+        assert want.error is None and got.error is None, (want.error, got.error)
+        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
+        for rid in plan.decodes:
+            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
+        if i < 2:           # seen once, twice: piecewise, no capture
+            assert graphs.captures == 0 and graphs.deferred == i + 1 and piecewise.replays == i + 1
+    assert graphs.captures == 1 and graphs.deferred == 2 and piecewise.replays == 2
+    assert graphs.advances == 2                    # the captured class then continues on the device
