@@ -56,6 +56,10 @@ _LaunchShape = tuple   # the plan's host-side launch parameters
 # has been seen this many times: then its own graph is captured. Transient classes (a batch shrinking as
 # requests finish, a plan that lasts a few steps) never pay a capture (~100 ms at 32 layers).
 CAPTURE_AFTER = 32
+# A size class that no captured graph covers, when the caller can run it on the piecewise graphs instead
+# (``run(defer=True)``), is captured once seen this many times: the first steps of a burst (a tree's
+# prefill and first decodes) do not stall on captures; a class that recurs gets its graph soon.
+CAPTURE_UNCOVERED_AFTER = 8
 # A decode step whose rows differ from the last graph step's in at most this many rows (requests that
 # joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
 # past it, the step's rows are filled from the host like any other step.
@@ -326,9 +330,9 @@ class DecodeGraphs:
         """logits [num, V] of a decode-graph step (a view of the graph's output: read it before the next
         run). ``rids`` (the rows' request ids): the next step may ``advance`` this one. ``defer``: the
         caller can run the step another way (piecewise graphs): a size class that no captured graph
-        covers returns None until it has been seen ``CAPTURE_AFTER`` times, instead of being captured
-        on its first step (a capture stalls the loop ~100 ms: at the start of a burst, on its first
-        tokens)."""
+        covers returns None until it has been seen ``CAPTURE_UNCOVERED_AFTER`` times, instead of being
+        captured on its first step (a capture stalls the loop ~100 ms: at the start of a burst, on its
+        first tokens)."""
         num = step.num
         if not self.fits(num, step.width):
             raise ValueError(f"DecodeGraphs.run: {num} rows over {step.width} pages do not fit "
@@ -371,7 +375,7 @@ class DecodeGraphs:
             seen = self._misses[key] = self._misses.get(key, 0) + 1
             need = _Need(runs is not None, max_rows * self._group, max_kv, own_len, contiguous)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
-            if g is None and defer and seen < CAPTURE_AFTER:
+            if g is None and defer and seen < CAPTURE_UNCOVERED_AFTER:
                 self.deferred += 1
                 return None
             if g is None:

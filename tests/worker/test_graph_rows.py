@@ -194,12 +194,12 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
 def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch):
     """With piecewise graphs beside them, the decode graphs do not capture a size class on its first
     step (a ~100 ms stall at the start of a burst): a class no captured graph covers runs on the
-    piecewise graphs until it has been seen ``CAPTURE_AFTER`` times, then gets its graph; outputs as
+    piecewise graphs until it has been seen ``CAPTURE_UNCOVERED_AFTER`` times, then gets its graph; outputs as
     the eager runner's throughout."""
     from radixrelay.worker import cuda_graphs
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
 
-    monkeypatch.setattr(cuda_graphs, "CAPTURE_AFTER", 3)
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_UNCOVERED_AFTER", 3)
     eager_kv, graph_kv = kv_cache(), kv_cache()
     eager = ModelRunner(model, eager_kv, TorchBackend())
     backend = make_backend("triton", "cpu")
