@@ -29,6 +29,7 @@ from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.cuda_graphs import MAX_PATCH_ROWS, DecodeGraphs, _Repeat
 from radixrelay.worker.model_runner import ModelRunner
 from radixrelay.worker.protocol import AdmittedRequest, PageAppend, StepPlan
+from tests.cascade.harness import RecordingSampler
 
 PS = 4
 CFG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -100,14 +101,6 @@ def test_arrange_without_a_last_step_or_with_too_many_changes_keeps_the_plan_ord
 
 # -- through the runner -------------------------------------------------------------------------------
 
-class Recorder:
-    def __init__(self, sampler) -> None:
-        self.sampler, self.last = sampler, None
-
-    def __call__(self, logits, tensors):
-        self.last = logits.clone()
-        return self.sampler(logits, tensors)
-
 
 class Churn:
     """The scheduler's side of a decode batch over a shared prefix: requests join straight into decode
@@ -169,7 +162,7 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
     eager = ModelRunner(net, eager_kv, TorchBackend() if device == "cpu" else make_backend("triton", device))
     graphs = graphs_of(net, graph_kv)
     fast = ModelRunner(net, graph_kv, make_backend("triton", device), graphs=graphs)
-    eager.sampler, fast.sampler = Recorder(eager.sampler), Recorder(fast.sampler)
+    eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade, seed=7)
     # (leave, join) per step: start, steady, a join and a leave, leaves only (rows moved or given up),
     # joins only (rows past the end), several of each.
@@ -206,7 +199,7 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
     graphs = graphs_of(model, graph_kv)
     piecewise = PiecewiseGraphs(model, graph_kv, backend, token_buckets=[8, 16], scratch_slot=NUM_PAGES * PS)
     fast = ModelRunner(model, graph_kv, backend, graphs=graphs, piecewise=piecewise)
-    eager.sampler, fast.sampler = Recorder(eager.sampler), Recorder(fast.sampler)
+    eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade=True, seed=3)
     for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0), (0, 0)]):
         plan = work.plan(leave, join)

@@ -21,6 +21,7 @@ from radixrelay.worker.model_runner import ModelRunner
 from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepPlan
 from radixrelay.worker.sampling import SamplingTensors, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
+from tests.cascade.harness import RecordingSampler
 
 PS = 4
 CFG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -35,20 +36,11 @@ PARAMS = {
 }
 
 
-class Recorder:
-    def __init__(self, sampler) -> None:
-        self.sampler, self.last = sampler, None
-
-    def __call__(self, logits, tensors):
-        self.last = logits.clone()
-        return self.sampler(logits, tensors)
-
-
 def make_runner(model) -> ModelRunner:
     kv = KVCache(num_layers=CFG.num_layers, num_pages=128, page_size=PS, num_kv_heads=CFG.num_kv_heads,
                  head_dim=CFG.head_dim, dtype=torch.float64, device="cpu")
     runner = ModelRunner(model, kv, TorchBackend(), seed=3)
-    runner.sampler = Recorder(runner.sampler)
+    runner.sampler = RecordingSampler(runner.sampler)
     return runner
 
 
