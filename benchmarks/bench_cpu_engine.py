@@ -9,6 +9,12 @@ round uses its own prompts (a round tag at the start), so no round reuses anothe
 transformers loads the same GGUF (dequantized to float32) and generates with left padding, once with
 the model's default attention implementation and once with ``sdpa``; the faster one is the baseline.
 
+The GEMM floor: per batch size, the time of the model's matrix products alone for ``--new-tokens``
+decode steps (every layer's q/k/v, o, gate, up and down projections and the LM head, on the model's
+weights, in the layouts the Engine uses, one row per request), no attention, norms or host work. A
+system that runs these float32 weights through torch's BLAS cannot take less; the table gives the
+largest ratio over transformers that the floor leaves.
+
     python benchmarks/bench_cpu_engine.py [--batch-sizes 1,8,32] [--new-tokens 128] [--repeats 3]
                                           [--threads N] [--out benchmarks/results/cpu_engine.md]
 """
@@ -50,6 +56,44 @@ def cpu_model() -> str:
 def prompts_for(tokenizer, batch: int, round_tag: str) -> list[list[int]]:
     texts = [f"[{round_tag}-{i}] Write a short essay about {TOPICS[i % len(TOPICS)]}." for i in range(batch)]
     return [tokenizer.encode(t) for t in texts]
+
+
+def gemm_floor(model, batch: int, steps: int, repeats: int = 3) -> float:
+    """Seconds for ``steps`` decode steps' matrix products alone at ``batch`` rows (median of ``repeats``):
+    per layer the fused q/k/v, o, gate and up (two products over the fused weight's halves, as
+    ``radixrelay.model.llama.MLP`` on the CPU) and down projections, then the LM head in the [hidden, V]
+    layout ``LlamaForCausalLM.logits`` keeps on the CPU; weights from ``model`` (transformers)."""
+    import torch
+    import torch.nn.functional as F
+
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+        layers.append((qkv, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight))
+    head_t = model.lm_head.weight.detach().t().contiguous()              # [hidden, V]
+    hidden, inter = head_t.shape[0], layers[0][2].shape[0]
+    x, xo, xi = torch.randn(batch, hidden), torch.randn(batch, layers[0][1].shape[1]), torch.randn(batch, inter)
+
+    def step() -> None:
+        for qkv, o, gate, up, down in layers:
+            F.linear(x, qkv)
+            F.linear(xo, o)
+            F.linear(x, gate)
+            F.linear(x, up)
+            F.linear(xi, down)
+        torch.mm(x, head_t)
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(2):
+            step()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -126,12 +170,13 @@ def main() -> None:
             same.append(sum(a == b for a, b in zip(outs["radixrelay"], ref)) / batch)
         med = {k: statistics.median(v) for k, v in times.items()}
         best_hf = min((k for k in systems if k.startswith("hf")), key=med.get)
+        floor = gemm_floor(next(iter(hf_models.values())), batch, n)
         row = {"batch": batch, "med": med, "times": times, "best_hf": best_hf,
-               "ratio": med[best_hf] / med["radixrelay"], "same": statistics.mean(same)}
+               "ratio": med[best_hf] / med["radixrelay"], "same": statistics.mean(same), "floor": floor}
         rows.append(row)
         print(f"batch {batch}: " + ", ".join(f"{k} {batch * n / v:.1f} tok/s ({v:.2f} s)" for k, v in med.items())
-              + f"; radixrelay / {best_hf}: {row['ratio']:.2f}x; identical outputs {row['same']:.0%}",
-              flush=True)
+              + f"; radixrelay / {best_hf}: {row['ratio']:.2f}x; identical outputs {row['same']:.0%}; "
+              f"GEMM floor {floor:.2f} s (at most {med[best_hf] / floor:.2f}x)", flush=True)
     engine.close()
 
     hf_names = [k for k in systems if k.startswith("hf")]
@@ -150,16 +195,20 @@ def main() -> None:
         "(warm-up) generate untimed",
         "",
         "| batch | radixrelay tok/s | " + " | ".join(f"{k} tok/s" for k in hf_names)
-        + " | radixrelay / best hf | identical outputs |",
-        "|---:|---:|" + "---:|" * len(hf_names) + "---:|---:|",
+        + " | radixrelay / best hf | identical outputs | GEMM floor s | best hf / floor |",
+        "|---:|---:|" + "---:|" * len(hf_names) + "---:|---:|---:|---:|",
     ]
     for row in rows:
         tok = row["batch"] * n
         cells = [f"{tok / row['med']['radixrelay']:.1f}"]
         cells += [f"{tok / row['med'][k]:.1f}" + (" *" if k == row["best_hf"] else "") for k in hf_names]
-        lines.append(f"| {row['batch']} | " + " | ".join(cells) + f" | {row['ratio']:.2f}x | {row['same']:.0%} |")
+        lines.append(f"| {row['batch']} | " + " | ".join(cells) + f" | {row['ratio']:.2f}x | {row['same']:.0%} | "
+                     f"{row['floor']:.2f} | {row['med'][row['best_hf']] / row['floor']:.2f}x |")
     lines += ["", "\\* the faster transformers variant (the baseline of the ratio). Identical outputs: the share of "
-              "requests whose tokens equal transformers' (batched, left-padded fp32 can differ in the last bits).",
+              "requests whose tokens equal transformers' (batched, left-padded fp32 can differ in the last bits). "
+              "GEMM floor: the model's matrix products alone for the same decode steps (`gemm_floor`); best hf / "
+              "floor is the largest ratio over transformers any system on these float32 weights and torch's "
+              "BLAS can reach.",
               "", "Per-round seconds:", ""]
     for row in rows:
         lines.append(f"- batch {row['batch']}: " + "; ".join(
