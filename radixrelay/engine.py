@@ -89,9 +89,13 @@ class Engine:
             prompt_list = _as_prompt_list(prompts)
         params = _params_for(prompt_list, sampling_params)
         self._check_structured(params)
-        encoded = [self._encode(p, sp, prompt_schema, cache_salt) for p, sp in zip(prompt_list, params)]
-        rids = [self._submit(prompt, sp, cache_salt) for prompt, sp in zip(encoded, params)]
+        rids: list[int] = []
         try:
+            # Each prompt is submitted as soon as it is encoded: the scheduler admits (and the device
+            # prefills) the first ones while later ones are still being checked. A bad prompt raises
+            # here and the ones submitted before it are aborted below: nothing of the call stays live.
+            for prompt, sp in zip(prompt_list, params):
+                rids.append(self._submit(self._encode(prompt, sp, prompt_schema, cache_salt), sp, cache_salt))
             while not all(self._outputs[rid].finished for rid in rids):
                 self._pump()
         except BaseException:
@@ -144,7 +148,9 @@ class Engine:
                 "prefill_long_prefix_runs": stats.prefill_long_prefix_runs,
                 "worker_gc_s": stats.worker_gc.seconds, "scheduler_gc_s": stats.scheduler_gc.seconds,
                 "gc_full_collections": stats.worker_gc.full_collections + stats.scheduler_gc.full_collections,
-                "gc_longest_pause_s": max(stats.worker_gc.longest_s, stats.scheduler_gc.longest_s)}
+                "gc_longest_pause_s": max(stats.worker_gc.longest_s, stats.scheduler_gc.longest_s),
+                # no live request and nothing held for one (``radixrelay.scheduler.audit``)
+                "kv_idle_baseline": stats.kv_audit is not None and stats.kv_audit.at_idle_baseline}
 
     @property
     def computed_tokens(self) -> int:

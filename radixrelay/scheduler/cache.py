@@ -183,9 +183,10 @@ class CacheManager:
         of them the device tree caches comes off its nodes (``_node_keys``): a long shared prefix is
         hashed once, not once per request that asks."""
         if not req.page_keys and num_pages and not self.config.disable_radix_cache:
-            node, _ = self.tree.peek_prefix(req.token_ids, req.salt, length=num_pages * self.page_size)
-            if node is not None and node.parent is not None:
-                req.page_keys = self._node_keys(req, node)
+            hint, _ = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                             length=num_pages * self.page_size)
+            if hint is not None:
+                req.page_keys = self._node_keys(req, hint[0])
         keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
         return keys if len(keys) == num_pages else keys[:num_pages]
 

@@ -110,7 +110,11 @@ class PrefillManager:
         if self.config.disable_radix_cache or not computing:
             return False, None
         ps = self.config.page_size
-        node, cached = self.cache.tree.peek_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
+        # resumes where the queue policy's walk of this round ended (``Request.tree_hint``): one walk of a
+        # long prompt per round, not one per look
+        hint, cached = self.cache.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                                     length=req.reusable_prefix)
+        node = hint[0] if hint is not None else None
         cached -= cached % ps
         if req.reusable_prefix - cached < ps:
             return False, node                # less than a page left to share

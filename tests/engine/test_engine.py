@@ -6,6 +6,8 @@ on the same GGUF (the reference implementation of the model).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from radixrelay import Engine, SamplingParams
@@ -165,6 +167,21 @@ def test_bad_input_raises_clear_errors(engine):
         engine.generate(["a", "b"], [GREEDY])
     # The engine still works afterwards.
     assert engine.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def test_a_bad_prompt_late_in_a_batch_leaves_nothing_running(engine):
+    """Prompts are submitted as they are encoded: the ones before a bad prompt reach the scheduler, and
+    the error aborts them (no request stays live, none of their KV stays held)."""
+    good = [[5 + i, 6, 7, 8] * 8 for i in range(3)]
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate(good + [[5, 10**9]], SamplingParams(max_tokens=2000, ignore_eos=True))
+    deadline = time.monotonic() + 10             # running to max_tokens would take ~a minute
+    while not engine.stats()["kv_idle_baseline"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_idle_baseline"]
+    out = engine.generate(good[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
 
 
 def test_cascade_on_gives_identical_greedy_outputs(engine):
