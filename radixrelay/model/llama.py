@@ -162,11 +162,12 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
 
     def _cpu_head_t(self, head: torch.Tensor) -> torch.Tensor:
-        """``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version. On the CPU
-        the LM head is the largest matrix (SmolLM2-135M: 28M of 135M weights) and BLAS streams it ~1.6x
-        faster in this layout for one row, ~1.08x for 32 (``benchmarks/bench_cpu_floor.py``); the tied
-        embedding keeps its row layout for lookups. The sums' order differs from ``F.linear``'s: logits
-        agree to float rounding, not bit for bit."""
+        """``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
+        copy of the head in memory: 113 MB for SmolLM2-135M in float32). On the CPU the LM head is the
+        largest matrix (SmolLM2-135M: 28M of 135M weights) and BLAS streams it ~1.6x faster in this layout
+        for one row, ~1.08x for 32 (``benchmarks/results/cpu_engine.md``); the tied embedding keeps its row
+        layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
+        not bit for bit."""
         key = (head.data_ptr(), head._version, tuple(head.shape))
         cached = getattr(self, "_head_t_cache", None)
         if cached is None or cached[0] != key:
