@@ -117,3 +117,43 @@ def test_engine_start_failure_is_reported_and_cleaned_up(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="no such local file"):
         Engine(model=str(tmp_path / "missing-model"))
+
+
+def test_frontend_drain_stops_at_its_budget_and_keeps_order():
+    """The scheduler loop handles queued frontend messages for a bounded time per round (a burst of long
+    prompts must not hold back the first step); what is left stays queued, in order, for the next round."""
+    import zmq
+
+    from radixrelay.runtime.scheduler_process import _drain
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://drain-budget")
+    push.connect("inproc://drain-budget")
+    try:
+        for i in range(50):
+            push.send(str(i).encode())
+        while not pull.poll(1000):
+            pass
+        seen: list[int] = []
+
+        def slow(raw: bytes) -> None:
+            seen.append(int(raw))
+            time.sleep(0.002)
+
+        _drain(pull, slow, 0.005)
+        first = len(seen)
+        assert 1 <= first < 10                         # stopped at the budget, not at the end
+        def fast(raw: bytes) -> None:
+            seen.append(int(raw))
+
+        while len(seen) < 40:
+            pull.poll(1000)
+            _drain(pull, slow, 0.005)
+        assert seen == list(range(len(seen)))          # nothing lost or reordered across rounds
+        pull.poll(1000)
+        _drain(pull, fast)                             # without a budget: everything that is left
+        assert seen == list(range(50))
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
