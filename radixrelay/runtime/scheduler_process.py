@@ -10,12 +10,8 @@ default; 1 with ``disable_overlap``):
     schedule steps while fewer than depth are in flight and there is work -> send them to the worker
     block on both inboxes (never spins: an idle scheduler sleeps in poll)
     worker output   -> process_output -> token updates to the frontend
-    frontend input  -> drained before the next schedule(), so aborts and arrivals land between
-                       steps (an abort frees its KV before the next plan), but for at most
-                       FRONTEND_DRAIN_S at a time: a burst of long prompts (each unpacked and
-                       matched against the tree) is admitted over several rounds, the first
-                       ones computing while the rest are still being added; whatever is left
-                       is handled in the next round, in order
+    frontend input  -> drained completely before the next schedule(), so aborts and arrivals
+                       land between steps (an abort frees its KV before the next plan)
 
 With depth 2, step N+1 is planned and sent while the device computes step N; step N's output is
 processed (stop checks, streaming) while N+1 computes, and only then is N+2 planned, so every plan
@@ -64,9 +60,6 @@ from radixrelay.worker.protocol import PromptLogprobsChunk, StepOutput, TokenLog
 # While requests are live, the KV integrity check (memory-bound over every page and host-tier entry)
 # runs at most this often; at idle, on every stats request.
 INTEGRITY_EVERY_S = 30.0
-# At most this long handling frontend messages before the loop plans again (the rest wait, in order, for
-# the next round): 256 prompts of 16K tokens take ~0.3 s to add, the device's first step need not wait.
-FRONTEND_DRAIN_S = 0.005
 
 logger = logging.getLogger("radixrelay.scheduler")
 
@@ -202,7 +195,7 @@ class SchedulerLoop:
     # -- frontend -------------------------------------------------------------------------------
 
     def _drain_frontend(self) -> None:
-        _drain(self.frontend_in, lambda raw: self._on_frontend(self._frontend_msgs(raw)), FRONTEND_DRAIN_S)
+        _drain(self.frontend_in, lambda raw: self._on_frontend(self._frontend_msgs(raw)))
 
     def _on_frontend(self, message: FrontendMessage | None) -> None:
         if message is None:
@@ -259,18 +252,14 @@ class SchedulerLoop:
                                        [] if req.sampling.prompt_logprobs is not None else None)
 
 
-def _drain(sock: zmq.Socket, handle, budget_s: float | None = None) -> None:
-    """Handle the messages waiting on ``sock``, in order, without blocking: all of them, or with
-    ``budget_s`` those that start within that many seconds (at least one; the rest stay queued)."""
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+def _drain(sock: zmq.Socket, handle) -> None:
+    """Handle every message waiting on ``sock``, in order, without blocking."""
     while True:
         try:
             raw = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
         handle(raw)
-        if deadline is not None and time.perf_counter() >= deadline:
-            return
 
 
 @dataclass
