@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from radixrelay.kernels import (cascade_decode_attention, extend_attention, merge_attention_states,  # noqa: E402
                                 paged_decode_attention, plan_cascade, shared_node_attention, worth_cascading)
+from radixrelay.bench.provenance import write_device_results  # noqa: E402
 from radixrelay.kernels import extend as extend_mod  # noqa: E402
 from radixrelay.kernels import shared_node as shared_mod  # noqa: E402
 from radixrelay.kernels import paged_decode as decode_mod  # noqa: E402
@@ -411,12 +412,7 @@ def main() -> None:
             run_grid([16, 64, 256, 512], [1024, 2048, 8192, 16384, 32768], [128, 256, 1024], copy_gbs, tflops,
                      log)
     log(f"\n(bench wall time {time.time() - t0:.0f} s)")
-    os.makedirs(args.out_dir, exist_ok=True)
-    tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
-    path = os.path.join(args.out_dir, f"attention_{tag}.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_device_results(args.out_dir, 'attention', name, lines)}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from radixrelay import Engine, SamplingParams  # noqa: E402
-from radixrelay.bench.provenance import source_commit  # noqa: E402
+from radixrelay.bench.provenance import source_commit, write_device_results  # noqa: E402
 
 VOCAB = 128256
 
@@ -175,11 +175,7 @@ def main() -> None:
                      f"{r['decode_step_s'] / max(r['decode_device_s'], 1e-9):.2f} | {r['decode_captures']} | "
                      f"{', '.join(f'{1e3 * x:.1f}' for x in r['decode_steps_s'])} | "
                      f"{', '.join(f'{x:.2f}' for x in r['walls'])} |")
-    os.makedirs(args.out_dir, exist_ok=True)
-    tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
-    out = os.path.join(args.out_dir, f"engine_{tag}.md")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_device_results(args.out_dir, "engine", name, lines)
     print("\n".join(lines))
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_attention import D, GROUP, HKV, HQ, Case, measure_ceilings, time_graph  # noqa: E402
+from radixrelay.bench.provenance import write_device_results  # noqa: E402
 
 CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -76,12 +77,7 @@ def main() -> None:
         for method, ms in measure(batch, prefix).items():
             lines.append(f"| {batch} x {prefix} | {method} | {ms * 1e3:.1f} | {flop / ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()
-    path = os.path.join(args.out_dir, f"attention_rates_{tag}.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_device_results(args.out_dir, 'attention_rates', name, lines)}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from radixrelay.bench.arrivals import arrival_times  # noqa: E402
 from radixrelay.bench.client import BenchClient, ClientConfig  # noqa: E402
 from radixrelay.bench.metrics import SLO, summarize  # noqa: E402
-from radixrelay.bench.provenance import source_commit  # noqa: E402
+from radixrelay.bench.provenance import device_slug, source_commit  # noqa: E402
 from radixrelay.bench.runner import run_sessions, run_sessions_parallel, token_counter  # noqa: E402
 from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, words  # noqa: E402
 
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         model_argv += ["--device", args.device, *(["--dtype", dtype] if dtype else [])]
         served = model_argv[1]
         device_name = _device_name(args.device)
-        slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower().replace("nvidia ", "")).strip("_")
+        slug = device_slug(device_name)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         bench = Bench(args, sizes, model_argv, args.out_dir / f"serving_{slug}.md",
                       args.out_dir / f"serving_{slug}.json", _meta(args, desc, served))

@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device=device)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+        self._head_t_cache: tuple[tuple, torch.Tensor] | None = None     # ``_cpu_head_t``
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
         not bit for bit."""
         key = (head.data_ptr(), head._version, tuple(head.shape))
-        cached = getattr(self, "_head_t_cache", None)
+        cached = self._head_t_cache
         if cached is None or cached[0] != key:
             cached = (key, head.detach().t().contiguous())
             self._head_t_cache = cached

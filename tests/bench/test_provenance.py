@@ -24,3 +24,14 @@ def test_source_commit(tmp_path) -> None:
     assert source_commit(tmp_path) == head
     (tmp_path / "a.py").write_text("x = 2\n")                   # what runs is not HEAD
     assert source_commit(tmp_path) == head + "+modified"
+
+
+def test_results_files_are_named_after_the_device(tmp_path) -> None:
+    from radixrelay.bench.provenance import device_slug, write_device_results
+
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert device_slug("NVIDIA H200") == "h200"
+    assert device_slug("NVIDIA H100 PCIe (MIG 1g.10gb)") == "h100_pcie_mig_1g_10gb"
+    path = write_device_results(tmp_path / "out", "engine", "NVIDIA H200", ["# a", "| b |"])
+    assert path == str(tmp_path / "out" / "engine_h200.md")
+    assert (tmp_path / "out" / "engine_h200.md").read_text() == "# a\n| b |\n"
