@@ -249,12 +249,19 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: fl
         return 1e3 * delta[name] / steps if name in delta and steps else None
 
     device = delta.get("worker_device_seconds")
+    decode_only = delta.get("decode_only_steps") or 0.0
     return {"wall_s": wall_s, "traffic_s": traffic_s, "steps": int(steps),
             "cascade_steps": int(delta.get("cascade_steps", 0)),
             "device_busy": device / traffic_s if device is not None and traffic_s > 0 else None,
             "worker_ms_per_step": per_step_ms("worker_busy_seconds"),
             "launch_ms_per_step": per_step_ms("worker_launch_seconds"),
             "scheduler_ms_per_step": per_step_ms("scheduler_busy_seconds"),
+            # decode-only steps (no extend rows): their host launch and mean batch
+            "decode_only_steps": int(decode_only),
+            "launch_ms_per_decode_step": (1e3 * delta["worker_decode_only_launch_seconds"] / decode_only
+                                          if "worker_decode_only_launch_seconds" in delta and decode_only else None),
+            "decode_only_batch": (delta["decode_only_rows"] / decode_only
+                                  if "decode_only_rows" in delta and decode_only else None),
             "graph_share": (delta["graph_replays"] / steps if "graph_replays" in delta and steps else None),
             "counters": delta}
 
@@ -474,12 +481,13 @@ class Bench:
                  "deltas over the run: device busy = worker device seconds / the traffic's duration (first "
                  "arrival to last response; the client processes' start-up is not counted); ms per step: "
                  "worker busy (of it launch: host work before the kernels are launched) and "
-                 "scheduler busy; graph replays: share of steps that replayed a CUDA graph (decode "
+                 "scheduler busy; decode steps: launch ms per decode-only step (no extend rows) and their "
+                 "mean batch; graph replays: share of steps that replayed a CUDA graph (decode "
                  "graphs or piecewise graphs).", "",
                  "| config | workload | rate | done/failed | req/s | out tok/s | TTFT p50 | TTFT p99 "
                  "| TPOT p50 | TPOT p99 | cache hit | steps | cascade steps | device busy | worker ms/step "
-                 "| launch ms/step | sched ms/step | graph replays |",
-                 "|" + "---|" * 18]
+                 "| launch ms/step | sched ms/step | decode steps: launch ms (batch) | graph replays |",
+                 "|" + "---|" * 19]
         lines += [_md_row(r) for r in self.runs]
         if self.probes:
             lines += ["", "TTFT of a prompt cached except ~5 tokens, idle server (non-streaming, "
@@ -507,7 +515,14 @@ def _md_row(r: dict[str, Any]) -> str:
             f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} "
             f"| {_ms(s['tpot_ms']['p99'])} | {hit} | {st['steps']} | {st['cascade_steps']} | {busy} "
             f"| {_ms(st['worker_ms_per_step'])} | {_ms(st['launch_ms_per_step'])} "
-            f"| {_ms(st['scheduler_ms_per_step'])} | {_share(st.get('graph_share'))} |")
+            f"| {_ms(st['scheduler_ms_per_step'])} | {_decode_steps(st)} | {_share(st.get('graph_share'))} |")
+
+
+def _decode_steps(st: dict[str, Any]) -> str:
+    launch, batch = st.get("launch_ms_per_decode_step"), st.get("decode_only_batch")
+    if launch is None:
+        return "n/a"
+    return f"{st['decode_only_steps']}: {launch:.2f} ({batch:.0f})"
 
 
 def _share(value: float | None) -> str:
@@ -522,7 +537,7 @@ def _row_text(r: dict[str, Any]) -> str:
             f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, TPOT p50 {_ms(s['tpot_ms']['p50'])} ms, "
             f"{st['steps']} steps, device busy {busy}, worker {_ms(st['worker_ms_per_step'])} / "
             f"launch {_ms(st['launch_ms_per_step'])} / scheduler {_ms(st['scheduler_ms_per_step'])} "
-            "ms per step" + (f"; errors {s['errors']}" if s["errors"] else ""))
+            f"ms per step; decode-only steps {_decode_steps(st)}" + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -125,6 +125,11 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     decode_steps_advanced: int = 0
     decode_steps_covered: int = 0
     decode_steps_patched: int = 0
+    # Steps with decode rows and no extends (cumulative): how many, their decode rows summed, and the
+    # worker's launch time on them (of worker_launch_s; mixed steps are the rest):
+    decode_only_steps: int = 0
+    decode_only_rows: int = 0
+    decode_only_launch_s: float = 0.0
     # Python garbage collection per process (``radixrelay.runtime.gc_control``): the worker's as of its
     # latest step output, the scheduler's, and the frontend's (filled in by the server, empty elsewhere):
     worker_gc: GcStats = GcStats()

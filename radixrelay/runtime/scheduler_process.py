@@ -86,6 +86,11 @@ class SchedulerLoop:
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
         self._decode_graph_steps = (0, 0, 0)  # worker's cumulative decode-graph steps (advanced, covered, patched)
+        # Decode-only steps (decode rows, no extends): step id -> rows, while in flight; then counted with
+        # their worker launch time (the launch the serving-loop target is about, apart from mixed steps)
+        self._decode_only: dict[int, int] = {}
+        self._decode_only_steps = self._decode_only_rows = 0
+        self._decode_only_launch_s = 0.0
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
@@ -134,6 +139,8 @@ class SchedulerLoop:
         if plan.decodes:
             self._decode_steps += 1
             self._cascade_steps += plan.cascade is not None
+            if not plan.extends:
+                self._decode_only[plan.step_id] = len(plan.decodes)
         self.worker_out.send(self._encode(WorkerStep(plan)))
         return True
 
@@ -146,6 +153,10 @@ class SchedulerLoop:
         start = time.perf_counter()
         self._worker_busy_s += message.busy_s
         self._worker_launch_s += message.launch_s
+        if (rows := self._decode_only.pop(message.output.step_id, None)) is not None:
+            self._decode_only_steps += 1
+            self._decode_only_rows += rows
+            self._decode_only_launch_s += message.launch_s
         self._device_s += message.device_s
         self._jit_after_ready = message.jit_after_ready
         self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
@@ -231,6 +242,9 @@ class SchedulerLoop:
                             decode_steps_advanced=self._decode_graph_steps[0],
                             decode_steps_covered=self._decode_graph_steps[1],
                             decode_steps_patched=self._decode_graph_steps[2],
+                            decode_only_steps=self._decode_only_steps,
+                            decode_only_rows=self._decode_only_rows,
+                            decode_only_launch_s=self._decode_only_launch_s,
                             worker_gc=self._worker_gc,
                             scheduler_gc=self.collector.stats())
 

@@ -24,3 +24,22 @@ def test_without_a_traffic_window_the_wall_time_counts() -> None:
     st = step_breakdown({}, {"radixrelay_worker_device_seconds_total": 3.0}, wall_s=4.0)
     assert st["device_busy"] == pytest.approx(0.75)
     assert st["launch_ms_per_step"] is None                   # no steps counter: no per-step figure
+
+
+def test_decode_only_steps_get_their_own_launch_figure() -> None:
+    before = {"radixrelay_steps_total": 0.0, "radixrelay_worker_launch_seconds_total": 0.0,
+              "radixrelay_decode_only_steps_total": 0.0, "radixrelay_decode_only_rows_total": 0.0,
+              "radixrelay_worker_decode_only_launch_seconds_total": 0.0}
+    after = {"radixrelay_steps_total": 100.0, "radixrelay_worker_launch_seconds_total": 0.5,
+             "radixrelay_decode_only_steps_total": 80.0, "radixrelay_decode_only_rows_total": 80.0 * 256,
+             "radixrelay_worker_decode_only_launch_seconds_total": 0.08}
+    st = step_breakdown(before, after, wall_s=10.0)
+    assert st["launch_ms_per_step"] == pytest.approx(5.0)           # mixed steps included
+    assert st["decode_only_steps"] == 80
+    assert st["launch_ms_per_decode_step"] == pytest.approx(1.0)    # decode-only steps alone
+    assert st["decode_only_batch"] == pytest.approx(256)
+
+
+def test_a_server_without_decode_only_counters_reports_none() -> None:
+    st = step_breakdown({}, {"radixrelay_steps_total": 10.0}, wall_s=1.0)
+    assert st["launch_ms_per_decode_step"] is None and st["decode_only_batch"] is None

@@ -77,7 +77,8 @@ def test_models_health_metrics(client, http):
                  "radixrelay_inter_token_latency_seconds_bucket", "radixrelay_cascade_steps_total",
                  "radixrelay_worker_busy_seconds_total", "radixrelay_scheduler_busy_seconds_total",
                  "radixrelay_prefill_cascade_steps_total", "radixrelay_prefill_cascade_tokens_read_once_total",
-                 "radixrelay_prefill_long_prefix_runs_total"):
+                 "radixrelay_prefill_long_prefix_runs_total", "radixrelay_decode_only_steps_total",
+                 "radixrelay_worker_decode_only_launch_seconds_total"):
         assert name in text, name
     # Every runtime process froze its start-up heap out of the garbage collector (gc_control).
     m = metrics(http)
