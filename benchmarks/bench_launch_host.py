@@ -209,6 +209,12 @@ def instrument(timers: Timers, graphs: bool) -> None:
 
         if hasattr(cuda_graphs.DecodeGraphs, "advance"):
             timers.wrap(cuda_graphs.DecodeGraphs, "advance", "  DecodeGraphs.advance")
+        timers.wrap(cuda_graphs.DecodeGraphs, "_replay", "    DecodeGraphs._replay (graph launch)")
+        timers.wrap(cuda_graphs.DecodeGraphs, "_page_writes", "    DecodeGraphs._page_writes")
+        timers.wrap(cuda_graphs, "to_device", "    to_device (page writes, patched rows)")
+        for name in ("RowAdvance", "PageScatter", "RowPatcher"):      # the per-step kernels' launches
+            if hasattr(cuda_graphs, name):
+                timers.wrap(getattr(cuda_graphs, name), "__call__", f"    {name}")
         timers.wrap(cuda_graphs.DecodeGraphs, "run", "DecodeGraphs.run")
         timers.wrap(cuda_graphs.DecodeGraphs, "_fill_rows", "  DecodeGraphs._fill_rows")
         timers.wrap(cuda_graphs.DecodeGraphs, "_fill_groups", "  DecodeGraphs._fill_groups")
@@ -236,8 +242,9 @@ def count_ops(runner: ModelRunner, plans: list[StepPlan]) -> Counter:
 
 def build_runner(args, device: torch.device, num_pages: int) -> ModelRunner:
     """``num_pages``: the pages the workload hands out; one more is the scratch page of padded graph rows."""
-    cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
-                      num_layers=args.layers, num_heads=4, num_kv_heads=2, head_dim=16,
+    dims = (dict(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128)
+            if args.shape == "8b" else dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16))
+    cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, num_layers=args.layers, **dims,
                       max_position_embeddings=max(2 * args.shared_pages * args.page_size, 4096))
     model, _ = load_model(cfg, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
     num_pages += 1
@@ -268,6 +275,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--shape", choices=("tiny", "8b"), default="tiny",
+                    help="model dimensions: tiny (hidden 64: a short device step) or Llama-3-8B's (random weights: "
+                         "the device step of serving, so that launches queue behind a busy device as they do there)")
     ap.add_argument("--forward", choices=("stub", "model"), default=None,
                     help="default: stub on the CPU, model on CUDA")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -325,7 +335,7 @@ def main() -> None:
     if in_flight is not None:
         in_flight.finish()
     print(f"device {device} ({torch.get_num_threads()} threads), batch {args.batch}, "
-          f"{args.shared_pages} shared pages x {args.page_size} tokens, forward {args.forward}, "
+          f"{args.shared_pages} shared pages x {args.page_size} tokens, shape {args.shape}, forward {args.forward}, "
           f"graphs {args.graphs}, ipc {args.ipc}, churn {args.churn}, overlap {args.overlap}, {args.steps} steps")
     print(f"launch(): median {statistics.median(launch_ms):.3f} ms/step  (p10 {sorted(launch_ms)[len(launch_ms) // 10]:.3f}, "
           f"p90 {sorted(launch_ms)[9 * len(launch_ms) // 10]:.3f}); until the forward was queued "

@@ -62,15 +62,20 @@ class PinnedRing:
             waiting.synchronize()                       # long done in practice: SEGMENTS - 1 segments ago
 
 
-_RINGS: dict[tuple[torch.device, int], PinnedRing] = {}
+_RINGS: dict[tuple[int, int], PinnedRing] = {}     # (device index, raw stream handle) -> ring
 
 
 def upload(data: np.ndarray, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """``data`` on CUDA ``device`` (into ``out`` if given) through the current stream's ring (created on
-    first use)."""
-    stream = torch.cuda.current_stream(device)
-    key = (device, stream.cuda_stream)
+    first use). The ring is found by the raw stream handle (one C call; ``torch.cuda.current_stream``
+    builds a Python stream object, tens of microseconds on some hosts, and a step makes several uploads)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _raw_stream(index))
     ring = _RINGS.get(key)
     if ring is None:
-        ring = _RINGS[key] = PinnedRing(device, stream)
+        ring = _RINGS[key] = PinnedRing(torch.device("cuda", index), torch.cuda.current_stream(index))
     return ring.upload(data, dtype, out)
+
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)

@@ -221,6 +221,7 @@ class DevicePageTable:
         self._free = list(range(rows - 1, -1, -1))
         self._pending: list[tuple[int, int, list[int]]] = []     # (row, first column, pages) not yet written
         self._gathered: tuple[list[int], torch.Tensor] | None = None   # the last gather's keys, their rows
+        self._scatter = None                 # CUDA: ``PageScatter`` bound to ``_table`` (made on first flush)
 
     @property
     def table(self) -> torch.Tensor:
@@ -276,9 +277,11 @@ class DevicePageTable:
         host[n:2 * n] = np.arange(n, dtype=np.int64) + np.repeat(starts - firsts, counts)
         host[2 * n:] = np.frombuffer(values, dtype=np.int64)
         if self.device.type == "cuda":                       # one copy, one launch
-            from radixrelay.kernels.row_patch import scatter_pages   # Triton: loaded by CUDA workers only
+            if self._scatter is None:
+                from radixrelay.kernels.row_patch import PageScatter   # Triton: loaded by CUDA workers only
 
-            scatter_pages(self._table, upload(host, torch.int64, self.device).view(3, n))
+                self._scatter = PageScatter(self._table)
+            self._scatter(upload(host, torch.int64, self.device).view(3, n))
             return
         packed = torch.from_numpy(host).view(3, n)
         self._table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
@@ -302,6 +305,7 @@ class DevicePageTable:
     def _grow(self, rows: int, cols: int) -> None:
         old = self._table              # queued writes keep their (row, column): they land in the new table
         self._table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        self._scatter = None
         self._table[:old.shape[0], :old.shape[1]] = old
         self._free[:0] = range(rows - 1, old.shape[0] - 1, -1)
 

@@ -23,7 +23,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class KernelLaunch:
     """One launch of a ``@triton.jit`` kernel, made again with some tensor arguments replaced (every layer
-    of a step: new q, cache and outputs, the same indices, sizes and grid).
+    of a step: new q, cache and outputs, the same indices, sizes and grid; or a per-step kernel bound to
+    fixed buffers: a new count and grid each step).
 
     ``args``: every parameter of the kernel by name, in order, constexprs included; ``options``: launch options
     (num_warps, num_stages, maxnreg). The first call goes through ``kernel[grid](...)`` (argument binding,
@@ -33,7 +34,8 @@ class KernelLaunch:
     ``CompiledKernel.run(grid, stream, function, packed_metadata, launch_metadata, hooks, *args)``).
     Exact while the variant applies: a replaced tensor keeps its dtype and whether its address is a
     multiple of 16 (both checked: otherwise the full path runs and binds again), and the bound integers
-    (strides) must still describe it (the caller's promise). A kernel sees a tensor argument as its address
+    (strides) must still describe it (the caller's promise); a replaced integer must be one the kernel
+    does not specialise on (``do_not_specialize``), also the caller's promise. A kernel sees a tensor argument as its address
     and dtype only. Under the interpreter every call takes the full path.
     """
 
@@ -47,8 +49,13 @@ class KernelLaunch:
         self._index = {name: i for i, name in enumerate(args)}
         self._compiled = None
 
-    def __call__(self, **tensors):
-        """Launch with the named tensor arguments replaced; returns the compiled kernel (None: interpreter)."""
+    def __call__(self, grid: tuple[int, ...] | None = None, **tensors):
+        """Launch with the named arguments replaced (tensors; integers the kernel does not specialise on),
+        on ``grid`` if given (else the bound one); returns the compiled kernel (None: interpreter)."""
+        if grid is not None:
+            grid = (tuple(grid) + (1, 1))[:3]
+        else:
+            grid = self.grid
         args, compiled = self.args, self._compiled
         for name, value in tensors.items():
             i = self._index[name]
@@ -58,7 +65,7 @@ class KernelLaunch:
                 compiled = None                          # another variant may apply: bind again
             args[i] = value
         if compiled is None:
-            out = self.kernel[self.grid](*args, **self.options)
+            out = self.kernel[grid](*args, **self.options)
             self._compiled = out if isinstance(out, CompiledKernel) else None
             return out
         stream = driver.active.get_current_stream(driver.active.get_current_device())
@@ -66,8 +73,8 @@ class KernelLaunch:
         if _no_hooks(enter) and _no_hooks(leave):       # (empty hook chains: the launcher skips None)
             meta = enter = leave = None
         else:                                          # a profiler's hooks get what JITFunction.run gives them
-            meta = compiled.launch_metadata(self.grid, stream, *args)
-        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+            meta = compiled.launch_metadata(grid, stream, *args)
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
         return compiled
 
 

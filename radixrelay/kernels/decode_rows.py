@@ -16,6 +16,10 @@ API::
     ids:         optional int64 [>= num]: becomes tokens[token_rows] (each row's newest token, gathered
                  in the same launch); tokens int64 [T], token_rows int64 [>= num], both contiguous
 
+    RowAdvance(positions, prefix_lens, seq_lens, out_slots, page_table, page_size, ids, token_rows)
+        the same bound to one set of row buffers (a decode graph's), checked once; each step calls
+        ``advance(num, tokens)``: one launch, no per-call argument binding (``KernelLaunch``)
+
 Rows ``num`` and beyond are not touched (padded rows keep their values). The caller guarantees that
 each row's page list holds the new position (``pos // page_size < W`` and the page written there): the
 kernel reads the page table without bounds checks, as the attention kernels do. On the CPU without
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import check
+from radixrelay.kernels._common import KernelLaunch, check
 
 BLOCK = 256
 
@@ -51,6 +55,32 @@ def _advance_kernel(positions, prefix_lens, seq_lens, out_slots, page_table, num
     tl.store(out_slots + rows, page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
 
 
+def _check_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, out_slots: torch.Tensor,
+                page_table: torch.Tensor, num: int, page_size: int, ids: torch.Tensor | None,
+                token_rows: torch.Tensor | None) -> None:
+    buffers = [("positions", positions, torch.int64), ("prefix_lens", prefix_lens, torch.int32),
+               ("seq_lens", seq_lens, torch.int32), ("out_slots", out_slots, torch.int64)]
+    if ids is not None:
+        buffers += [("ids", ids, torch.int64), ("token_rows", token_rows, torch.int64)]
+    for name, t, dtype in buffers:
+        if not (t.dim() == 1 and t.dtype == dtype and t.stride(0) == 1 and t.numel() >= num):
+            raise ValueError(f"advance_decode_rows: {name} must be contiguous {dtype} [>= {num}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    check(page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
+          and page_table.shape[0] >= num,
+          "advance_decode_rows: page_table must be int32 [>= num, W] with unit column stride")
+    check(page_size >= 1, "advance_decode_rows: page_size must be >= 1")
+
+
+def _check_tokens(tokens: torch.Tensor) -> None:
+    check(tokens.dim() == 1 and tokens.dtype == torch.int64 and tokens.stride(0) == 1,
+          "advance_decode_rows: tokens must be contiguous int64 [T]")
+
+
+def _torch_fallback(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                         out_slots: torch.Tensor, page_table: torch.Tensor, num: int, page_size: int, *,
                         ids: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
@@ -59,20 +89,10 @@ def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_
     gather = ids is not None
     check(gather == (tokens is not None) == (token_rows is not None),
           "advance_decode_rows: ids, tokens and token_rows go together")
-    buffers = [("positions", positions, torch.int64), ("prefix_lens", prefix_lens, torch.int32),
-               ("seq_lens", seq_lens, torch.int32), ("out_slots", out_slots, torch.int64)]
+    _check_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, page_size, ids, token_rows)
     if gather:
-        buffers += [("ids", ids, torch.int64), ("token_rows", token_rows, torch.int64)]
-        check(tokens.dim() == 1 and tokens.dtype == torch.int64 and tokens.stride(0) == 1,
-              "advance_decode_rows: tokens must be contiguous int64 [T]")
-    for name, t, dtype in buffers:
-        check(t.dim() == 1 and t.dtype == dtype and t.stride(0) == 1 and t.numel() >= num,
-              f"advance_decode_rows: {name} must be contiguous {dtype} [>= {num}], got {t.dtype} {tuple(t.shape)}")
-    check(page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
-          and page_table.shape[0] >= num,
-          f"advance_decode_rows: page_table must be int32 [>= {num}, W] with unit column stride")
-    check(page_size >= 1, f"advance_decode_rows: page_size must be >= 1, got {page_size}")
-    if num > 0 and positions.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _check_tokens(tokens)
+    if num > 0 and _torch_fallback(positions):
         pos, prefix, seq, slots = advance_decode_rows_reference(positions, page_table, num, page_size)
         for t, v in ((positions, pos), (prefix_lens, prefix), (seq_lens, seq), (out_slots, slots)):
             t[:num] = v
@@ -84,6 +104,41 @@ def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_
                                                   tokens if gather else positions,
                                                   token_rows if gather else positions, PAGE_SIZE=page_size,
                                                   BLOCK=BLOCK, GATHER=gather, num_warps=4)
+
+
+class RowAdvance:
+    """``advance_decode_rows`` with newest-token gathering, bound to one set of row buffers (a decode graph's:
+    fixed for its life), so that a step pays one launch and no argument checks or binding. The buffers are
+    checked here for ``capacity`` rows; ``tokens`` (the newest-token table, replaced when it grows) is
+    checked when it changes."""
+
+    def __init__(self, positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                 out_slots: torch.Tensor, page_table: torch.Tensor, page_size: int, ids: torch.Tensor,
+                 token_rows: torch.Tensor, capacity: int) -> None:
+        _check_rows(positions, prefix_lens, seq_lens, out_slots, page_table, capacity, page_size, ids, token_rows)
+        self.capacity, self.page_size = capacity, page_size
+        self._buffers = (positions, prefix_lens, seq_lens, out_slots, page_table, ids, token_rows)
+        self._tokens: torch.Tensor | None = None
+        self._launch = None if _torch_fallback(positions) else KernelLaunch(_advance_kernel, (1,), dict(
+            positions=positions, prefix_lens=prefix_lens, seq_lens=seq_lens, out_slots=out_slots,
+            page_table=page_table, num=capacity, stride_pt=page_table.stride(0), ids=ids, tokens=ids,
+            token_rows=token_rows, PAGE_SIZE=page_size, BLOCK=BLOCK, GATHER=True), dict(num_warps=4))
+
+    def __call__(self, num: int, tokens: torch.Tensor) -> None:
+        """Advance rows ``[0, num)`` one token; ``ids[i] = tokens[token_rows[i]]``."""
+        if not 0 <= num <= self.capacity:
+            raise ValueError(f"RowAdvance: {num} rows, bound for {self.capacity}")
+        if tokens is not self._tokens:
+            _check_tokens(tokens)
+            self._tokens = tokens
+        if num == 0:
+            return
+        if self._launch is None:
+            positions, prefix_lens, seq_lens, out_slots, page_table, ids, token_rows = self._buffers
+            advance_decode_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, self.page_size,
+                                ids=ids, tokens=tokens, token_rows=token_rows)
+            return
+        self._launch((triton.cdiv(num, BLOCK),), num=num, tokens=tokens)
 
 
 def advance_decode_rows_reference(positions: torch.Tensor, page_table: torch.Tensor, num: int,

@@ -18,6 +18,10 @@ API::
                     then its 5 rows64 values and its 3 rows32 values
         width:      columns copied: page_table[row, :width] = source[rows64 page-table row value, :width]
 
+    PageScatter(table), RowPatcher(rows64, rows32, page_table)
+        the same bound to one table (a decode graph's, ``DevicePageTable``'s), checked once: a step pays
+        one launch each, no per-call argument checks or binding (``KernelLaunch``)
+
 Both take a host-built buffer that reached the device in one copy; ``n`` and ``width`` vary per step and
 are not specialised (no compilation while serving). On the CPU without ``TRITON_INTERPRET=1`` the same
 writes run as torch ops.
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import check
+from radixrelay.kernels._common import KernelLaunch, check
 
 BLOCK = 256          # writes per program (scatter_pages)
 BLOCK_W = 128        # page-table columns per iteration (patch_rows)
@@ -68,13 +72,20 @@ def _torch_fallback(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+def _check_table(name: str, t: torch.Tensor) -> None:
+    check(t.dim() == 2 and t.dtype == torch.int32 and t.stride(1) == 1,
+          f"{name} must be int32 [rows, columns] with unit column stride")
+
+
+def _check_block(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype) -> None:
+    if not (t.dim() == 2 and t.shape[0] == rows and t.dtype == dtype and t.stride(1) == 1):
+        raise ValueError(f"{name} must be {dtype} [{rows}, n] with unit column stride, got {t.dtype} {tuple(t.shape)}")
+
+
 def scatter_pages(table: torch.Tensor, writes: torch.Tensor) -> None:
     """See the module docstring."""
-    check(table.dim() == 2 and table.dtype == torch.int32 and table.stride(1) == 1,
-          "scatter_pages: table must be int32 [R, C] with unit column stride")
-    check(writes.dim() == 2 and writes.shape[0] == 3 and writes.dtype == torch.int64 and writes.stride(1) == 1,
-          f"scatter_pages: writes must be int64 [3, n] with unit column stride, got {writes.dtype} "
-          f"{tuple(writes.shape)}")
+    _check_table("scatter_pages: table", table)
+    _check_block("scatter_pages: writes", writes, 3, torch.int64)
     num = writes.shape[1]
     if num == 0:
         return
@@ -90,14 +101,11 @@ def patch_rows(rows64: torch.Tensor, rows32: torch.Tensor, page_table: torch.Ten
     """See the module docstring."""
     for name, t, rows, dtype in (("rows64", rows64, 5, torch.int64), ("rows32", rows32, 3, torch.int32),
                                  ("patch", patch, 9, torch.int64)):
-        check(t.dim() == 2 and t.shape[0] == rows and t.dtype == dtype and t.stride(1) == 1,
-              f"patch_rows: {name} must be {dtype} [{rows}, n] with unit column stride, got {t.dtype} "
-              f"{tuple(t.shape)}")
+        _check_block(f"patch_rows: {name}", t, rows, dtype)
     for name, t in (("page_table", page_table), ("source", source)):
-        check(t.dim() == 2 and t.dtype == torch.int32 and t.stride(1) == 1,
-              f"patch_rows: {name} must be int32 [rows, columns] with unit column stride")
-    check(0 <= width <= min(page_table.shape[1], source.shape[1]),
-          f"patch_rows: width {width} past the tables' columns")
+        _check_table(f"patch_rows: {name}", t)
+    if not 0 <= width <= min(page_table.shape[1], source.shape[1]):
+        raise ValueError(f"patch_rows: width {width} past the tables' columns")
     num = patch.shape[1]
     if num == 0:
         return
@@ -109,3 +117,52 @@ def patch_rows(rows64: torch.Tensor, rows32: torch.Tensor, page_table: torch.Ten
         return
     _patch_kernel[(num,)](rows64, rows32, page_table, source, patch, patch.stride(0), width, rows64.stride(0),
                           rows32.stride(0), page_table.stride(0), source.stride(0), BLOCK_W=BLOCK_W, num_warps=1)
+
+
+class PageScatter:
+    """``scatter_pages`` into one table (fixed for this object's life), checked once: a call checks only the
+    write block's layout and pays one launch."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        _check_table("PageScatter: table", table)
+        self.table = table
+        self._launch = None if _torch_fallback(table) else KernelLaunch(_scatter_kernel, (1,), dict(
+            table=table, writes=table, num=0, stride_w=0, stride_t=table.stride(0), BLOCK=BLOCK), dict(num_warps=4))
+
+    def __call__(self, writes: torch.Tensor) -> None:
+        if self._launch is None:
+            scatter_pages(self.table, writes)
+            return
+        _check_block("PageScatter: writes", writes, 3, torch.int64)
+        num = writes.shape[1]
+        if num:
+            self._launch((triton.cdiv(num, BLOCK),), writes=writes, num=num, stride_w=writes.stride(0))
+
+
+class RowPatcher:
+    """``patch_rows`` into one decode graph's row blocks and page table (fixed for this object's life),
+    checked once: a call checks the patch block and the source table's layout and pays one launch."""
+
+    def __init__(self, rows64: torch.Tensor, rows32: torch.Tensor, page_table: torch.Tensor) -> None:
+        _check_block("RowPatcher: rows64", rows64, 5, torch.int64)
+        _check_block("RowPatcher: rows32", rows32, 3, torch.int32)
+        _check_table("RowPatcher: page_table", page_table)
+        self._buffers = rows64, rows32, page_table
+        self._launch = None if _torch_fallback(rows64) else KernelLaunch(_patch_kernel, (1,), dict(
+            rows64=rows64, rows32=rows32, page_table=page_table, source=page_table, patch=rows64, stride_p=0,
+            width=0, stride64=rows64.stride(0), stride32=rows32.stride(0), stride_pt=page_table.stride(0),
+            stride_src=0, BLOCK_W=BLOCK_W), dict(num_warps=1))
+
+    def __call__(self, source: torch.Tensor, patch: torch.Tensor, width: int) -> None:
+        rows64, rows32, page_table = self._buffers
+        if self._launch is None:
+            patch_rows(rows64, rows32, page_table, source, patch, width)
+            return
+        _check_block("RowPatcher: patch", patch, 9, torch.int64)
+        _check_table("RowPatcher: source", source)
+        if not 0 <= width <= min(page_table.shape[1], source.shape[1]):
+            raise ValueError(f"RowPatcher: width {width} past the tables' columns")
+        num = patch.shape[1]
+        if num:
+            self._launch((num,), source=source, patch=patch, stride_p=patch.stride(0), width=width,
+                         stride_src=source.stride(0))

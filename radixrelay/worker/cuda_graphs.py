@@ -46,8 +46,8 @@ from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
-from radixrelay.kernels.decode_rows import advance_decode_rows
-from radixrelay.kernels.row_patch import patch_rows, scatter_pages
+from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
+from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
@@ -84,6 +84,9 @@ class _Graph:
     rows32: torch.Tensor                 # int32 [3, stride]: prefix_lens, seq_lens, kv_start
     groups32: torch.Tensor               # int32: every index tensor of ``plan``, one upload (``_GroupLayout``)
     layout: _GroupLayout
+    advance: RowAdvance                  # the per-step kernels bound to these buffers (one launch each)
+    scatter: PageScatter                 #   page writes into ``batch.page_table``
+    patch: RowPatcher                    #   changed rows into the row blocks and the page table
     logits: torch.Tensor | None = None   # [bs, V] output of the captured forward
     key: tuple = ()                      # (bucket, caps, launch shape): its entry in DecodeGraphs._graphs
     cascade: bool = False                # captured with shared runs (else flat decode)
@@ -248,22 +251,19 @@ class DecodeGraphs:
         patched = self._row_values(patch, num, before, host) if arranged else 0
         if writes or patched:                             # one upload: page writes, then patched rows
             dev = to_device(host, torch.int64, self.device)
-            sb = g.batch
             if writes:
-                scatter_pages(sb.page_table, dev[:3 * writes].view(3, writes))
+                g.scatter(dev[:3 * writes].view(3, writes))
             if patched:
                 at = 3 * writes
-                patch_rows(g.rows64, g.rows32, sb.page_table, patch.table if patch is not None else sb.page_table,
-                           dev[at:at + 9 * patched].view(9, patched), patch.width if patch is not None else 0)
+                g.patch(patch.table if patch is not None else g.batch.page_table,
+                        dev[at:at + 9 * patched].view(9, patched), patch.width if patch is not None else 0)
         if arranged:
             if g.runs is not runs:
                 self._fill_groups(g, runs, num)
                 g.runs = r.runs = runs
             self.patches += 1
-        sb = g.batch
         self.token_rows = g.rows64[4, :num]
-        advance_decode_rows(sb.positions, sb.prefix_lens, sb.seq_lens, sb.out_slots, sb.page_table, num,
-                            self.kv_cache.page_size, ids=g.ids, tokens=tokens, token_rows=self.token_rows)
+        g.advance(num, tokens)
         self._replay(g)
         r.rids, r.own_len, r.arranged, r.changed = rids, own_len, None, []
         g.num = num                                       # the merge index does not depend on it
@@ -473,7 +473,11 @@ class DecodeGraphs:
             shape, q_indptr=q_indptr, q_rows=q_rows, kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens,
             page_table=page_table, kv_start=kv_start, kv_end=seq_lens, merge_indptr=merge_indptr,
             merge_part_ids=merge_part_ids)
-        return _Graph(None, torch.zeros(bs, **i64), batch, kv_start, plan, rows64, rows32, groups32, layout)
+        ids = torch.zeros(bs, **i64)
+        advance = RowAdvance(positions, prefix_lens, seq_lens, out_slots, page_table, self.kv_cache.page_size, ids,
+                             rows64[4, :bs], bs)
+        return _Graph(None, ids, batch, kv_start, plan, rows64, rows32, groups32, layout, advance,
+                      PageScatter(page_table), RowPatcher(rows64, rows32, page_table))
 
     def _fill_rows(self, g: _Graph, step: GraphStep) -> None:
         """Per-row inputs, every step, in one upload (both blocks, padded rows included: they write the

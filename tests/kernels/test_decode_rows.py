@@ -60,3 +60,35 @@ def test_advance_gathers_each_rows_newest_token(num, rows):
         assert torch.equal(got[:num], ref)
     with pytest.raises(ValueError, match="together"):
         advance_decode_rows(positions, prefix, seq, slots, table, num, 4, ids=ids)
+
+
+def test_bound_advance_matches_the_function_step_after_step():
+    """``RowAdvance`` (buffers bound once, each call one launch) makes the same rows as the function, over
+    steps whose row count and newest-token table change (on CUDA: the launch bound at the first call is
+    reused with a new count, grid and table)."""
+    from radixrelay.kernels.decode_rows import RowAdvance
+
+    gen = torch.Generator().manual_seed(3)
+    rows, width, page_size = 320, 40, 4
+    table = torch.randint(0, 1000, (rows, width), generator=gen, dtype=torch.int32).to(DEVICE)
+    start = torch.randint(0, 60, (rows,), generator=gen).to(DEVICE)
+    token_rows = torch.randint(0, 500, (rows,), generator=gen).to(DEVICE)
+
+    def buffers():
+        return (start.clone(), torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+                torch.zeros(rows, dtype=torch.int32, device=DEVICE), torch.zeros(rows, dtype=torch.int64, device=DEVICE),
+                torch.full((rows,), -1, dtype=torch.int64, device=DEVICE))
+
+    bound, free = buffers(), buffers()
+    advance = RowAdvance(*bound[:4], table, page_size, bound[4], token_rows, rows)
+    for step, num in enumerate((300, 300, 7, 1, 0, 320)):
+        tokens = torch.randint(0, 50_000, (500 + step,), generator=gen).to(DEVICE)   # a new table each step
+        advance(num, tokens)
+        pos, pre, seq, slots, ids = free
+        advance_decode_rows(pos, pre, seq, slots, table, num, page_size, ids=ids, tokens=tokens, token_rows=token_rows)
+        for got, want in zip(bound, free):
+            assert torch.equal(got, want), step
+    with pytest.raises(ValueError, match="321 rows"):
+        advance(321, tokens)
+    with pytest.raises(ValueError, match="tokens"):
+        advance(2, tokens.int())

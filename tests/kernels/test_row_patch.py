@@ -60,3 +60,33 @@ def test_patch_kernels_reject_bad_buffers():
         patch_rows(i64, i32, table, table, torch.zeros(8, 2, dtype=torch.int64, device=DEVICE), 4)
     with pytest.raises(ValueError, match="width"):
         patch_rows(i64, i32, table, table, torch.zeros(9, 2, dtype=torch.int64, device=DEVICE), 9)
+
+
+def test_bound_scatter_and_patch_match_the_functions_step_after_step():
+    """``PageScatter`` and ``RowPatcher`` (bound once, each call one launch) write what the functions write,
+    over calls whose counts, widths and source tables change (on CUDA: the bound launch reused)."""
+    from radixrelay.kernels.row_patch import PageScatter, RowPatcher
+
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randint(0, 100, (48, 160), generator=gen, dtype=torch.int32).to(DEVICE)   # a row per graph row
+    rows64 = torch.randint(0, 100, (5, 48), generator=gen).to(DEVICE)
+    rows32 = torch.randint(0, 100, (3, 48), generator=gen, dtype=torch.int32).to(DEVICE)
+    bound, free = [t.clone() for t in (table, rows64, rows32)], [t.clone() for t in (table, rows64, rows32)]
+    scatter, patcher = PageScatter(bound[0]), RowPatcher(bound[1], bound[2], bound[0])
+    for step, (n, width) in enumerate(((5, 3), (600, 130), (1, 160), (0, 0), (9, 64))):
+        cells = torch.randperm(40 * 160, generator=gen)[:n]
+        writes = torch.stack((cells // 160, cells % 160, torch.randint(0, 1 << 30, (n,), generator=gen))).to(DEVICE)
+        scatter(writes)
+        scatter_pages(free[0], writes)
+        k = min(n, 12)
+        patch = torch.randint(0, 40, (9, k), generator=gen)
+        patch[0] = torch.randperm(48, generator=gen)[:k]                  # distinct graph rows
+        source = torch.randint(0, 1000, (40, 200), generator=gen, dtype=torch.int32).to(DEVICE)
+        patcher(source, patch.to(DEVICE), width)
+        patch_rows(free[1], free[2], free[0], source, patch.to(DEVICE), width)
+        for got, want in zip(bound, free):
+            assert torch.equal(got, want), step
+    with pytest.raises(ValueError, match="writes"):
+        scatter(torch.zeros(2, 4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="width"):
+        patcher(source, patch.to(DEVICE), 161)
