@@ -481,8 +481,8 @@ class Bench:
                  "deltas over the run: device busy = worker device seconds / the traffic's duration (first "
                  "arrival to last response; the client processes' start-up is not counted); ms per step: "
                  "worker busy (of it launch: host work before the kernels are launched) and "
-                 "scheduler busy; decode steps: launch ms per decode-only step (no extend rows) and their "
-                 "mean batch; graph replays: share of steps that replayed a CUDA graph (decode "
+                 "scheduler busy; decode steps: launch ms per decode-only step (no extend rows; graph "
+                 "captures excluded) and their mean batch; graph replays: share of steps that replayed a CUDA graph (decode "
                  "graphs or piecewise graphs).", "",
                  "| config | workload | rate | done/failed | req/s | out tok/s | TTFT p50 | TTFT p99 "
                  "| TPOT p50 | TPOT p99 | cache hit | steps | cascade steps | device busy | worker ms/step "
@@ -537,7 +537,8 @@ def _row_text(r: dict[str, Any]) -> str:
             f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, TPOT p50 {_ms(s['tpot_ms']['p50'])} ms, "
             f"{st['steps']} steps, device busy {busy}, worker {_ms(st['worker_ms_per_step'])} / "
             f"launch {_ms(st['launch_ms_per_step'])} / scheduler {_ms(st['scheduler_ms_per_step'])} "
-            f"ms per step; decode-only steps {_decode_steps(st)}" + (f"; errors {s['errors']}" if s["errors"] else ""))
+            f"ms per step; decode-only steps {_decode_steps(st)}; graph captures "
+            f"{st['counters'].get('graph_captures', 0):.0f} ({st['counters'].get('worker_graph_capture_seconds', 0):.2f} s)" + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class Engine:
                 "decode_steps_covered": stats.decode_steps_covered,
                 "decode_steps_patched": stats.decode_steps_patched,
                 "decode_only_steps": stats.decode_only_steps, "decode_only_rows": stats.decode_only_rows,
-                "decode_only_launch_s": stats.decode_only_launch_s,
+                "decode_only_launch_s": stats.decode_only_launch_s, "graph_capture_s": stats.graph_capture_s,
                 "prefill_cascade_steps": stats.prefill_cascade_steps,
                 "prefill_cascade_runs": stats.prefill_cascade_runs,
                 "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,

@@ -129,7 +129,8 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     # worker's launch time on them (of worker_launch_s; mixed steps are the rest):
     decode_only_steps: int = 0
     decode_only_rows: int = 0
-    decode_only_launch_s: float = 0.0
+    decode_only_launch_s: float = 0.0    # graph captures excluded (they are in graph_capture_s)
+    graph_capture_s: float = 0.0      # worker launch time spent capturing CUDA graphs (all steps)
     # Python garbage collection per process (``radixrelay.runtime.gc_control``): the worker's as of its
     # latest step output, the scheduler's, and the frontend's (filled in by the server, empty elsewhere):
     worker_gc: GcStats = GcStats()
@@ -196,6 +197,7 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     decode_graph_steps: tuple[int, int, int] = (0, 0, 0)   # cumulative: decode steps advanced, covered,
                                                            # patched (RuntimeStats)
     gc: GcStats = GcStats()           # cumulative: the worker's garbage collections
+    capture_s: float = 0.0            # of launch_s: capturing CUDA graphs during this step's launch
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

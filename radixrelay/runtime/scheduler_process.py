@@ -91,6 +91,7 @@ class SchedulerLoop:
         self._decode_only: dict[int, int] = {}
         self._decode_only_steps = self._decode_only_rows = 0
         self._decode_only_launch_s = 0.0
+        self._capture_s = 0.0             # worker launch time spent capturing graphs while serving
         self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
         self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
@@ -153,10 +154,11 @@ class SchedulerLoop:
         start = time.perf_counter()
         self._worker_busy_s += message.busy_s
         self._worker_launch_s += message.launch_s
+        self._capture_s += message.capture_s
         if (rows := self._decode_only.pop(message.output.step_id, None)) is not None:
             self._decode_only_steps += 1
             self._decode_only_rows += rows
-            self._decode_only_launch_s += message.launch_s
+            self._decode_only_launch_s += message.launch_s - message.capture_s
         self._device_s += message.device_s
         self._jit_after_ready = message.jit_after_ready
         self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
@@ -245,6 +247,7 @@ class SchedulerLoop:
                             decode_only_steps=self._decode_only_steps,
                             decode_only_rows=self._decode_only_rows,
                             decode_only_launch_s=self._decode_only_launch_s,
+                            graph_capture_s=self._capture_s,
                             worker_gc=self._worker_gc,
                             scheduler_gc=self.collector.stats())
 

@@ -176,7 +176,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
         outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
                                           runner.graph_captures, runner.graph_replays, runner.eager_steps,
                                           dataclasses.astuple(runner.prefill_cascade), commands.dropped,
-                                          runner.decode_graph_steps, collector.stats())))
+                                          runner.decode_graph_steps, collector.stats(), step.capture_s)))
         if trace is not None:
             trace.finished(step.step_id)
 
@@ -200,12 +200,14 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
                 send_oldest()
             return 0
         start = time.perf_counter()
+        captured = runner.graph_capture_s
         if trace is None:
             launched = runner.launch(command.plan)
         else:
             with trace.launch(command.plan.step_id):
                 launched = runner.launch(command.plan)
         plan = command.plan
+        launched.capture_s = runner.graph_capture_s - captured     # graphs captured by this launch
         in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
         collector.poll(idle=False)            # a full collection only once FULL_EVERY_S has passed
 

@@ -113,8 +113,11 @@ class _RuntimeCollector(Collector):
         yield counter("decode_only_steps", "Steps with decode rows and no extend rows.", s.decode_only_steps)
         yield counter("decode_only_rows", "Decode rows of the decode-only steps, summed (over decode_only_steps: "
                       "their mean batch).", s.decode_only_rows)
-        yield counter("worker_decode_only_launch_seconds", "Of worker_launch_seconds: the decode-only steps' "
-                      "(over decode_only_steps: host launch time per decode step).", s.decode_only_launch_s)
+        yield counter("worker_decode_only_launch_seconds", "Of worker_launch_seconds: the decode-only steps', "
+                      "graph captures excluded (over decode_only_steps: host launch time per decode step).",
+                      s.decode_only_launch_s)
+        yield counter("worker_graph_capture_seconds", "Of worker_launch_seconds: capturing CUDA graphs while "
+                      "serving (size classes seen for the first times).", s.graph_capture_s)
         yield counter("prefill_cascade_steps", "Steps whose extend rows read a cached run shared between"
                       " requests once (prefill cascade).", s.prefill_cascade_steps)
         yield counter("prefill_cascade_runs", "Prefill cascade shared runs, summed over steps.",

@@ -131,6 +131,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._side: torch.cuda.Stream | None = None         # warm-up and capture stream (``_capture``)
         self.captures = 0
+        self.capture_s = 0.0            # host seconds spent capturing (``_capture``)
         self.advances = 0               # steps advanced on the device (``advance``)
         self.fallbacks = 0              # steps run on a larger graph that covers their size class
         self.patches = 0                # advanced steps whose changed rows were patched (of ``advances``)
@@ -536,6 +537,13 @@ class DecodeGraphs:
         return self.model(g.ids, g.batch, self.kv_cache, self.backend)
 
     def _capture(self, g: _Graph) -> None:
+        start = time.perf_counter()
+        try:
+            self._capture_graph(g)
+        finally:
+            self.capture_s += time.perf_counter() - start
+
+    def _capture_graph(self, g: _Graph) -> None:
         self.captures += 1
         if self.device.type != "cuda":
             g.logits = self._forward(g)

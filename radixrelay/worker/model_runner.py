@@ -121,6 +121,7 @@ class LaunchedStep:
         self.launch_s = launch_s       # host time until the model's kernels were launched
         self._events = events          # CUDA: (start, done) around the step's device work
         self.device_s = 0.0            # device time of the step (CUDA), known after finish()
+        self.capture_s = 0.0           # of launch_s: capturing CUDA graphs (set by the worker loop)
 
     def host_tokens(self) -> list[int]:
         """The sampled tokens, waiting for the device if needed (grammar matchers read them)."""
@@ -197,6 +198,12 @@ class ModelRunner:
     def graph_captures(self) -> int:
         return ((self.graphs.captures if self.graphs is not None else 0)
                 + (self.piecewise.captures if self.piecewise is not None else 0))
+
+    @property
+    def graph_capture_s(self) -> float:
+        """Host seconds spent capturing CUDA graphs (cumulative, start-up included)."""
+        return ((self.graphs.capture_s if self.graphs is not None else 0.0)
+                + (self.piecewise.capture_s if self.piecewise is not None else 0.0))
 
     @property
     def decode_graph_steps(self) -> tuple[int, int, int]:

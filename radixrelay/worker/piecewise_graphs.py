@@ -116,6 +116,7 @@ class PiecewiseGraphs:
         self._side: torch.cuda.Stream | None = None
         self.replays = 0       # steps run through the pieces (graph replays; eager pieces without graphs)
         self.captures = 0      # buckets captured (L + 1 graphs each)
+        self.capture_s = 0.0   # host seconds spent capturing them (warm-up included)
 
     @property
     def max_tokens(self) -> int:
@@ -220,6 +221,7 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture(self, n: int) -> None:
+        start = time.perf_counter()
         pieces = range(len(self.layers) + 1)
         stream = torch.cuda.current_stream(self.device)
         # One side stream for every warm-up and capture: the allocator caches blocks per stream and
@@ -241,3 +243,4 @@ class PiecewiseGraphs:
         self._graphs[n] = graphs
         self._ready = sorted(self._graphs)
         self.captures += 1
+        self.capture_s += time.perf_counter() - start

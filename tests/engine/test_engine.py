@@ -207,6 +207,7 @@ def test_cascade_on_gives_identical_greedy_outputs(engine):
     assert 11 <= stats["decode_only_steps"] < stats["steps"]
     assert stats["decode_only_steps"] + 4 * 10 <= stats["decode_only_rows"] <= 5 * stats["decode_only_steps"]
     assert 0 < stats["decode_only_launch_s"] < stats["worker_launch_s"]
+    assert stats["graph_capture_s"] == 0.0                  # the CPU captures no graphs
 
 
 def test_concurrent_requests_compute_a_new_shared_prefix_once(engine):
