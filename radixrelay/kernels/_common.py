@@ -9,6 +9,7 @@ units (``s2 = sm_scale * log2(e) * q.k``) so that ``exp2`` is used; the LSE hand
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -86,6 +87,12 @@ def _no_hooks(hook) -> bool:
 def _aligned(value) -> bool | None:
     """What Triton specialises a tensor argument on besides its dtype: a 16-byte-aligned address."""
     return value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else None
+
+
+def torch_fallback(t: torch.Tensor) -> bool:
+    """Whether a small per-step kernel on ``t``'s device runs as torch ops instead: the CPU without the
+    Triton interpreter (no Triton driver there)."""
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def check(cond: bool, msg: str) -> None:

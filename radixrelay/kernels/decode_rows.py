@@ -28,13 +28,11 @@ kernel reads the page table without bounds checks, as the attention kernels do. 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import KernelLaunch, check
+from radixrelay.kernels._common import KernelLaunch, check, torch_fallback
 
 BLOCK = 256
 
@@ -77,10 +75,6 @@ def _check_tokens(tokens: torch.Tensor) -> None:
           "advance_decode_rows: tokens must be contiguous int64 [T]")
 
 
-def _torch_fallback(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                         out_slots: torch.Tensor, page_table: torch.Tensor, num: int, page_size: int, *,
                         ids: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
@@ -92,7 +86,7 @@ def advance_decode_rows(positions: torch.Tensor, prefix_lens: torch.Tensor, seq_
     _check_rows(positions, prefix_lens, seq_lens, out_slots, page_table, num, page_size, ids, token_rows)
     if gather:
         _check_tokens(tokens)
-    if num > 0 and _torch_fallback(positions):
+    if num > 0 and torch_fallback(positions):
         pos, prefix, seq, slots = advance_decode_rows_reference(positions, page_table, num, page_size)
         for t, v in ((positions, pos), (prefix_lens, prefix), (seq_lens, seq), (out_slots, slots)):
             t[:num] = v
@@ -119,7 +113,7 @@ class RowAdvance:
         self.capacity, self.page_size = capacity, page_size
         self._buffers = (positions, prefix_lens, seq_lens, out_slots, page_table, ids, token_rows)
         self._tokens: torch.Tensor | None = None
-        self._launch = None if _torch_fallback(positions) else KernelLaunch(_advance_kernel, (1,), dict(
+        self._launch = None if torch_fallback(positions) else KernelLaunch(_advance_kernel, (1,), dict(
             positions=positions, prefix_lens=prefix_lens, seq_lens=seq_lens, out_slots=out_slots,
             page_table=page_table, num=capacity, stride_pt=page_table.stride(0), ids=ids, tokens=ids,
             token_rows=token_rows, PAGE_SIZE=page_size, BLOCK=BLOCK, GATHER=True), dict(num_warps=4))

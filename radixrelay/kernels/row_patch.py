@@ -29,13 +29,12 @@ writes run as torch ops.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import KernelLaunch, check
+from radixrelay.kernels._common import KernelLaunch, check, torch_fallback
 
 BLOCK = 256          # writes per program (scatter_pages)
 BLOCK_W = 128        # page-table columns per iteration (patch_rows)
@@ -68,10 +67,6 @@ def _patch_kernel(rows64, rows32, page_table, source, patch, stride_p, width, st
         tl.store(page_table + row * stride_pt + cols, pages, mask=ok)
 
 
-def _torch_fallback(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def _check_table(name: str, t: torch.Tensor) -> None:
     check(t.dim() == 2 and t.dtype == torch.int32 and t.stride(1) == 1,
           f"{name} must be int32 [rows, columns] with unit column stride")
@@ -89,7 +84,7 @@ def scatter_pages(table: torch.Tensor, writes: torch.Tensor) -> None:
     num = writes.shape[1]
     if num == 0:
         return
-    if _torch_fallback(table):
+    if torch_fallback(table):
         table.index_put_((writes[0], writes[1]), writes[2].to(torch.int32))
         return
     _scatter_kernel[(triton.cdiv(num, BLOCK),)](table, writes, num, writes.stride(0), table.stride(0),
@@ -109,7 +104,7 @@ def patch_rows(rows64: torch.Tensor, rows32: torch.Tensor, page_table: torch.Ten
     num = patch.shape[1]
     if num == 0:
         return
-    if _torch_fallback(rows64):
+    if torch_fallback(rows64):
         rows = patch[0]
         rows64.index_copy_(1, rows, patch[1:6])
         rows32.index_copy_(1, rows, patch[6:9].to(torch.int32))
@@ -126,7 +121,7 @@ class PageScatter:
     def __init__(self, table: torch.Tensor) -> None:
         _check_table("PageScatter: table", table)
         self.table = table
-        self._launch = None if _torch_fallback(table) else KernelLaunch(_scatter_kernel, (1,), dict(
+        self._launch = None if torch_fallback(table) else KernelLaunch(_scatter_kernel, (1,), dict(
             table=table, writes=table, num=0, stride_w=0, stride_t=table.stride(0), BLOCK=BLOCK), dict(num_warps=4))
 
     def __call__(self, writes: torch.Tensor) -> None:
@@ -148,7 +143,7 @@ class RowPatcher:
         _check_block("RowPatcher: rows32", rows32, 3, torch.int32)
         _check_table("RowPatcher: page_table", page_table)
         self._buffers = rows64, rows32, page_table
-        self._launch = None if _torch_fallback(rows64) else KernelLaunch(_patch_kernel, (1,), dict(
+        self._launch = None if torch_fallback(rows64) else KernelLaunch(_patch_kernel, (1,), dict(
             rows64=rows64, rows32=rows32, page_table=page_table, source=page_table, patch=rows64, stride_p=0,
             width=0, stride64=rows64.stride(0), stride32=rows32.stride(0), stride_pt=page_table.stride(0),
             stride_src=0, BLOCK_W=BLOCK_W), dict(num_warps=1))
