@@ -203,9 +203,10 @@ def test_cascade_on_gives_identical_greedy_outputs(engine):
     assert stats["prefill_cascade_tokens_read_once"] >= 128
     # where the serving loop's time went: every step spent time in the worker, launching before waiting
     assert 0 < stats["worker_launch_s"] <= stats["worker_busy_s"] and stats["scheduler_busy_s"] > 0
-    # of it, the decode-only steps (1 row, then up to 5: 11 of each request's 12 tokens come from decodes)
+    # of it, the decode-only steps: 1 row, then up to 5 (how many of the batch's decodes ride along with
+    # other prompts' extends depends on arrival timing); 11 of each request's 12 tokens come from decodes
     assert 11 <= stats["decode_only_steps"] < stats["steps"]
-    assert stats["decode_only_steps"] + 4 * 10 <= stats["decode_only_rows"] <= 5 * stats["decode_only_steps"]
+    assert stats["decode_only_steps"] <= stats["decode_only_rows"] <= min(5 * stats["decode_only_steps"], 6 * 11)
     assert 0 < stats["decode_only_launch_s"] < stats["worker_launch_s"]
     assert stats["graph_capture_s"] == 0.0                  # the CPU captures no graphs
 
