@@ -14,6 +14,9 @@
 - ``RADIXRELAY_SMALL_EXTEND_ROWS``: extend tokens a step may run as decode-graph rows (the worker's
   ``SMALL_EXTEND_ROWS``, 256, when unset; 0: never, every step with an extend runs piecewise). For
   comparing the two paths.
+- ``RADIXRELAY_CPU_GEMM``: ``auto`` (default), ``onednn`` or ``blas``: how the model's float32 matrix
+  products run on the CPU (``radixrelay.model.cpu_gemm``: oneDNN's matmul, or torch's ``F.linear``
+  for comparisons). Read when the model module is imported; the runtime's children inherit it.
 - ``RADIXRELAY_GC``: ``managed`` (default) or ``python``: how the runtime's processes run Python's
   garbage collector (``radixrelay.runtime.gc_control``: start-up heap frozen, full collections when
   idle; or the interpreter's own policy, for comparison).

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.model.config import ModelConfig, RopeScaling
+from radixrelay.model.cpu_gemm import linear
 
 _fused_mode = "auto"
 
@@ -32,6 +33,13 @@ def set_fused_kernels(mode: str) -> None:
 def fused(x: torch.Tensor) -> bool:
     """Whether ops on ``x`` run as the fused Triton kernels."""
     return _fused_mode == "on" or (_fused_mode == "auto" and x.is_cuda)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose float32 CPU products run through ``radixrelay.model.cpu_gemm.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

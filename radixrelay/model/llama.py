@@ -21,7 +21,8 @@ from torch import nn
 
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.config import ModelConfig
-from radixrelay.model.layers import RMSNorm, RotaryEmbedding, apply_rope, fused
+from radixrelay.model.cpu_gemm import linear, uses_onednn
+from radixrelay.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
 
 # HF projection name -> (our fused parameter, shard index within it).
 _FUSED_SHARDS = {
@@ -41,9 +42,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias, **factory)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -73,17 +74,17 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, **factory) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
                                       **factory)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused(x):
             from radixrelay.kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        if x.device.type == "cpu":
-            # Two GEMMs over the fused weight's halves (views): on the CPU the same numbers as one, and
+        if x.device.type == "cpu" and not uses_onednn(x):
+            # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
             # faster for a few rows (SmolLM2, 8 rows: 0.47 ms against 0.64 ms a layer).
             w = self.gate_up_proj.weight
             gate, up = F.linear(x, w[:self.intermediate_size]), F.linear(x, w[self.intermediate_size:])
@@ -158,12 +159,13 @@ class LlamaForCausalLM(nn.Module):
         float64 model)."""
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and not uses_onednn(x):
             return torch.mm(x, self._cpu_head_t(head)).to(torch.promote_types(x.dtype, torch.float32))
-        return F.linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
+        return linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
 
     def _cpu_head_t(self, head: torch.Tensor) -> torch.Tensor:
-        """``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
+        """BLAS on the CPU (``cpu_gemm`` mode blas, or activations oneDNN does not take):
+        ``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
         copy of the head in memory: 113 MB for SmolLM2-135M in float32). On the CPU the LM head is the
         largest matrix (SmolLM2-135M: 28M of 135M weights) and BLAS streams it ~1.6x faster in this layout
         for one row, ~1.08x for 32 (``benchmarks/results/cpu_engine.md``); the tied embedding keeps its row
