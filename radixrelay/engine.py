@@ -142,6 +142,7 @@ class Engine:
                 "decode_steps_advanced": stats.decode_steps_advanced,
                 "decode_steps_covered": stats.decode_steps_covered,
                 "decode_steps_patched": stats.decode_steps_patched,
+                "decode_steps_deferred": stats.decode_steps_deferred,
                 "decode_only_steps": stats.decode_only_steps, "decode_only_rows": stats.decode_only_rows,
                 "decode_only_launch_s": stats.decode_only_launch_s, "graph_capture_s": stats.graph_capture_s,
                 "prefill_cascade_steps": stats.prefill_cascade_steps,

@@ -121,10 +121,12 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     malformed_frames: int = 0
     # Decode-graph steps (cumulative, of graph_replays): advanced on the device (the previous step's rows
     # one token further: no batch packing on the host), and run on a larger graph covering their size class;
-    # of the advanced ones, those whose changed rows (requests joined, left) were patched in place:
+    # of the advanced ones, those whose changed rows (requests joined, left) were patched in place; and
+    # decode steps of a size class no captured graph covered yet, run on the piecewise graphs instead:
     decode_steps_advanced: int = 0
     decode_steps_covered: int = 0
     decode_steps_patched: int = 0
+    decode_steps_deferred: int = 0
     # Steps with decode rows and no extends (cumulative): how many, their decode rows summed, and the
     # worker's launch time on them (of worker_launch_s; mixed steps are the rest):
     decode_only_steps: int = 0
@@ -194,8 +196,8 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
                                                                 # long-prefix runs (PrefillCascadeCounters)
     malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
-    decode_graph_steps: tuple[int, int, int] = (0, 0, 0)   # cumulative: decode steps advanced, covered,
-                                                           # patched (RuntimeStats)
+    decode_graph_steps: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: decode steps advanced,
+                                                                   # covered, patched, deferred (RuntimeStats)
     gc: GcStats = GcStats()           # cumulative: the worker's garbage collections
     capture_s: float = 0.0            # of launch_s: capturing CUDA graphs during this step's launch
 

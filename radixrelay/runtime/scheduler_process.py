@@ -85,7 +85,8 @@ class SchedulerLoop:
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
-        self._decode_graph_steps = (0, 0, 0)  # worker's cumulative decode-graph steps (advanced, covered, patched)
+        self._decode_graph_steps = (0, 0, 0, 0)  # worker's cumulative decode-graph steps (advanced, covered,
+        #                                         patched, deferred)
         # Decode-only steps (decode rows, no extends): step id -> rows, while in flight; then counted with
         # their worker launch time (the launch the serving-loop target is about, apart from mixed steps)
         self._decode_only: dict[int, int] = {}
@@ -244,6 +245,7 @@ class SchedulerLoop:
                             decode_steps_advanced=self._decode_graph_steps[0],
                             decode_steps_covered=self._decode_graph_steps[1],
                             decode_steps_patched=self._decode_graph_steps[2],
+                            decode_steps_deferred=self._decode_graph_steps[3],
                             decode_only_steps=self._decode_only_steps,
                             decode_only_rows=self._decode_only_rows,
                             decode_only_launch_s=self._decode_only_launch_s,

@@ -110,6 +110,9 @@ class _RuntimeCollector(Collector):
                       "their size class (instead of capturing one).", s.decode_steps_covered)
         yield counter("decode_steps_patched", "Advanced decode graph steps whose batch changed (requests joined "
                       "or left): only the changed rows were written from the host.", s.decode_steps_patched)
+        yield counter("decode_steps_deferred", "Decode steps of a size class no captured decode graph covered "
+                      "yet, run on the piecewise graphs instead (until the class is captured).",
+                      s.decode_steps_deferred)
         yield counter("decode_only_steps", "Steps with decode rows and no extend rows.", s.decode_only_steps)
         yield counter("decode_only_rows", "Decode rows of the decode-only steps, summed (over decode_only_steps: "
                       "their mean batch).", s.decode_only_rows)

@@ -60,6 +60,9 @@ CAPTURE_AFTER = 32
 # (``run(defer=True)``), is captured once seen this many times: the first steps of a burst (a tree's
 # prefill and first decodes) do not stall on captures; a class that recurs gets its graph soon.
 CAPTURE_UNCOVERED_AFTER = 8
+# Batch buckets of the graphs captured at start-up that cover flat decode and one shared group
+# (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
+COVER_BUCKETS = (16, 64, 128, 256, 384)
 # A decode step whose rows differ from the last graph step's in at most this many rows (requests that
 # joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
 # past it, the step's rows are filled from the host like any other step.
@@ -143,6 +146,49 @@ class DecodeGraphs:
         self._group = cfg.num_heads // cfg.num_kv_heads
         self._repeat: _Repeat | None = None
         self._warm_advance()
+
+    def capture_covers(self, buckets: tuple[int, ...] = COVER_BUCKETS) -> int:
+        """At start-up: per bucket (``buckets`` below ``max_batch``, and ``max_batch``), capture a flat
+        graph and a graph with one shared group whose launch shapes cover every size class of their kind
+        up to the bucket's rows: one split per level over any length (``_one_split_unbounded``), query
+        tiles for every row in the group, no TMA (steps with or without consecutive pages), caps of one
+        group, the bucket's rows and the page table's width. A fresh server's first decode steps then
+        replay one of these (``_covering``) instead of running on the piecewise graphs until their class
+        recurs (~6 ms of host launch each) or stalling on a capture; a class seen ``CAPTURE_AFTER`` times
+        still gets its own graph, with the launch shape chosen for it. Several shared groups (a tree)
+        are not covered here. Returns the number of graphs captured."""
+        sizes = sorted({b for b in buckets if b < self.max_batch} | {self.max_batch})
+        before = self.captures
+        for bs in sizes:
+            bs = self._bucket_of[bs]
+            for cascade in (False, True):
+                caps = (1, _pow2(bs), _pow2(self.max_pages)) if cascade else (1, 1, 1)
+                shape = self._cover_shape(bs, cascade)
+                key = (bs, caps, _launch_shape(shape))
+                if key in self._graphs:
+                    continue
+                g = self._buffers(bs, caps, shape)
+                g.key, g.cascade = key, cascade
+                self._fill_groups(g, None, 0)        # no rows: a real step refills the groups
+                self._capture(g)
+                self._graphs[key] = g
+        return self.captures - before
+
+    def _cover_shape(self, bs: int, cascade: bool) -> CascadePlan:
+        """The launch shape of ``capture_covers``' graph for ``bs`` rows: flat, or every row in one group
+        whose run is as long as a request can be (so not a light node)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        longest = self.max_pages * self.kv_cache.page_size
+        if cascade:
+            groups = (torch.tensor([0, bs], **i32), torch.arange(bs, **i32), torch.tensor([0, 1], **i32),
+                      torch.zeros(1, **i32), torch.tensor([longest], **i32))
+            host = CascadeHost(tuple(range(bs)), (0, bs), (longest,), 1)
+        else:
+            groups, host = self._no_groups, CascadeHost((), (0,), (), 1)
+        plan = plan_cascade(*groups, torch.zeros(bs, 1, **i32), self._zero_rows[:bs],
+                            torch.ones(bs, **i32), shared_splits=1, own_splits=1, allow_tma=False,
+                            kv_contiguous=False, host=host, **self.heads)
+        return self._one_split_unbounded(plan)
 
     def fits(self, num: int, width: int) -> bool:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""

@@ -206,11 +206,11 @@ class ModelRunner:
                 + (self.piecewise.capture_s if self.piecewise is not None else 0.0))
 
     @property
-    def decode_graph_steps(self) -> tuple[int, int, int]:
-        """Decode-graph steps advanced on the device, run on a covering graph, and advanced with changed
-        rows patched (cumulative)."""
+    def decode_graph_steps(self) -> tuple[int, int, int, int]:
+        """Decode-graph steps advanced on the device, run on a covering graph, advanced with changed rows
+        patched, and decode steps deferred to the piecewise graphs (uncovered size class; cumulative)."""
         g = self.graphs
-        return (g.advances, g.fallbacks, g.patches) if g is not None else (0, 0, 0)
+        return (g.advances, g.fallbacks, g.patches, g.deferred) if g is not None else (0, 0, 0, 0)
 
     @property
     def num_resident(self) -> int:

@@ -212,3 +212,37 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
             assert graphs.captures == 0 and graphs.deferred == i + 1 and piecewise.replays == i + 1
     assert graphs.captures == 1 and graphs.deferred == 2 and piecewise.replays == 2
     assert graphs.advances == 2                    # the captured class then continues on the device
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cascade", [True, False])
+def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, device):
+    """``capture_covers`` at start-up: a flat and a one-group graph per cover bucket. A fresh batch's
+    steps (classes never seen) then replay a cover instead of running piecewise or capturing, with the
+    eager runner's outputs; a cover is the smallest graph holding the step's rows."""
+    from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
+
+    net = copy.deepcopy(model).to(device)
+    eager_kv, graph_kv = kv_cache(device), kv_cache(device)
+    eager = ModelRunner(net, eager_kv, TorchBackend() if device == "cpu" else make_backend("triton", device))
+    backend = make_backend("triton", device)
+    graphs = graphs_of(net, graph_kv)
+    assert graphs.capture_covers(buckets=(8,)) == 4              # buckets 8 and 16 (max_batch), flat and one group
+    assert graphs.capture_covers(buckets=(8,)) == 0              # captured once
+    piecewise = PiecewiseGraphs(net, graph_kv, backend, token_buckets=[8, 16], scratch_slot=NUM_PAGES * PS)
+    fast = ModelRunner(net, graph_kv, backend, graphs=graphs, piecewise=piecewise)
+    eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
+    work = Churn(cascade=cascade, seed=5)
+    for leave, join in [(0, 6), (0, 0), (1, 2), (0, 0), (2, 1), (0, 0)]:
+        plan = work.plan(leave, join)
+        want, got = eager.step(plan), fast.step(plan)
+        assert want.error is None and got.error is None, (want.error, got.error)
+        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
+        for rid in plan.decodes:
+            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
+        assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
+    assert graphs.deferred == 0 and piecewise.replays == 0 and graphs.captures == 4
+    if cascade:         # a light node's launch shape is not the cover's: its steps ran covered (flat rows
+        assert graphs.fallbacks >= 1          # may have the cover's own shape: one split, then it is theirs)
+    assert {g.key[0] for g in graphs._graphs.values()} == {8, 16}
+    assert graphs._repeat is not None and graphs._repeat.graph.key[0] == 8   # <= 8 rows: the 8-row cover
