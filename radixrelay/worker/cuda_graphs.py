@@ -60,9 +60,10 @@ CAPTURE_AFTER = 32
 # (``run(defer=True)``), is captured once seen this many times: the first steps of a burst (a tree's
 # prefill and first decodes) do not stall on captures; a class that recurs gets its graph soon.
 CAPTURE_UNCOVERED_AFTER = 8
-# Batch buckets of the graphs captured at start-up that cover flat decode and one shared group
-# (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
+# Batch buckets of the graphs captured at start-up that cover flat decode and up to ``COVER_GROUPS`` shared
+# groups (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
 COVER_BUCKETS = (16, 64, 128, 256, 384)
+COVER_GROUPS = 4
 # A decode step whose rows differ from the last graph step's in at most this many rows (requests that
 # joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
 # past it, the step's rows are filled from the host like any other step.
@@ -149,20 +150,21 @@ class DecodeGraphs:
 
     def capture_covers(self, buckets: tuple[int, ...] = COVER_BUCKETS) -> int:
         """At start-up: per bucket (``buckets`` below ``max_batch``, and ``max_batch``), capture a flat
-        graph and a graph with one shared group whose launch shapes cover every size class of their kind
-        up to the bucket's rows: one split per level over any length (``_one_split_unbounded``), query
-        tiles for every row in the group, no TMA (steps with or without consecutive pages), caps of one
-        group, the bucket's rows and the page table's width. A fresh server's first decode steps then
-        replay one of these (``_covering``) instead of running on the piecewise graphs until their class
-        recurs (~6 ms of host launch each) or stalling on a capture; a class seen ``CAPTURE_AFTER`` times
-        still gets its own graph, with the launch shape chosen for it. Several shared groups (a tree)
-        are not covered here. Returns the number of graphs captured."""
+        graph and a cascade graph whose launch shapes cover every size class of their kind up to the
+        bucket's rows: one split per level over any length (``_one_split_unbounded``), query tiles for a
+        group of every row, no TMA (steps with or without consecutive pages); the cascade graph's caps
+        hold ``COVER_GROUPS`` groups, rows in two levels (twice the bucket) and a run as long as the page
+        table is wide. A fresh server's first decode steps then replay one of these (``_covering``)
+        instead of running on the piecewise graphs until their class recurs (~6 ms of host launch each)
+        or stalling on a capture; a class seen ``CAPTURE_AFTER`` times still gets its own graph, with the
+        launch shape chosen for it. Trees of more groups are left to those. Returns the number of graphs
+        captured."""
         sizes = sorted({b for b in buckets if b < self.max_batch} | {self.max_batch})
         before = self.captures
         for bs in sizes:
             bs = self._bucket_of[bs]
             for cascade in (False, True):
-                caps = (1, _pow2(bs), _pow2(self.max_pages)) if cascade else (1, 1, 1)
+                caps = (COVER_GROUPS, _pow2(2 * bs), _pow2(self.max_pages)) if cascade else (1, 1, 1)
                 shape = self._cover_shape(bs, cascade)
                 key = (bs, caps, _launch_shape(shape))
                 if key in self._graphs:
