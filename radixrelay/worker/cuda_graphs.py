@@ -18,7 +18,10 @@ Rows are stable (a persistent batch): a request keeps its graph row from one dec
 request). A decode step whose batch changed by up to ``MAX_PATCH_ROWS`` rows then writes only those rows'
 values from the host (one upload, ``scatter_pages`` + ``patch_rows``) before the same advance, on the
 same graph (and, if the cascade plan's rows changed, its groups refilled); the decode runs' rows are
-ascending, so a newcomer in a departed member's row leaves the plan's tensors as they were.
+ascending, so a newcomer in a departed member's row leaves the plan's tensors as they were. A batch that
+shrinks into a smaller bucket stays on its graph while it fills more than half of it (rows given up
+become padding), so a batch going back and forth across a bucket boundary at saturation keeps
+advancing instead of refilling every row on each crossing.
 
 On the CPU the same buffers and plans run eagerly (no capture): the padding logic is tested there
 with the Triton interpreter.
@@ -279,8 +282,8 @@ class DecodeGraphs:
         else:
             if (list(patch.rows) if patch is not None else []) != r.changed:
                 return None
-            if self._bucket_of[num] != self._bucket_of[before]:
-                return None                               # another graph: the full path
+            if num > len(g.ids) or (self._bucket_of[num] != self._bucket_of[before] and 2 * num <= len(g.ids)):
+                return None       # another graph (grown past this one, or half of it idle): the full path
             if patch is not None:
                 if patch.width > self.max_pages:
                     return None

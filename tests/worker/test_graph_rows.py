@@ -246,3 +246,32 @@ def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, d
         assert graphs.fallbacks >= 1          # may have the cover's own shape: one split, then it is theirs)
     assert {g.key[0] for g in graphs._graphs.values()} == {8, 16}
     assert graphs._repeat is not None and graphs._repeat.graph.key[0] == 8   # <= 8 rows: the 8-row cover
+
+
+def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
+    """A batch that shrinks into a smaller bucket keeps advancing on its graph (rows given up become
+    padding) while it fills more than half of it, and grows back there without a refill: no full step
+    for a batch flapping across a bucket boundary. Below half the graph the step takes the full path (here
+    on the same graph again, as the covering graph of a class not seen before)."""
+    eager_kv, graph_kv = kv_cache(), kv_cache()
+    eager = ModelRunner(model, eager_kv, TorchBackend())
+    graphs = graphs_of(model, graph_kv, max_batch=64)
+    fast = ModelRunner(model, graph_kv, make_backend("triton", "cpu"), graphs=graphs)
+    eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
+    work = Churn(cascade=True, seed=9)
+    # (leave, join, rows after, graph rows expected, advanced on the device)
+    script = [(0, 52, 52, 64, False), (0, 0, 52, 64, True), (6, 0, 46, 64, True), (0, 3, 49, 64, True),
+              (9, 0, 40, 64, True), (0, 0, 40, 64, True), (12, 0, 28, 64, False)]
+    for leave, join, rows, graph_rows, advanced in script:
+        plan = work.plan(leave, join)
+        before = graphs.advances
+        want, got = eager.step(plan), fast.step(plan)
+        assert want.error is None and got.error is None, (want.error, got.error)
+        assert len(plan.decodes) == rows
+        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
+        for rid in plan.decodes:
+            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
+        assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
+        assert len(graphs._repeat.graph.ids) == graph_rows
+        assert (graphs.advances > before) == advanced, (leave, join)
+    assert graphs.captures == 1 and graphs.fallbacks == 1
