@@ -33,7 +33,7 @@ on an H200 (255 registers for every program) and was dropped; see benchmarks/res
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -180,37 +180,67 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     check(len(rows_host) == q_rows.numel() and len(indptr_host) == num_groups + 1
           and len(host.kv_lens) == num_groups, "host copies disagree with the plan's tensors")
     check(all(0 <= b < num_requests for b in rows_host), f"q_rows must index the {num_requests} requests")
-    max_rows = max((indptr_host[g + 1] - indptr_host[g] for g in range(num_groups)), default=0)
-    max_kv = max(host.kv_lens, default=0)
-    max_own = host.max_own
+    # ``kv_contiguous`` None: checked on the device only if the rest allows TMA (one more sync)
+    contiguous = ((lambda: shared_node.pages_contiguous(kv_indptr, kv_pages)) if kv_contiguous is None
+                  else kv_contiguous)
+    launch = cascade_launch(host, num_requests, device, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, shared_splits=shared_splits, own_splits=own_splits,
+                            shared_config=shared_config, allow_tma=allow_tma, kv_contiguous=contiguous)
+    indptr, ids = merge_index(rows_host, num_requests, launch.shared_splits, launch.own_splits)
+    return CascadePlan(
+        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
+        torch.from_numpy(indptr).to(device, non_blocking=True),
+        torch.from_numpy(ids).to(device, non_blocking=True),
+        page_size, head_dim, num_q_heads // num_kv_heads, **launch._asdict(),
+    )
 
+
+class CascadeLaunch(NamedTuple):
+    """A step's launch shape (``CascadePlan``'s launch fields), chosen from sizes known on the host."""
+
+    m_tiles: int
+    shared_splits: int
+    shared_chunk: int
+    own_splits: int
+    own_chunk: int
+    shared_config: tuple[int, int, int, int]
+    kv_tma: bool
+    light_nodes: bool
+
+
+def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *, num_q_heads: int,
+                   num_kv_heads: int, head_dim: int, shared_splits: int | None = None, own_splits: int | None = None,
+                   shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
+                   kv_contiguous: bool | Callable[[], bool] = False) -> CascadeLaunch:
+    """``plan_cascade``'s launch choice for a step of ``num_requests`` requests whose shared groups are
+    ``host`` (rows, indptr, run lengths, longest own range): host arithmetic only, no tensors. Given
+    ``shared_splits`` / ``own_splits`` / ``shared_config`` are kept. ``kv_contiguous``: whether every
+    group's pages are consecutive ids (a callable is asked only when the rest allows TMA)."""
+    num_groups = len(host.indptr) - 1
+    indptr = host.indptr
+    max_rows = max((indptr[g + 1] - indptr[g] for g in range(num_groups)), default=0)
+    max_kv = max(host.kv_lens, default=0)
     group = num_q_heads // num_kv_heads
-    # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows; ``kv_contiguous``
-    # None: checked here, one more sync); a 32-bit cache then still runs the gather, with 128-row tiles
-    kv_tma = (allow_tma and num_groups > 0 and head_dim == 128 and max_rows * group >= shared_node.TMA_MIN_ROWS
-              and shared_node.tma_capable(device)
-              and (shared_node.pages_contiguous(kv_indptr, kv_pages) if kv_contiguous is None else kv_contiguous))
+    # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows); a 32-bit cache
+    # then still runs the gather, with 128-row tiles
+    kv_tma = bool(allow_tma and num_groups > 0 and head_dim == 128 and max_rows * group >= shared_node.TMA_MIN_ROWS
+                  and shared_node.tma_capable(device)
+                  and (kv_contiguous() if callable(kv_contiguous) else kv_contiguous))
     shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma)
     block_m, block_n = shared_config[:2]
     m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)
-    live_tiles = min(num_groups * m_tiles, triton.cdiv(len(rows_host) * group, block_m) + num_groups)
+    live_tiles = min(num_groups * m_tiles, triton.cdiv(len(host.rows) * group, block_m) + num_groups)
     slots = shared_node.programs_per_sm(shared_config) * num_sms(device)
     if shared_splits is None:
         shared_splits, shared_chunk = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
     else:
         shared_chunk = triton.cdiv(triton.cdiv(max(max_kv, 1), shared_splits), block_n) * block_n
     if own_splits is None:
-        own_splits, own_chunk = pick_splits(num_requests * num_kv_heads, max_own, OWN_ALIGN, 4 * slots, 256)
+        own_splits, own_chunk = pick_splits(num_requests * num_kv_heads, host.max_own, OWN_ALIGN, 4 * slots, 256)
     else:
-        own_chunk = triton.cdiv(triton.cdiv(max(max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
-    indptr, ids = merge_index(rows_host, num_requests, shared_splits, own_splits)
-    return CascadePlan(
-        q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
-        torch.from_numpy(indptr).to(device, non_blocking=True),
-        torch.from_numpy(ids).to(device, non_blocking=True),
-        page_size, head_dim, group, m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config,
-        kv_tma, light_nodes=max_kv <= LIGHT_NODE_TOKENS,
-    )
+        own_chunk = triton.cdiv(triton.cdiv(max(host.max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
+    return CascadeLaunch(m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config, kv_tma,
+                         max_kv <= LIGHT_NODE_TOKENS)
 
 
 class CascadeDecode:

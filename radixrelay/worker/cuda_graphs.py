@@ -29,7 +29,6 @@ with the Triton interpreter.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from array import array
@@ -47,8 +46,8 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
 from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 from radixrelay.attention.triton_backend import TritonBackend
-from radixrelay.kernels import CascadePlan, plan_cascade
-from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, merge_index
+from radixrelay.kernels import CascadePlan
+from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, CascadeLaunch, cascade_launch, merge_index
 from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
 from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
@@ -124,12 +123,9 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.device = kv_cache.device
         cfg = model.config
-        self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                          page_size=kv_cache.page_size)
+        self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self._shapes: dict[tuple, CascadePlan] = {}     # size class -> plan whose launch shape graphs use
-        self._no_groups = _groups(None, self.device)
-        self._zero_rows = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self._shapes: dict[tuple, CascadeLaunch] = {}   # size class -> the launch shape its graphs use
         stride = -(-max_batch // 4) * 4
         self._zeros = array("q", bytes(8 * stride))                  # host padding of the row blocks
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(max_batch + 1)]
@@ -179,21 +175,14 @@ class DecodeGraphs:
                 self._graphs[key] = g
         return self.captures - before
 
-    def _cover_shape(self, bs: int, cascade: bool) -> CascadePlan:
+    def _cover_shape(self, bs: int, cascade: bool) -> CascadeLaunch:
         """The launch shape of ``capture_covers``' graph for ``bs`` rows: flat, or every row in one group
         whose run is as long as a request can be (so not a light node)."""
-        i32 = dict(dtype=torch.int32, device=self.device)
         longest = self.max_pages * self.kv_cache.page_size
-        if cascade:
-            groups = (torch.tensor([0, bs], **i32), torch.arange(bs, **i32), torch.tensor([0, 1], **i32),
-                      torch.zeros(1, **i32), torch.tensor([longest], **i32))
-            host = CascadeHost(tuple(range(bs)), (0, bs), (longest,), 1)
-        else:
-            groups, host = self._no_groups, CascadeHost((), (0,), (), 1)
-        plan = plan_cascade(*groups, torch.zeros(bs, 1, **i32), self._zero_rows[:bs],
-                            torch.ones(bs, **i32), shared_splits=1, own_splits=1, allow_tma=False,
-                            kv_contiguous=False, host=host, **self.heads)
-        return self._one_split_unbounded(plan)
+        host = (CascadeHost(tuple(range(bs)), (0, bs), (longest,), 1) if cascade
+                else CascadeHost((), (0,), (), 1))
+        return self._one_split_unbounded(cascade_launch(host, bs, self.device, shared_splits=1, own_splits=1,
+                                                        allow_tma=False, **self.heads))
 
     def fits(self, num: int, width: int) -> bool:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
@@ -408,17 +397,14 @@ class DecodeGraphs:
         contiguous = runs is not None and runs.contiguous          # the graph bakes in the TMA choice
         shape_key = (bs, num_groups, num_rows, max_rows, max_kv, contiguous, _pow2(own_len))
         shape = self._shapes.get(shape_key)
-        if shape is None:       # the kernels' launch choice for this size class (device syncs: only here)
+        if shape is None:       # the kernels' launch choice for this size class (host arithmetic)
             if len(self._shapes) > 256:
                 self._shapes.clear()
             # own KV length rounded up to a power of two, so that a growing suffix rarely changes the key
-            own_end = torch.full((bs,), shape_key[-1], dtype=torch.int32, device=self.device)
             host = (CascadeHost(runs.host_rows, runs.host_indptr, host_lens, shape_key[-1]) if runs is not None
                     else CascadeHost((), (0,), (), shape_key[-1]))
-            groups = _groups(runs, self.device) if runs is not None else self._no_groups
-            shape = self._shapes[shape_key] = self._one_split_unbounded(plan_cascade(
-                *groups, torch.zeros(bs, 1, dtype=torch.int32, device=self.device), self._zero_rows[:bs], own_end,
-                kv_contiguous=contiguous, host=host, **self.heads))
+            shape = self._shapes[shape_key] = self._one_split_unbounded(cascade_launch(
+                host, bs, self.device, kv_contiguous=contiguous, **self.heads))
         caps = (_pow2(num_groups), _pow2(num_rows), _pow2(num_pages))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -483,7 +469,7 @@ class DecodeGraphs:
                 best = g
         return best
 
-    def _one_split_unbounded(self, plan: CascadePlan) -> CascadePlan:
+    def _one_split_unbounded(self, plan: CascadeLaunch) -> CascadeLaunch:
         """A level with one split reads [start, end) whatever its chunk, as long as the chunk covers the
         longest possible range: give it that chunk, so that growing lengths keep the launch shape (and
         the graph) instead of changing it at every power of two."""
@@ -494,11 +480,11 @@ class DecodeGraphs:
         if plan.shared_splits == 1:
             block_n = plan.shared_config[1]
             changes["shared_chunk"] = -(-longest // block_n) * block_n
-        return dataclasses.replace(plan, **changes) if changes else plan
+        return plan._replace(**changes) if changes else plan
 
     # -- buffers -----------------------------------------------------------------------------------
 
-    def _buffers(self, bs: int, caps: tuple[int, int, int], shape: CascadePlan) -> _Graph:
+    def _buffers(self, bs: int, caps: tuple[int, int, int], shape: CascadeLaunch) -> _Graph:
         num_groups, num_rows, num_pages = caps
         i32 = dict(dtype=torch.int32, device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -521,10 +507,11 @@ class DecodeGraphs:
                                  max(nnz, 1))
         groups32 = torch.zeros(layout.total, **i32)
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, merge_indptr, merge_part_ids = layout.views(groups32)
-        plan = dataclasses.replace(   # the size class's launch shape over fixed, padded tensors
-            shape, q_indptr=q_indptr, q_rows=q_rows, kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens,
+        plan = CascadePlan(   # the size class's launch shape over fixed, padded tensors
+            q_indptr=q_indptr, q_rows=q_rows, kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens,
             page_table=page_table, kv_start=kv_start, kv_end=seq_lens, merge_indptr=merge_indptr,
-            merge_part_ids=merge_part_ids)
+            merge_part_ids=merge_part_ids, page_size=self.kv_cache.page_size, head_dim=self.heads["head_dim"],
+            group=self._group, **shape._asdict())
         ids = torch.zeros(bs, **i64)
         advance = RowAdvance(positions, prefix_lens, seq_lens, out_slots, page_table, self.kv_cache.page_size, ids,
                              rows64[4, :bs], bs)
@@ -663,16 +650,7 @@ def _covers(plan: CascadePlan, need: _Need) -> bool:
             and plan.shared_splits * plan.shared_chunk >= need.max_kv and (need.contiguous or not plan.kv_tma))
 
 
-def _groups(runs, device) -> tuple[torch.Tensor, ...]:
-    """(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens) of the decode runs; empty (flat) without."""
-    if runs is not None:
-        return runs.q_indptr, runs.q_rows, runs.kv_indptr, runs.kv_pages, runs.kv_lens
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    empty = torch.zeros(0, dtype=torch.int32, device=device)
-    return zero, empty, zero, empty, empty
-
-
-def _launch_shape(plan: CascadePlan) -> _LaunchShape:
+def _launch_shape(plan: CascadePlan | CascadeLaunch) -> _LaunchShape:
     return (plan.m_tiles, plan.shared_splits, plan.shared_chunk, plan.own_splits, plan.own_chunk,
             plan.shared_config, plan.kv_tma, plan.light_nodes)
 
