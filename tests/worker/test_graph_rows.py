@@ -153,6 +153,18 @@ class Churn:
         return plan
 
 
+def step_both(eager: ModelRunner, fast: ModelRunner, plan: StepPlan) -> None:
+    """Run ``plan`` on the eager runner and the graph runner: no errors, every decode row's logits within
+    2e-3 of the eager ones, the same tokens."""
+    want, got = eager.step(plan), fast.step(plan)
+    assert want.error is None and got.error is None, (want.error, got.error)
+    assert sorted(got.rids) == sorted(plan.decodes)
+    want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
+    for rid in plan.decodes:
+        torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
+    assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cascade", [True, False])
 def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
@@ -169,15 +181,7 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
     script = [(0, 8), (0, 0), (1, 1), (1, 1), (0, 0), (2, 0), (1, 0), (0, 1), (0, 2), (3, 3), (1, 1), (2, 1),
               (0, 0), (1, 2), (2, 2)]
     for leave, join in script:
-        plan = work.plan(leave, join)
-        want, got = eager.step(plan), fast.step(plan)
-        assert want.error is None and got.error is None, (want.error, got.error)
-        assert sorted(got.rids) == sorted(plan.decodes)
-        want_rows = dict(zip(want.rids, eager.sampler.last))
-        got_rows = dict(zip(got.rids, fast.sampler.last))
-        for rid in plan.decodes:
-            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
-        assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
+        step_both(eager, fast, work.plan(leave, join))
     changed = sum(1 for leave, join in script[1:] if leave or join)
 
     assert graphs.patches >= changed - 1          # one may need another bucket or launch shape: full path
@@ -202,12 +206,7 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade=True, seed=3)
     for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0), (0, 0)]):
-        plan = work.plan(leave, join)
-        want, got = eager.step(plan), fast.step(plan)
-        assert want.error is None and got.error is None, (want.error, got.error)
-        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
-        for rid in plan.decodes:
-            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
+        step_both(eager, fast, work.plan(leave, join))
         if i < 2:           # seen once, twice: piecewise, no capture
             assert graphs.captures == 0 and graphs.deferred == i + 1 and piecewise.replays == i + 1
     assert graphs.captures == 1 and graphs.deferred == 2 and piecewise.replays == 2
@@ -217,7 +216,7 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cascade", [True, False])
 def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, device):
-    """``capture_covers`` at start-up: a flat and a one-group graph per cover bucket. A fresh batch's
+    """``capture_covers`` at start-up: a flat and a cascade graph per cover bucket. A fresh batch's
     steps (classes never seen) then replay a cover instead of running piecewise or capturing, with the
     eager runner's outputs; a cover is the smallest graph holding the step's rows."""
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
@@ -227,20 +226,14 @@ def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, d
     eager = ModelRunner(net, eager_kv, TorchBackend() if device == "cpu" else make_backend("triton", device))
     backend = make_backend("triton", device)
     graphs = graphs_of(net, graph_kv)
-    assert graphs.capture_covers(buckets=(8,)) == 4              # buckets 8 and 16 (max_batch), flat and one group
+    assert graphs.capture_covers(buckets=(8,)) == 4              # buckets 8 and 16 (max_batch), flat and cascade
     assert graphs.capture_covers(buckets=(8,)) == 0              # captured once
     piecewise = PiecewiseGraphs(net, graph_kv, backend, token_buckets=[8, 16], scratch_slot=NUM_PAGES * PS)
     fast = ModelRunner(net, graph_kv, backend, graphs=graphs, piecewise=piecewise)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade=cascade, seed=5)
     for leave, join in [(0, 6), (0, 0), (1, 2), (0, 0), (2, 1), (0, 0)]:
-        plan = work.plan(leave, join)
-        want, got = eager.step(plan), fast.step(plan)
-        assert want.error is None and got.error is None, (want.error, got.error)
-        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
-        for rid in plan.decodes:
-            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
-        assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
+        step_both(eager, fast, work.plan(leave, join))
     assert graphs.deferred == 0 and piecewise.replays == 0 and graphs.captures == 4
     if cascade:         # a light node's launch shape is not the cover's: its steps ran covered (flat rows
         assert graphs.fallbacks >= 1          # may have the cover's own shape: one split, then it is theirs)
@@ -265,13 +258,8 @@ def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
     for leave, join, rows, graph_rows, advanced in script:
         plan = work.plan(leave, join)
         before = graphs.advances
-        want, got = eager.step(plan), fast.step(plan)
-        assert want.error is None and got.error is None, (want.error, got.error)
+        step_both(eager, fast, plan)
         assert len(plan.decodes) == rows
-        want_rows, got_rows = dict(zip(want.rids, eager.sampler.last)), dict(zip(got.rids, fast.sampler.last))
-        for rid in plan.decodes:
-            torch.testing.assert_close(got_rows[rid], want_rows[rid], rtol=0, atol=2e-3)
-        assert dict(zip(got.rids, got.token_ids)) == dict(zip(want.rids, want.token_ids))
         assert len(graphs._repeat.graph.ids) == graph_rows
         assert (graphs.advances > before) == advanced, (leave, join)
     assert graphs.captures == 1 and graphs.fallbacks == 1
