@@ -21,10 +21,7 @@ same graph (and, if the cascade plan's rows changed, its groups refilled); the d
 ascending, so a newcomer in a departed member's row leaves the plan's tensors as they were. A batch that
 shrinks into a smaller bucket stays on its graph while it fills more than half of it (rows given up
 become padding), so a batch going back and forth across a bucket boundary at saturation keeps
-advancing instead of refilling every row on each crossing. A step run elsewhere in between (a mixed
-step: its extends as rows of another graph, or piecewise) leaves this graph's buffers as they were:
-the next decode step still advances them (``skip``), each row as many tokens as it moved, with the
-pages appended meanwhile written into the graph's page table.
+advancing instead of refilling every row on each crossing.
 
 On the CPU the same buffers and plans run eagerly (no capture): the padding logic is tested there
 with the Triton interpreter.
@@ -69,10 +66,6 @@ CAPTURE_UNCOVERED_AFTER = 8
 # groups (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
 COVER_BUCKETS = (16, 64, 128, 256, 384)
 COVER_GROUPS = 4
-# Steps with decode rows that may run elsewhere (a mixed step: piecewise graphs, or extend rows on another
-# decode graph) between two decode steps of one graph, the second still advancing the first's rows
-# (``DecodeGraphs.skip``): each such step moves them one token further.
-MAX_BEHIND = 2
 # A decode step whose rows differ from the last graph step's in at most this many rows (requests that
 # joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
 # past it, the step's rows are filled from the host like any other step.
@@ -118,11 +111,6 @@ class _Repeat:
     row_of: dict[int, int] | None = None   # rid -> row, built on first use (``arrange``'s order once it ran)
     arranged: list[int] | None = None      # ``arrange``'s order for the next step ...
     changed: list[int] = field(default_factory=list)   # ... its rows holding another request, ascending
-    # Steps with decode rows run elsewhere since (``skip``): the requests that decoded in every one of them,
-    # and the page appends of those steps (this graph's page table has not seen them)
-    behind: int = 0
-    skipped: set[int] | None = None
-    pending: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -150,7 +138,6 @@ class DecodeGraphs:
         self.advances = 0               # steps advanced on the device (``advance``)
         self.fallbacks = 0              # steps run on a larger graph that covers their size class
         self.patches = 0                # advanced steps whose changed rows were patched (of ``advances``)
-        self.advances_across = 0        # advanced steps whose rows moved on in steps run elsewhere (``skip``)
         self.deferred = 0               # steps of an uncovered size class handed back (``run(defer=True)``)
         # int64 [num] newest-token rows of the last decode step run here (its ids were gathered by them),
         # valid until the next step; None after a step whose ids came from the caller
@@ -202,31 +189,9 @@ class DecodeGraphs:
         return num <= self.max_batch and width <= self.max_pages
 
     def forget(self) -> None:
-        """The next step does not repeat the last one run here (a launch failed, or its rows moved)."""
+        """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
         self._repeat = None
         self.token_rows = None
-
-    def skip(self, decodes: list[int], appends: list[tuple[int, int, list[int]]]) -> None:
-        """A step ran elsewhere (piecewise graphs, eagerly, or another decode graph: its extends as rows)
-        with decode rows ``decodes`` and page appends ``appends``. The last graph step's buffers are as it
-        left them, so the next decode step may still ``advance`` them: each row of a request that decoded
-        here too moves one more token (its K/V for that token was written here), with these appends
-        written into the graph's page table first. Up to ``MAX_BEHIND`` such steps; a step without decodes
-        moves no row."""
-        self.token_rows = None
-        r = self._repeat
-        if r is None:
-            return
-        if r.arranged is not None:     # arranged for a decode step that ran elsewhere: row_of moved on
-            self._repeat = None
-            return
-        if decodes:
-            if r.behind >= MAX_BEHIND:
-                self._repeat = None
-                return
-            r.behind += 1
-            r.skipped = set(decodes) if r.skipped is None else r.skipped.intersection(decodes)
-        r.pending.extend(appends)
 
     def arrange(self, rids: list[int]) -> list[int]:
         """The row order of a decode-only step (a permutation of ``rids``): a request of the last graph
@@ -296,15 +261,10 @@ class DecodeGraphs:
         if r is None:
             return None
         g, num, before = r.graph, len(rids), len(r.rids)
-        steps = 1 + r.behind                              # tokens each continuing row moves
-        own_len = r.own_len + steps
+        own_len = r.own_len + 1
         arranged = r.arranged is rids and rids is not r.rids      # rows changed (``arrange``)
-        if r.runs is not runs and not arranged and not r.behind:
+        if r.runs is not runs and not arranged:
             return None
-        if r.behind:                   # every continuing row's request decoded in the steps run elsewhere
-            changed = set(r.changed) if arranged else ()
-            if any(rid not in r.skipped for i, rid in enumerate(rids) if i not in changed):
-                return None
         if not arranged:
             if patch is not None or r.rids != rids:
                 return None
@@ -326,12 +286,10 @@ class DecodeGraphs:
         if r.runs is not runs and not self._holds(g, runs, own_len):
             return None
         host = array("q")
-        if r.pending:
-            appends = r.pending + appends
         writes = self._page_writes(r, appends, host) if appends else 0
         if writes < 0:
             return None
-        patched = self._row_values(patch, num, before, host, steps) if arranged else 0
+        patched = self._row_values(patch, num, before, host) if arranged else 0
         if writes or patched:                             # one upload: page writes, then patched rows
             dev = to_device(host, torch.int64, self.device)
             if writes:
@@ -340,19 +298,15 @@ class DecodeGraphs:
                 at = 3 * writes
                 g.patch(patch.table if patch is not None else g.batch.page_table,
                         dev[at:at + 9 * patched].view(9, patched), patch.width if patch is not None else 0)
-        if g.runs is not runs:
-            self._fill_groups(g, runs, num)
-            g.runs = r.runs = runs
         if arranged:
+            if g.runs is not runs:
+                self._fill_groups(g, runs, num)
+                g.runs = r.runs = runs
             self.patches += 1
         self.token_rows = g.rows64[4, :num]
-        for _ in range(steps):         # the page table holds every page up to the last position
-            g.advance(num, tokens)
+        g.advance(num, tokens)
         self._replay(g)
         r.rids, r.own_len, r.arranged, r.changed = rids, own_len, None, []
-        if r.behind:
-            self.advances_across += 1
-            r.behind, r.skipped, r.pending = 0, None, []
         g.num = num                                       # the merge index does not depend on it
         self.advances += 1
         return g.logits[:num]
@@ -393,17 +347,17 @@ class DecodeGraphs:
         host.extend(pages)
         return len(rows)
 
-    def _row_values(self, patch: RowPatch | None, num: int, before: int, host: array, steps: int = 1) -> int:
+    def _row_values(self, patch: RowPatch | None, num: int, before: int, host: array) -> int:
         """Append to ``host`` the patched rows' values (``patch_rows`` layout: graph row, 5 rows64 values,
         3 rows32 values), then padding values for rows [num, before) that the batch gave up; returns how
-        many rows. A patched row holds its position - ``steps``: the ``steps`` advances that follow make its
-        position, sequence lengths and slot from its new page row (rows past ``num`` do not advance)."""
+        many rows. A patched row holds its position - 1: the advance that follows makes its position,
+        sequence lengths and slot from its new page row (rows past ``num`` do not advance)."""
         vacated = before - num if num < before else 0
         if patch is None:                                  # rows given up, none changed
             patch = RowPatch((), (), (), torch.empty(0), (), 0, ())
         n = len(patch.rows) + vacated
         pad = self._zeros[:vacated]
-        positions = array("q", [p - steps for p in patch.positions])
+        positions = array("q", [p - 1 for p in patch.positions])
         host.extend(patch.rows)
         host.extend(range(num, num + vacated))
         for values, padding in ((positions, pad), (patch.slots, self._scratch[:vacated]), (None, pad),
@@ -488,10 +442,7 @@ class DecodeGraphs:
         else:
             self._graphs.move_to_end(g.key)
             self._replay(g)
-        if rids is not None:
-            self._repeat = _Repeat(g, rids, runs, own_len)
-        elif self._repeat is not None and self._repeat.graph is g:
-            self._repeat = None        # its rows overwritten; on another graph they stay for ``skip``
+        self._repeat = _Repeat(g, rids, runs, own_len) if rids is not None else None
         return g.logits[:num]
 
     def _warm_advance(self) -> None:

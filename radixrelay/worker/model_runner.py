@@ -384,14 +384,13 @@ class ModelRunner:
         if self._small_extends(plan, extends, decoding):
             logits = self._forward_rows(plan, extends, decoding, input_ids, events)
             if logits is not None:
-                self.graphs.skip(plan.decodes, self._appends)   # the last decode graph step's rows moved on
                 return logits
         elif not extends and self.graphs is not None:
             logits = self._forward_decode_graph(plan, decoding, events)
             if logits is not None:
                 return logits
         if self.graphs is not None:
-            self.graphs.skip(plan.decodes, self._appends)
+            self.graphs.forget()
         decodes = self._decode_rows(plan.decodes, decoding)
         batch = self._batch(plan, extends, decodes)
         rope_delta = self._rope_delta(plan, decoding)

@@ -108,9 +108,7 @@ def test_decode_graph_buffers(llama32):
 def test_changing_batches_on_decode_graphs(llama32):
     """Requests join and leave a running batch (a pair arrives every 2 steps; each stops after its own
     number of tokens): decode steps whose rows changed refill the graph's rows and groups from the host
-    (positions, slots, page-table rows in one upload), with and without cascade, and match eager. A decode
-    step after a mixed step (the newcomers' extends as rows of another graph) advances the last decode
-    step's graph across it: its rows two tokens on, the newcomers patched in."""
+    (positions, slots, page-table rows in one upload), with and without cascade, and match eager."""
     rng = random.Random(13)
     system = [rng.randrange(CFG.vocab_size) for _ in range(8)]
     waves = [[(1000, system)]] + [[(10 * w + i, system + [rng.randrange(CFG.vocab_size) for _ in range(1 + w + i)])
@@ -124,7 +122,6 @@ def test_changing_batches_on_decode_graphs(llama32):
                    and not b.extends]
         assert len(changed) >= 2                   # decode-only steps after another set of rows
         assert got.runner.graph_replays >= len(changed)
-        assert got.graphs.advances_across >= 1
         if mode == "on":
             assert got.planner.counters.cascade_steps > 0
         assert_same(off, got, atol=2e-3)
