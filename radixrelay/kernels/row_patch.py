@@ -29,7 +29,6 @@ writes run as torch ops.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

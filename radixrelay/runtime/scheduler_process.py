@@ -85,8 +85,8 @@ class SchedulerLoop:
         self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
         self._jit_after_ready = 0
         self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
-        self._decode_graph_steps = (0, 0, 0, 0)  # worker's cumulative decode-graph steps (advanced, covered,
-        #                                         patched, deferred)
+        # worker's cumulative decode-graph steps (advanced, covered, patched, deferred)
+        self._decode_graph_steps = (0, 0, 0, 0)
         # Decode-only steps (decode rows, no extends): step id -> rows, while in flight; then counted with
         # their worker launch time (the launch the serving-loop target is about, apart from mixed steps)
         self._decode_only: dict[int, int] = {}

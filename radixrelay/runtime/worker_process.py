@@ -85,11 +85,11 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
         piecewise = PiecewiseGraphs(model, kv_cache, backend, scratch_slot=num_pages * cfg.page_size,
                                     token_buckets=token_buckets(cfg.chunked_prefill_tokens + cfg.max_running_requests))
         piecewise.capture_all()
-        # Decode graphs covering flat decode and one shared group at a few batch buckets: a fresh server's
-        # first decode steps replay these instead of running piecewise until their size class recurs.
+        # Decode graphs covering flat decode and up to four shared groups at a few batch buckets: a fresh
+        # server's first decode steps replay these instead of running piecewise until their class recurs.
         start = time.perf_counter()
         covers = graphs.capture_covers()
-        logger.info("%d decode graphs covering flat and one-group steps captured in %.1f s", covers,
+        logger.info("%d decode graphs covering flat and cascade steps captured in %.1f s", covers,
                     time.perf_counter() - start)
     vocab_size = mc.vocab_size
 
