@@ -1,5 +1,7 @@
-"""``radixrelay`` command line: ``serve`` (the OpenAI-compatible server) and ``generate`` (one
-offline generation). Heavy imports happen inside the subcommands, so ``--help`` is instant."""
+"""radixrelay: an LLM serving runtime for workloads that share prompts (radix prefix cache, cascaded attention).
+
+Subcommands: ``serve`` runs the OpenAI-compatible HTTP server; ``generate`` answers one prompt offline. Heavy
+imports happen inside the subcommands, so ``--help`` is instant."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from radixrelay.config import (
     ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS, EngineConfig,
     ServerConfig,
 )
+from radixrelay.env import api_key_env
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +41,6 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-running-requests", type=int, default=256,
                    help="most requests decoding at once (default: %(default)s)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="most requests waiting for admission; more get HTTP 429 (default: %(default)s)")
     g.add_argument("--chunked-prefill-tokens", type=int, default=2048,
                    help="per-step token budget of prefill chunks (default: %(default)s)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -83,7 +84,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         kv_cache_tokens=args.kv_cache_tokens, kv_memory_fraction=args.kv_memory_fraction,
         page_size=args.page_size, max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
+        max_queued_requests=getattr(args, "max_queued_requests", 1024),
         chunked_prefill_tokens=args.chunked_prefill_tokens,
         attention_backend=args.attention_backend, cascade=args.cascade,
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
@@ -93,7 +94,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixrelay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="radixrelay", description=__doc__.split("\n\n")[0],
+                                     epilog="'radixrelay COMMAND --help' lists a command's options.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
@@ -102,12 +104,17 @@ def _parser() -> argparse.ArgumentParser:
     g = serve.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=30000, help="port to listen on (default: %(default)s)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache (visible to "
+                          "every user in the process list: prefer --api-key-file or RADIXRELAY_API_KEY)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="like --api-key, the key read from the first line of this file")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="most requests waiting for admission; more get HTTP 429 (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send and /v1/models lists (default: the --model value)")
-    g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template, as a file path or inline text (default: the model's)")
+    _chat_template_arg(g)
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
@@ -115,13 +122,40 @@ def _parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
 
-    gen = sub.add_parser("generate", help="generate once, offline, and print the text",
-                         description="Generate a completion offline and print it.")
+    gen = sub.add_parser("generate", help="answer one prompt offline and print the text",
+                         description="Answer one prompt offline (no server) and print the text as it is "
+                                     "generated. The prompt is a user message rendered with the model's "
+                                     "chat template; --raw continues the text as it is instead.")
     _engine_args(gen)
-    gen.add_argument("--prompt", default="The capital of France is", help="(default: %(default)r)")
-    gen.add_argument("--max-tokens", type=int, default=32, help="(default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    g = gen.add_argument_group("generation")
+    g.add_argument("--prompt", default="What is the capital of France?", help="(default: %(default)r)")
+    g.add_argument("--raw", action="store_true",
+                   help="complete the prompt text as it is, without the chat template")
+    _chat_template_arg(g)
+    g.add_argument("--max-tokens", type=int, default=32, help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     return parser
+
+
+def _chat_template_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--chat-template", default=None,
+                       help="Jinja chat template, as a file path or inline text (default: the model's)")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else the first line of ``--api-key-file``, else ``RADIXRELAY_API_KEY``, else None."""
+    if args.api_key is not None:
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} holds no key on its first line")
+        return key
+    return api_key_env()
 
 
 def _template_text(value: str | None) -> str | None:
@@ -136,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_config = _engine_config(args)
         if args.command == "serve":
             server_config = ServerConfig(
-                host=args.host, port=args.port, api_key=args.api_key,
+                host=args.host, port=args.port, api_key=_api_key(args),
                 served_model_name=args.served_model_name,
                 chat_template=_template_text(args.chat_template), max_n=args.max_n,
                 max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
@@ -149,11 +183,26 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from radixrelay.server.serve import run_server
         return run_server(engine_config, server_config)
+    return _generate(engine_config, args)
+
+
+def _generate(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     from radixrelay import Engine, SamplingParams
+    from radixrelay.server.chat_template import ChatTemplate
+
     with Engine(**{**engine_config.__dict__}) as engine:
-        for delta in engine.generate_stream(args.prompt, SamplingParams(max_tokens=args.max_tokens,
-                                                                        temperature=args.temperature)):
-            print(delta, end="", flush=True)
+        try:
+            prompt: str | list[int] = args.prompt
+            if not args.raw:
+                template = ChatTemplate.for_tokenizer(engine.tokenizer, _template_text(args.chat_template))
+                text = template.render([{"role": "user", "content": args.prompt}])
+                prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS if any
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+            for delta in engine.generate_stream(prompt, params):
+                print(delta, end="", flush=True)
+        except ValueError as exc:
+            print(f"\nradixrelay: error: {exc}", file=sys.stderr)
+            return 2
     print()
     return 0
 

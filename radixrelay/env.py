@@ -1,5 +1,7 @@
 """Environment variables radixrelay reads, all prefixed ``RADIXRELAY_``, in one place.
 
+- ``RADIXRELAY_API_KEY``: the server's API key when neither ``--api-key`` nor ``--api-key-file`` is given
+  (an environment variable, unlike a command-line flag, is not shown to other users by ``ps``).
 - ``RADIXRELAY_PROFILE_DIR``: when set, each runtime child process (scheduler, worker) runs under
   cProfile and writes ``<name>.prof`` and a text summary ``<name>.txt`` there when it exits
   normally. For finding where a step's host time goes; profiling slows Python code down.
@@ -25,6 +27,11 @@
 from __future__ import annotations
 
 import os
+
+
+def api_key_env() -> str | None:
+    """``RADIXRELAY_API_KEY``; None when unset or empty."""
+    return os.environ.get("RADIXRELAY_API_KEY") or None
 
 
 def profile_dir() -> str | None:

@@ -1,0 +1,95 @@
+"""The ``radixrelay`` command line: help texts, the API key's sources, ``generate`` with and without the
+chat template."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from radixrelay import Engine, SamplingParams
+from radixrelay.cli import _api_key, _parser, main
+from radixrelay.server.chat_template import ChatTemplate
+from tests.runtime.server_process import ServerProcess
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "radixrelay.cli", *args, "--help"], capture_output=True,
+                         text=True, check=True)
+    return out.stdout
+
+
+def test_top_level_help_is_whole_sentences():
+    text = _help()
+    description = text.split("\n\n")[1].replace("\n", " ")
+    assert description.startswith("radixrelay: an LLM serving runtime") and description.endswith(".")
+    assert "serve" in text and "generate" in text and "COMMAND --help" in text
+
+
+def test_generate_help_lists_no_server_only_flags():
+    flags = set(re.findall(r"--[a-z-]+", _help("generate")))
+    assert not flags & {"--api-key", "--host", "--port", "--max-queued-requests", "--drain-timeout"}
+    text = _help("generate")
+    assert "--raw" in text and "chat template" in text
+    serve = _help("serve")
+    for flag in ("--api-key-file", "--max-queued-requests", "--host"):
+        assert flag in serve
+
+
+def _serve_args(*argv: str):
+    return _parser().parse_args(["serve", *argv])
+
+
+def test_api_key_sources_in_order(tmp_path, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nsecond line is ignored\n")
+    monkeypatch.setenv("RADIXRELAY_API_KEY", "from-env")
+    assert _api_key(_serve_args("--api-key", "from-flag")) == "from-flag"
+    assert _api_key(_serve_args("--api-key-file", str(key_file))) == "from-file"
+    assert _api_key(_serve_args()) == "from-env"
+    monkeypatch.delenv("RADIXRELAY_API_KEY")
+    assert _api_key(_serve_args()) is None
+    with pytest.raises(SystemExit):          # argparse: the two flags exclude each other
+        _serve_args("--api-key", "a", "--api-key-file", str(key_file))
+
+
+def test_bad_api_key_file_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["serve", "--api-key-file", str(empty)]) == 2
+    assert "holds no key" in capsys.readouterr().err
+
+
+def test_server_takes_its_key_from_a_file(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    server = ServerProcess(tmp_path, "--api-key-file", str(key_file), "--kv-cache-tokens", "2048")
+    try:
+        server.wait_ready()
+        assert "s3cret" not in " ".join(server.proc.args)
+        assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+        ok = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_generate_renders_the_chat_template_unless_raw(capsys):
+    options = ["--kv-cache-tokens", "2048", "--max-tokens", "8", "--prompt", "Hi"]
+    assert main(["generate", *options]) == 0
+    chat = capsys.readouterr().out
+    assert main(["generate", "--raw", *options]) == 0
+    raw = capsys.readouterr().out
+    with Engine(kv_cache_tokens=2048) as engine:
+        text = ChatTemplate.for_tokenizer(engine.tokenizer).render([{"role": "user", "content": "Hi"}])
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams(max_tokens=8, temperature=0)
+        expected_chat, expected_raw = engine.generate([ids, "Hi"], params)
+    assert chat == expected_chat.text + "\n"
+    assert raw == expected_raw.text + "\n"
+    assert chat != raw
