@@ -101,6 +101,10 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
                          tiers=tiers)
     runner.small_extend_rows = extend_rows
+    if device.type == "cpu":
+        from radixrelay.worker.warmup import warm_up_steps
+
+        logger.info("start-up warm-up step ran in %.2f s", warm_up_steps(runner))
     max_context = mc.max_position_embeddings
     if cfg.context_length is not None:
         if cfg.context_length > max_context:

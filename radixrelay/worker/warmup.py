@@ -241,3 +241,36 @@ class _Scratch:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def warm_up_steps(runner, *, prompt_tokens: int = 40, decode_steps: int = 4) -> float:
+    """Run one short request through ``runner`` before the worker reports ready: an extend of
+    ``prompt_tokens`` and ``decode_steps`` decodes, greedy, on pages ``[0, n)``. A fresh process pays
+    its first-use costs here (lazy imports, the matrix-product library's kernel selection and buffers,
+    first touches of the KV memory) instead of in the first request it serves.
+
+    Invariant: nothing of it is left behind. The request is released, no page is held (the scheduler
+    has handed out none yet; whatever the warm-up wrote there is overwritten before it is read), the
+    runner's step counters are restored, and greedy sampling draws nothing from the shared generator.
+    Returns the seconds it took."""
+    from radixrelay.sampling_params import SamplingParams
+    from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepPlan
+
+    start = time.perf_counter()
+    counters = (runner.eager_steps, runner.graph_replays, runner.extend_row_steps)
+    rid = -1                                          # never a scheduler rid (those count from 0)
+    capacity = runner.kv_cache.num_pages * runner.page_size
+    prompt_tokens = max(1, min(prompt_tokens, capacity - decode_steps))
+    decode_steps = min(decode_steps, capacity - prompt_tokens)
+    pages = list(range(-(-(prompt_tokens + decode_steps) // runner.page_size)))
+    tokens = [i % runner.vocab_size for i in range(1, prompt_tokens + 1)]
+    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    plans = [StepPlan(-1, admitted=[AdmittedRequest(rid, tokens, prompt_tokens, pages, params)],
+                      extends=[ExtendItem(rid, 0, prompt_tokens, True)])]
+    plans += [StepPlan(-1, decodes=[rid])] * decode_steps + [StepPlan(-1, released=[rid])]
+    for plan in plans:
+        out = runner.step(plan)
+        if out.error is not None:
+            raise RuntimeError(f"start-up warm-up step failed: {out.error}")
+    runner.eager_steps, runner.graph_replays, runner.extend_row_steps = counters
+    return time.perf_counter() - start

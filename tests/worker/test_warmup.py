@@ -140,3 +140,46 @@ def test_serving_launches_nothing_new_after_warm_up(monkeypatch):
     assert kernels == {name for _, name in KeyRecorder.KERNELS}, "the steps reach every kernel"
     new = [key for key in recorder.keys if key not in warm]
     assert not new, f"{len(new)} launches outside the warm-up, first: {new[0]}"
+
+
+def _tiny_runner() -> "ModelRunner":
+    from radixrelay.model import ModelConfig, load_model
+    from radixrelay.worker.model_runner import ModelRunner
+
+    cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    model, _ = load_model(cfg, dtype=torch.float64, seed=1)
+    kv = KVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float64,
+                 device="cpu")
+    return ModelRunner(model, kv, TorchBackend(), seed=3)
+
+
+def _sampled_tokens(runner) -> list[int]:
+    """Two requests (one unseeded at temperature 1: it draws from the runner's shared generator), eight
+    steps; the tokens they sample."""
+    from radixrelay.sampling_params import SamplingParams
+    from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepPlan
+
+    hot = SamplingParams(max_tokens=50, temperature=1.0)
+    cold = SamplingParams(max_tokens=50, temperature=0.0)
+    out = runner.step(StepPlan(0, admitted=[AdmittedRequest(0, [5, 6, 7, 8, 9], 5, [0, 1], hot),
+                                            AdmittedRequest(1, [9, 8, 7], 3, [2], cold)],
+                               extends=[ExtendItem(0, 0, 5, True), ExtendItem(1, 0, 3, True)]))
+    tokens = list(out.token_ids)
+    for step in range(1, 8):
+        appends = [PageAppend(1, [3])] if step == 1 else []
+        out = runner.step(StepPlan(step, page_appends=appends, decodes=[0, 1]))
+        tokens += out.token_ids
+    return tokens
+
+
+def test_start_up_warm_up_step_leaves_nothing_behind():
+    from radixrelay.worker.warmup import warm_up_steps
+
+    fresh, warmed = _tiny_runner(), _tiny_runner()
+    seconds = warm_up_steps(warmed, prompt_tokens=40, decode_steps=4)   # clamped to the 8 pages' 32 slots
+    assert seconds > 0
+    assert warmed.num_resident == 0
+    assert (warmed.eager_steps, warmed.graph_replays, warmed.extend_row_steps) == (0, 0, 0)
+    assert _sampled_tokens(warmed) == _sampled_tokens(fresh)
+    assert (warmed.eager_steps, warmed.graph_replays) == (fresh.eager_steps, fresh.graph_replays)
