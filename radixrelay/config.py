@@ -99,6 +99,12 @@ class EngineConfig:
             raise bad("disk_kv_path", "must be non-empty when set (None: no disk tier)")
         if self.disk_kv_path is not None and self.host_kv_gib == 0:
             raise bad("disk_kv_path", "the disk tier stages pages through host memory: host_kv_gib must be > 0")
+        if self.disk_kv_path is not None:
+            from radixrelay.radix.disk_store import unsafe_directory
+
+            why = unsafe_directory(self.disk_kv_path)   # an existing directory must be ours and private
+            if why is not None:
+                raise bad("disk_kv_path", why)
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             raise bad("kv_tier_policy", f"must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}")
         if self.context_length is not None and self.context_length < 2:

@@ -28,11 +28,22 @@ Invariants:
   of ``out`` are unspecified (it may hold part of the payload).
 - ``scan`` trusts names and sizes only (no payload reads, cheap at start-up) and removes leftover
   temp files; it assumes one process owns the namespace directory at a time.
+- Only regular files owned by the effective uid are ever read. A page path is opened with
+  O_NOFOLLOW|O_NONBLOCK, so opening never blocks (a FIFO) or follows a symlink, and the open file
+  is checked with fstat before any read; anything else in its place (a FIFO, symlink, directory,
+  device, socket, another user's file) is a miss, counted in ``refused`` and logged once per store.
+  Such an entry is removed unless it is a directory.
+- The root directory is used only if it is a real directory (not a symlink) owned by the effective
+  uid and not writable by group or others (``check_directory``); it is never chmod-ed when it
+  exists, since it may be shared. The namespace directory below it is ours: it must be a real
+  directory owned by the effective uid and is kept at 0o700.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -53,6 +64,44 @@ _TMP_SUFFIX = ".tmp"
 # blake2s 0.48 GB/s. CRC-32 is the fastest and detects every single-bit error (and every burst up to
 # 32 bits); adler32 is slower and weaker. Tampering is out of scope: the directory is 0o700.
 _checksum = zlib.crc32
+# Opening never blocks (a FIFO waits for a writer otherwise), never follows a symlink and never makes
+# a terminal the controlling one; what was opened is checked with fstat before it is read.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+logger = logging.getLogger(__name__)
+
+
+def unsafe_directory(path: str | os.PathLike) -> str | None:
+    """Why the existing ``path`` is no safe place for KV page files, or None: it must be a real
+    directory (not a symlink), owned by the effective uid, not writable by group or others. A
+    missing ``path`` is safe (it is created 0o700)."""
+    path = os.fspath(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return (f"{path!r} is a symbolic link; pass the real directory (after checking its owner and "
+                f"mode) or a new path")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path!r} exists and is not a directory"
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        return (f"{path!r} is owned by uid {st.st_uid}, not by this process's uid {uid}; use a directory "
+                f"of your own, or `chown {uid} {path}` if it is meant for this server")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit)
+        return (f"{path!r} is writable by {who} (mode {mode:#o}): anyone who can write there can plant "
+                f"or swap page files; run `chmod 700 {path}` or use another directory")
+    return None
+
+
+def check_directory(path: str | os.PathLike) -> None:
+    """Raise ValueError (saying why and how to fix it) if ``path`` is unsafe (``unsafe_directory``)."""
+    why = unsafe_directory(path)
+    if why is not None:
+        raise ValueError(f"disk KV directory {why}")
 
 
 def _check_key(key: bytes) -> bytes:
@@ -64,19 +113,23 @@ def _check_key(key: bytes) -> bytes:
 class DiskKVStore:
     def __init__(self, root: str | os.PathLike, namespace: str) -> None:
         root = pathlib.Path(root)
-        if root.exists() and not root.is_dir():
-            raise ValueError(f"DiskKVStore: root {str(root)!r} exists and is not a directory")
+        check_directory(root)
         if not root.exists():
             os.makedirs(root, mode=0o700, exist_ok=True)
             os.chmod(root, 0o700)  # makedirs' mode is masked by the umask
+            check_directory(root)
+        self._uid = os.geteuid()
         self._ns_digest = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
         self._dir = root / self._ns_digest.hex()
         try:
             os.mkdir(self._dir, 0o700)
         except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(self._dir).st_mode):
-                raise ValueError(f"DiskKVStore: {str(self._dir)!r} exists and is not a directory") from None
+            st = os.lstat(self._dir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != self._uid:
+                raise ValueError(f"DiskKVStore: {str(self._dir)!r} exists and is not a directory owned by "
+                                 f"uid {self._uid}; remove it") from None
         os.chmod(self._dir, 0o700)
+        self.refused = 0        # non-regular or foreign entries found in place of a page file
 
     @property
     def directory(self) -> pathlib.Path:
@@ -97,9 +150,9 @@ class DiskKVStore:
                     if name.startswith(".") and name.endswith(_TMP_SUFFIX):
                         os.unlink(entry.path)  # left by a crash mid-write
                     elif _NAME_RE.fullmatch(name) and entry.is_file(follow_symlinks=False):
-                        size = entry.stat(follow_symlinks=False).st_size
-                        if size >= HEADER.size:
-                            found[bytes.fromhex(name[:32])] = size - HEADER.size
+                        st = entry.stat(follow_symlinks=False)
+                        if st.st_size >= HEADER.size and st.st_uid == self._uid:
+                            found[bytes.fromhex(name[:32])] = st.st_size - HEADER.size
                 except OSError:
                     continue
         return found
@@ -133,14 +186,30 @@ class DiskKVStore:
             raise ValueError("DiskKVStore.read_into: out must be a writable buffer")
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # missing, or a symlink (ELOOP)
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return False
+        except OSError:  # ELOOP: a symlink; ENXIO: a socket; or EMFILE, EIO, ... on a file of ours
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return False
+            if stat.S_ISREG(st.st_mode) and st.st_uid == self._uid:
+                return False
+            return self._refuse(path, st, _kind(st))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid:
+                os.close(fd)
+                return self._refuse(path, st, _kind(st))
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except OSError:
+            os.close(fd)
             return False
         try:
             with os.fdopen(fd, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    return False
+                if st.st_size < HEADER.size:
+                    return self._drop(path, st)
                 header = bytearray(HEADER.size)
                 if f.readinto(header) != HEADER.size:
                     return self._drop(path, st)
@@ -162,6 +231,21 @@ class DiskKVStore:
         except OSError:
             return False
 
+    def _refuse(self, path: str, st: os.stat_result, what: str) -> bool:
+        """``path`` is not a regular file of ours: count it, log the first one, remove it unless it is a
+        directory (or was replaced since ``st``); return False."""
+        self.refused += 1
+        log = logger.warning if self.refused == 1 else logger.debug
+        log("disk KV tier: %s in place of a page file (%s): a miss, the entry is removed unless it is a "
+            "directory; only this server's regular files are read from %s", path, what, self._dir)
+        try:
+            now = os.lstat(path)
+            if not stat.S_ISDIR(now.st_mode) and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+        except OSError:
+            pass
+        return False
+
     def _drop(self, path: str, st: os.stat_result) -> bool:
         """Delete the corrupt file at ``path`` unless it was replaced since we opened it; return False."""
         try:
@@ -178,3 +262,12 @@ class DiskKVStore:
             os.unlink(self._path(key))
         except FileNotFoundError:
             pass
+
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return f"a file owned by uid {st.st_uid}"

@@ -1,9 +1,13 @@
+import logging
 import os
+import socket
 import stat
+import threading
 
 import numpy as np
 import pytest
 
+from radixrelay.config import EngineConfig
 from radixrelay.radix.disk_store import HEADER, DiskKVStore
 
 NS = "model=tiny;page_size=16;layers=30;kv_heads=3;head_dim=64;dtype=float32"
@@ -197,3 +201,146 @@ def test_root_is_file_raises(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(ValueError, match="not a directory"):
         DiskKVStore(f, NS)
+
+
+# -- what the tier opens: only regular files of its own ------------------------------------------
+
+def _read_within(store, key, n, seconds=10.0):
+    """``store.read_into`` on a thread; fails (instead of hanging the test run) if it does not return."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(store.read_into(key, bytearray(n))), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        path = _file(store, key)
+        if stat.S_ISFIFO(os.lstat(path).st_mode):       # release a reader blocked on the FIFO
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+            os.write(fd, b"\0" * 64)
+            os.close(fd)
+        pytest.fail(f"read_into did not return within {seconds} s")
+    return result[0]
+
+
+def _plant(store, kind, tmp_path):
+    """Put a ``kind`` entry where KEY's page file would be (after a valid page was written there)."""
+    store.write(KEY, _payload(100))
+    path = _file(store)
+    valid = path.read_bytes()
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(valid)          # a valid page, only reachable through the link
+        os.symlink(tmp_path / "elsewhere", path)
+    elif kind == "symlink-to-fifo":
+        os.mkfifo(tmp_path / "pipe", 0o600)
+        os.symlink(tmp_path / "pipe", path)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+        (path / "inside").write_bytes(b"kept")
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(tmp_path / "s"))                       # a page path is too long for a socket address
+        sock.close()
+        os.rename(tmp_path / "s", path)
+    elif kind == "device":
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))     # what /dev/null is
+    elif kind == "foreign":
+        path.write_bytes(valid)
+        os.chown(path, 4242, -1)
+    return path
+
+
+KINDS = ["fifo", "symlink", "symlink-to-fifo", "directory", "socket",
+         pytest.param("device", marks=pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")),
+         pytest.param("foreign", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_regular_entry_is_a_miss(store, tmp_path, kind, caplog):
+    """Anything but a regular file of ours where a page file should be is a miss, at once (a FIFO
+    without a writer never blocks the reader), counted and logged; it is removed unless it is a
+    directory, and the key can be written and read again."""
+    path = _plant(store, kind, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="radixrelay.radix.disk_store"):
+        assert _read_within(store, KEY, 100) is False
+        assert _read_within(store, KEY, 100) is False
+    assert store.refused == (2 if kind == "directory" else 1)      # the others are gone after the first
+    assert sum("in place of a page file" in r.getMessage() for r in caplog.records) == 1     # logged once
+    assert store.scan() == {}
+    if kind == "directory":
+        assert (path / "inside").read_bytes() == b"kept"      # a directory is never removed
+        with pytest.raises(OSError):
+            store.write(KEY, _payload(100))
+        return
+    assert not os.path.lexists(path)
+    data = _payload(100, seed=7)
+    store.write(KEY, data)
+    out = bytearray(100)
+    assert _read_within(store, KEY, 100) and store.read_into(KEY, out) and bytes(out) == data
+    if kind == "symlink":
+        assert (tmp_path / "elsewhere").exists()              # the link was removed, not its target
+
+
+def test_fifo_among_pages_leaves_other_pages_readable(store):
+    """A FIFO planted for one key does not affect reads of the others."""
+    store.write(KEY2, _payload(300, seed=3))
+    store.write(KEY, _payload(100))
+    os.unlink(_file(store, KEY))
+    os.mkfifo(_file(store, KEY), 0o600)
+    for _ in range(3):
+        assert _read_within(store, KEY, 100) is False
+        out = bytearray(300)
+        assert store.read_into(KEY2, out) and bytes(out) == _payload(300, seed=3)
+
+
+# -- the directory the tier is given -------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, writable_by", [(0o777, "group and others"), (0o770, "group"), (0o703, "others")])
+def test_open_existing_directory_is_refused(tmp_path, mode, writable_by):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, mode)
+    for build in (lambda: DiskKVStore(root, NS), lambda: EngineConfig(disk_kv_path=str(root))):
+        with pytest.raises(ValueError) as err:
+            build()
+        msg = str(err.value)
+        assert str(root) in msg and f"writable by {writable_by}" in msg and f"chmod 700 {root}" in msg, msg
+    assert "EngineConfig.disk_kv_path" in str(pytest.raises(ValueError, EngineConfig, disk_kv_path=str(root)).value)
+    assert _mode(root) == mode and list(root.iterdir()) == []       # left as it was, nothing created
+
+
+def test_symlinked_directory_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    for build in (lambda: DiskKVStore(link, NS), lambda: EngineConfig(disk_kv_path=str(link))):
+        with pytest.raises(ValueError, match="symbolic link") as err:
+            build()
+        assert str(link) in str(err.value)
+    assert list(real.iterdir()) == []
+    DiskKVStore(real, NS)                                       # the real directory itself is fine
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_directory_of_another_user_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 4242, -1)
+    for build in (lambda: DiskKVStore(root, NS), lambda: EngineConfig(disk_kv_path=str(root))):
+        with pytest.raises(ValueError, match="owned by uid 4242") as err:
+            build()
+        assert f"chown {os.geteuid()} {root}" in str(err.value)
+
+
+def test_private_existing_directory_is_used_as_is(tmp_path):
+    """A directory of ours that only we can write is accepted, and its mode is not changed (0o755:
+    readable by others, the namespace directory below it is 0o700)."""
+    root = tmp_path / "mine"
+    root.mkdir()
+    os.chmod(root, 0o755)
+    EngineConfig(disk_kv_path=str(root))
+    s = DiskKVStore(root, NS)
+    assert _mode(root) == 0o755 and _mode(s.directory) == 0o700
+    EngineConfig(disk_kv_path=str(tmp_path / "missing"))      # created later, 0o700
