@@ -14,7 +14,9 @@ Ordering (what the scheduler relies on, ``KVTransfers``):
   later steps compute (the scheduler keeps their pages locked until acknowledged);
 - disk reads and writes run on one I/O thread, in plan order, each handed over only once the copies
   queued before it are done (so a slot is never read for disk while its save is in flight, nor
-  overwritten while a load from it is);
+  overwritten while a load from it is); a disk job running past ``DISK_DEADLINE_S`` is given up
+  (``DiskIO``): a read becomes a miss, a write a failed write, and the jobs after it run on a fresh
+  thread, so a stuck file system never stalls admission or the worker;
 - on the CPU everything runs synchronously in plan order.
 
 Shifted loads (``KVTransfers.shifted_loads``, a truncated prompt's re-positioned KV): after layer l's
@@ -26,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -46,6 +48,9 @@ logger = logging.getLogger("radixrelay.worker")
 # pages of 16 tokens: 2 MiB a page), and at most STAGE_MAX_PAGES pages.
 STAGE_BYTES = 128 << 20
 STAGE_MAX_PAGES = 512
+# Seconds a disk job (one page read, write or delete) may run before it is given up. A page is a few
+# MiB: a working disk moves it in milliseconds, so a job this slow is on storage that hangs.
+DISK_DEADLINE_S = 5.0
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -54,7 +59,8 @@ def page_bytes(kv: KVCache) -> int:
 
 
 class TierStore:
-    def __init__(self, kv: KVCache, host_pages: int, disk: DiskKVStore | None = None) -> None:
+    def __init__(self, kv: KVCache, host_pages: int, disk: DiskKVStore | None = None,
+                 disk_deadline_s: float = DISK_DEADLINE_S) -> None:
         if host_pages < 1:
             raise ValueError(f"TierStore: host_pages must be >= 1, got {host_pages}")
         self.kv = kv
@@ -73,8 +79,8 @@ class TierStore:
         self._slot_events: dict[int, torch.cuda.Event] = {}
         self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
         self._loads: deque[tuple[object, object, object]] = deque()  # (step start, load start, done)
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
-        self._io_jobs: deque[Future] = deque()            # on the I/O thread, in plan order
+        self._io = DiskIO(disk_deadline_s) if disk is not None else None
+        self._io_jobs: deque[DiskJob] = deque()           # on the I/O thread, in plan order
         self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
         self._deferred: tuple[int, list[tuple[int, int]], object] | None = None   # (step, saves, after)
@@ -119,9 +125,9 @@ class TierStore:
         if self._io is not None and (t.disk_writes or t.disk_reads or t.disk_deletes):
             fence = (self._record(self._save_stream), self._record(self._load_stream))
             # deletes first: a key trimmed from disk and saved again in one plan must end up on disk
-            jobs = [(self._delete, (key,)) for key in t.disk_deletes]
-            jobs += [(self._write, (slot, key)) for slot, key in t.disk_writes]
-            jobs += [(self._read, (key, slot)) for key, slot in t.disk_reads]
+            jobs = [(self._delete, "delete", key, ()) for key in t.disk_deletes]
+            jobs += [(self._write, "write", key, (slot,)) for slot, key in t.disk_writes]
+            jobs += [(self._read, "read", key, (slot,)) for key, slot in t.disk_reads]
             self._io_fenced.append((fence, jobs))
             self._pump_io(wait=False)
 
@@ -132,7 +138,7 @@ class TierStore:
         while self._io_fenced and (wait or all(_done(e) for e in self._io_fenced[0][0])):
             fence, jobs = self._io_fenced.popleft()
             _sync(fence)
-            self._io_jobs.extend(self._io.submit(fn, *args) for fn, args in jobs)
+            self._io_jobs.extend(self._io.submit(fn, kind, key, *args) for fn, kind, key, args in jobs)
 
     def _flush_saves(self) -> None:
         """Queue the saves ``apply`` recorded (see there)."""
@@ -174,8 +180,8 @@ class TierStore:
         written, write_failed, read, read_failed = [], [], [], []
         if self._io is not None:
             self._pump_io(wait)
-        while self._io_jobs and (wait or self._io_jobs[0].done()):
-            kind, key, ok = self._io_jobs.popleft().result()
+        while self._io_jobs and self._io.settle(self._io_jobs[0], wait):
+            kind, key, ok = self._io_jobs.popleft().result
             if kind == "write":
                 (written if ok else write_failed).append(key)
             elif kind == "read":
@@ -189,7 +195,7 @@ class TierStore:
 
     def close(self) -> None:
         if self._io is not None:
-            self._io.shutdown(wait=True)
+            self._io.close(self._io_jobs)
         if self._cuda:
             torch.cuda.synchronize(self.kv.device)       # no copy may still read or write the pool
             release(self.host)
@@ -361,29 +367,146 @@ class TierStore:
         ps = self.kv.page_size
         return self.host[:, :, slot * ps:(slot + 1) * ps]
 
-    def _write(self, slot: int, key: bytes) -> tuple[str, bytes, bool]:
+    def _write(self, job: DiskJob, key: bytes, slot: int) -> tuple[str, bytes, bool]:
         try:
             page = self._slot(slot).contiguous()
             self.disk.write(key, page.view(torch.uint8).reshape(-1).numpy())
-            return "write", key, True
         except OSError:
             logger.exception("KV page write to disk failed")
             return "write", key, False
+        if not self._io.commit(job):          # given up and reported failed: not on disk
+            self._delete(job, key)
+            return "write", key, False
+        return "write", key, True
 
-    def _read(self, key: bytes, slot: int) -> tuple[str, bytes, bool]:
+    def _read(self, job: DiskJob, key: bytes, slot: int) -> tuple[str, bytes, bool]:
         view = self._slot(slot)
         page = torch.empty(view.shape, dtype=view.dtype)
-        if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()):
+        # a read given up is a miss, and its slot may already hold another page: never copy into it then
+        if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()) or not self._io.commit(job):
             return "read", key, False
         view.copy_(page)
         return "read", key, True
 
-    def _delete(self, key: bytes) -> tuple[str, bytes, bool]:
+    def _delete(self, job: DiskJob, key: bytes) -> tuple[str, bytes, bool]:
         try:
             self.disk.delete(key)
         except OSError:
             logger.exception("KV page delete on disk failed")
         return "delete", key, True
+
+
+class DiskJob:
+    """A disk job for ``DiskIO``: ``fn(job, key, *args)`` -> (kind, key, ok)."""
+
+    __slots__ = ("fn", "kind", "key", "args", "started", "committed", "abandoned", "result", "finished")
+
+    def __init__(self, fn, kind: str, key: bytes, args: tuple) -> None:
+        self.fn, self.kind, self.key, self.args = fn, kind, key, args
+        self.started: float | None = None       # time.monotonic() when its thread took it
+        self.committed = False
+        self.abandoned = False
+        self.result: tuple[str, bytes, bool] | None = None
+        self.finished = threading.Event()       # set once ``result`` is final
+
+
+class DiskIO:
+    """Disk jobs run one at a time, in submission order, on a daemon thread, each within a deadline.
+
+    Invariants:
+    - one thread is current; only it takes jobs, in submission order, one at a time;
+    - a job that has run ``deadline_s`` seconds without committing is given up by ``settle``: its result
+      is (kind, key, False), a fresh thread becomes current and takes the jobs after it, and the old
+      thread, if its job ever returns, drops that job's result and exits;
+    - a job calls ``commit`` before it changes anything the worker or scheduler rely on (a host slot,
+      a page file reported written): a given-up job never commits, a committed job is never given up.
+    """
+
+    def __init__(self, deadline_s: float) -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"DiskIO: deadline_s must be > 0, got {deadline_s}")
+        self.deadline_s = deadline_s
+        self.abandoned = 0                       # jobs given up so far
+        self._cv = threading.Condition()
+        self._pending: deque[DiskJob] = deque()
+        self._generation = 0
+        self._closing = False
+        with self._cv:
+            self._start()
+
+    def _start(self) -> None:
+        """Make a fresh thread current (``self._cv`` held)."""
+        self._generation += 1
+        threading.Thread(target=self._run, args=(self._generation,), name=f"kv-disk-{self._generation}",
+                         daemon=True).start()
+        self._cv.notify_all()
+
+    def submit(self, fn, kind: str, key: bytes, *args) -> DiskJob:
+        job = DiskJob(fn, kind, key, args)
+        with self._cv:
+            self._pending.append(job)
+            self._cv.notify_all()
+        return job
+
+    def _run(self, generation: int) -> None:
+        while True:
+            with self._cv:
+                while generation == self._generation and not self._pending and not self._closing:
+                    self._cv.wait()
+                if generation != self._generation or not self._pending:
+                    return
+                job = self._pending.popleft()
+                job.started = time.monotonic()
+            try:
+                result = job.fn(job, job.key, *job.args)
+            except Exception:  # noqa: BLE001 - a failed job is a failure result, never a dead thread
+                logger.exception("KV page %s on disk failed", job.kind)
+                result = (job.kind, job.key, False)
+            with self._cv:
+                if job.abandoned:
+                    return
+                job.result = result
+                job.finished.set()
+
+    def commit(self, job: DiskJob) -> bool:
+        """On the job's thread: False if the job was given up, else it can no longer be."""
+        with self._cv:
+            if job.abandoned:
+                return False
+            job.committed = True
+            return True
+
+    def settle(self, job: DiskJob, wait: bool) -> bool:
+        """Whether ``job`` is finished, giving it up if it is past its deadline; ``wait``: block until
+        it is finished or given up (at most about ``deadline_s`` after it started)."""
+        while not job.finished.is_set():
+            with self._cv:
+                started = job.started
+                if (not job.finished.is_set() and started is not None and not job.committed
+                        and time.monotonic() - started >= self.deadline_s):
+                    job.abandoned = True
+                    job.result = (job.kind, job.key, False)
+                    job.finished.set()
+                    self.abandoned += 1
+                    self._start()
+                    logger.warning("KV page %s on disk gave no answer in %.1f s: given up (%s), later disk "
+                                   "jobs continue on a fresh thread (%d given up so far)", job.kind,
+                                   self.deadline_s, "a miss" if job.kind == "read" else "not counted as done",
+                                   self.abandoned)
+                    break
+            if not wait:
+                return job.finished.is_set()
+            left = self.deadline_s if started is None else started + self.deadline_s - time.monotonic()
+            job.finished.wait(max(left, 1e-3))
+        return True
+
+    def close(self, jobs) -> None:
+        """Settle ``jobs`` (waiting, each within its deadline), then let the current thread exit."""
+        for job in jobs:
+            self.settle(job, wait=True)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
 
 
 def _grouped(pairs: list[tuple[int, int]], both: bool):

@@ -3,6 +3,10 @@ are exact, in plan order, and acknowledged once; on CUDA the same through the co
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 
@@ -166,3 +170,78 @@ def test_shifted_load_rotates_keys_cpu():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_shifted_load_rotates_keys_cuda(dtype, tol):
     _shifted_load("cuda", dtype, tol)
+
+
+class _HungDisk(DiskKVStore):
+    """A real disk store whose reads of ``hung`` keys do not return until ``release`` is set: a stand-in
+    for storage that stops answering (a hung network mount), which a test cannot produce for real."""
+
+    def __init__(self, root, hung: set[bytes]) -> None:
+        super().__init__(root, "ns")
+        self.hung = hung
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def read_into(self, key, out) -> bool:
+        if key in self.hung:
+            self.release.wait()
+            ok = super().read_into(key, out)
+            self.returned.set()
+            return ok
+        return super().read_into(key, out)
+
+
+def test_disk_read_past_its_deadline_is_a_miss(tmp_path):
+    """A disk read that does not answer within the deadline is reported as a miss; the reads queued
+    after it still complete (on a fresh I/O thread) and ``acks(wait=True)`` returns; when the hung read
+    finally returns it leaves its host slot alone (the scheduler may have reused it)."""
+    kv = _cache("cpu")
+    disk = _HungDisk(tmp_path, hung={b"h" * 16})
+    store = TierStore(kv, host_pages=6, disk=disk, disk_deadline_s=0.3)
+    before = {p: _page(kv, p) for p in range(12)}
+    store.apply(0, KVTransfers(saves=[(1, 0), (2, 1)]))
+    store.apply(1, KVTransfers(disk_writes=[(0, b"h" * 16), (1, b"k" * 16)]))
+    assert store.acks(wait=True).written == [b"h" * 16, b"k" * 16]
+    store.host[:, :, 3 * PS:5 * PS] = -1.0
+    start = time.monotonic()
+    store.apply(2, KVTransfers(disk_reads=[(b"h" * 16, 3), (b"k" * 16, 4)]))
+    assert store.acks(wait=False) is None                # in flight: nothing to report yet
+    acks = store.acks(wait=True)
+    took = time.monotonic() - start
+    assert acks.read_failed == [b"h" * 16] and acks.read == [b"k" * 16]
+    assert 0.3 <= took < 5, took
+    assert store._io.abandoned == 1
+    host = store.host
+    assert torch.equal(host[:, :, 4 * PS:5 * PS], before[2])
+    host[:, :, 3 * PS:4 * PS] = 7.0                       # the slot, reused for something else
+    disk.release.set()
+    assert disk.returned.wait(5)
+    time.sleep(0.05)
+    assert (host[:, :, 3 * PS:4 * PS] == 7.0).all()      # the late read copied nothing into it
+    # the tier goes on working: the same page reads back now
+    store.apply(3, KVTransfers(disk_reads=[(b"k" * 16, 5)]))
+    assert store.acks(wait=True).read == [b"k" * 16]
+    assert torch.equal(host[:, :, 5 * PS:6 * PS], before[2])
+    store.close()
+
+
+def test_disk_tier_skips_a_fifo_in_place_of_a_page(tmp_path):
+    """A FIFO where a page file was is a read miss at once; the pages after it are read."""
+    kv = _cache("cpu")
+    disk = DiskKVStore(tmp_path, "ns")
+    store = TierStore(kv, host_pages=6, disk=disk, disk_deadline_s=30.0)
+    before = _page(kv, 2)
+    store.apply(0, KVTransfers(saves=[(1, 0), (2, 1)]))
+    store.apply(1, KVTransfers(disk_writes=[(0, b"f" * 16), (1, b"k" * 16)]))
+    store.acks(wait=True)
+    path = disk.directory / ((b"f" * 16).hex() + ".kv")
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+    start = time.monotonic()
+    store.apply(2, KVTransfers(disk_reads=[(b"f" * 16, 3), (b"k" * 16, 4)]))
+    acks = store.acks(wait=True)
+    assert time.monotonic() - start < 10
+    assert acks.read_failed == [b"f" * 16] and acks.read == [b"k" * 16]
+    assert torch.equal(store.host[:, :, 4 * PS:5 * PS], before)
+    assert disk.refused == 1 and store._io.abandoned == 0
+    store.close()
