@@ -14,6 +14,11 @@ from radixrelay.structured.spec import StructuredOutput
 
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)     # a seed is a signed 64-bit integer
 INT64_MAX = 2 ** 63 - 1                    # every integer crosses process boundaries as msgpack int64
+# Stop strings per request and characters per stop string. The scheduler's stop check costs O(new
+# characters) per token whatever the list; the bounds cap its per-request automaton (count x length
+# states) and the characters held back while a stop string might still begin.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +82,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {list(self.stop_token_ids)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if problem := stop_strings_problem(self.stop):
+            raise bad("stop", problem)
         if self.structured is not None and self.ignore_eos:
             raise bad("ignore_eos", "cannot be combined with a structured output: the constraint ends the "
                                     "output with EOS")
@@ -89,3 +96,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def stop_strings_problem(stops: tuple[str, ...] | list[str]) -> str | None:
+    """Why ``stops`` is past the bounds on stop strings, or None."""
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}"
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        return f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
+    return None

@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from radixrelay.sampling_params import SamplingParams
+from radixrelay.sampling_params import SamplingParams, stop_strings_problem
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 # -- errors -----------------------------------------------------------------------------------
@@ -300,6 +300,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stops):
             raise invalid("stop strings must be non-empty", "stop")
+        if problem := stop_strings_problem(stops):
+            raise invalid(problem, "stop")
         return stops
 
 
