@@ -6,7 +6,9 @@ pickles the process object and re-imports the parent's ``__main__``, which would
 that use ``Engine`` without an ``if __name__ == "__main__"`` guard.)
 
 Sockets are ``ipc://`` files in a private directory (mode 0700, from ``mkdtemp``) that ``stop``
-removes. Invariant: after ``stop`` returns, no child process and no socket file is left.
+removes. Invariant: after ``stop`` returns, no child process and no socket file is left. Every child
+also gets a marker file in that directory, so that when this process dies without ``stop`` the
+children exit on their own and the last one out removes the directory (``runtime.child``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import msgspec
 
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode
+from radixrelay.runtime.child import marker
 from radixrelay.runtime.messages import ChildArgs, Endpoints
 
 logger = logging.getLogger("radixrelay.runtime")
@@ -44,11 +47,13 @@ class RuntimeProcesses:
     def spawn(self) -> None:
         """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will)."""
         level = logging.getLevelName(logger.getEffectiveLevel())
-        args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), level)).decode()
+        args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), str(self.ipc_dir),
+                                             level)).decode()
         for kind in CHILD_KINDS:
-            self.children[kind] = subprocess.Popen(
-                [sys.executable, "-m", f"radixrelay.runtime.{kind}_process", args],
-                stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([sys.executable, "-m", f"radixrelay.runtime.{kind}_process", args],
+                                    stdin=subprocess.DEVNULL)
+            self.children[kind] = proc
+            marker(self.ipc_dir, proc.pid).touch()
 
     def dead_child(self) -> str | None:
         """A description of the first child that has exited, None while all run."""

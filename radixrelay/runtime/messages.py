@@ -219,6 +219,7 @@ class ChildArgs(msgspec.Struct, frozen=True):
     config: EngineConfig
     endpoints: Endpoints
     parent_pid: int                   # the child exits once this process is gone
+    ipc_dir: str                      # the socket directory (``child.leave_socket_dir``)
     log_level: str = "INFO"
 
 
