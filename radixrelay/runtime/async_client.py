@@ -2,8 +2,11 @@
 
 Two background tasks: the reader routes every scheduler message to the request stream or pending
 call it answers; the watcher polls the children every ``WATCH_INTERVAL`` seconds and, when one has
-died, fails every stream and call with ``RuntimeDiedError`` and runs the ``on_death`` callbacks.
-A frame on the inbox that is not a runtime message is logged and dropped (the reader keeps going).
+died, marks the client dead (``alive`` is False from then on), fails every stream and call with
+``RuntimeDiedError`` and runs the ``on_death`` callbacks. Failing requests logs one line per request
+(no traceback) and yields to the event loop every ``FAIL_BATCH`` requests, so a long queue never
+holds up other handlers (a /health probe). A frame on the inbox that is not a runtime message is
+logged and dropped (the reader keeps going).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from radixrelay.sampling_params import SamplingParams
 logger = logging.getLogger("radixrelay.runtime")
 WATCH_INTERVAL = 0.5                  # seconds between child liveness checks
 CALL_TIMEOUT = 30.0                   # seconds a stats / flush call may take
+FAIL_BATCH = 64                       # requests failed between two yields to the event loop
 
 _StreamItem = TokenUpdate | BaseException
 
@@ -140,7 +144,7 @@ class AsyncRuntimeClient:
         self._closed = True
         while self._streams and self.alive and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
-        self._fail_everything(RuntimeDiedError("the server shut down before the request finished"))
+        await self._fail_everything("the server shut down before the request finished")
         if self.alive:
             await self._outbox.send(self._encode(ShutdownRequest()))
         for task in self._tasks:
@@ -199,9 +203,9 @@ class AsyncRuntimeClient:
             death = self._processes.dead_child()
             if death is not None:
                 break
-        logger.error("runtime died: %s", death)
         self._death = death
-        self._fail_everything(RuntimeDiedError(f"the runtime died: {death}"))
+        logger.error("runtime died: %s; failing %d requests", death, len(self._streams))
+        await self._fail_everything(f"the runtime died: {death}")
         for callback in self.on_death:
             callback(death)
 
@@ -211,13 +215,22 @@ class AsyncRuntimeClient:
         if self.alive and not self._ctx.closed:
             self._outbox.send(self._encode(AbortRequest(rid)))
 
-    def _fail_everything(self, error: RuntimeDiedError) -> None:
-        for rid, queue in list(self._streams.items()):
-            queue.put_nowait(error)
-            self._abort_nowait(rid)
+    async def _fail_everything(self, why: str) -> None:
+        """Every stream and call ends with its own ``RuntimeDiedError(why)`` (a shared instance
+        would grow its traceback with every handler that raises it). Each stream is failed once:
+        it leaves ``_streams`` here."""
         for future in self._calls.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(RuntimeDiedError(why))
+        for i, rid in enumerate(list(self._streams), 1):
+            queue = self._streams.pop(rid, None)
+            if queue is None:
+                continue                 # failed meanwhile (by a shutdown) or ended
+            logger.warning("request %d failed: %s", rid, why)
+            queue.put_nowait(RuntimeDiedError(why))
+            self._abort_nowait(rid)
+            if i % FAIL_BATCH == 0:
+                await asyncio.sleep(0)
 
 
 async def _wait_ready(processes: RuntimeProcesses, inbox: zmq.asyncio.Socket,

@@ -307,7 +307,8 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)      # nobody is listening; the request was aborted
         except Exception as exc:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
             error = serving.api_error(exc)
-            if error.status >= 500:
+            # A runtime death is logged by the runtime client: one line per request, no traceback.
+            if error.status >= 500 and error.code != "runtime_unavailable":
                 logger.exception("request failed")
             return error_response(error)
 
