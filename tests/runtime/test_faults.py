@@ -9,7 +9,11 @@ Which faults recover and which end the server:
 - kill -9 of the worker, or of the scheduler, with 64 streams (and 8 non-streaming requests) in
   flight: CLEAN EXIT. Every stream gets an error event (``runtime_unavailable``) then ``[DONE]``,
   every non-streaming request a 503 with OpenAI's error JSON; /health turns 503, the server exits
-  with code 1, no runtime process survives and the socket directory is removed.
+  with code 1, no runtime process survives and the socket directory is removed. With 176 requests
+  queued behind 8 streams, /health still turns 503 within 2 s (no probe waits a second) and the log
+  holds one line per failed request, no traceback per request.
+- kill -9 of the server itself (or SIGTERM, then kill -9 mid-drain) with 50 chats streaming: the
+  children exit on their own within 5 s and the last one out removes the socket directory.
 - KV oversubscribed 4x (a small ``--kv-cache-tokens``, concurrent requests): no fault at all;
   retraction makes room, every request completes with the greedy tokens of a large pool.
 
@@ -169,6 +173,134 @@ def test_kill_child_under_load_exits_cleanly(tmp_path, kind):
         outs = asyncio.run(under_load(srv.base_url, 400, lambda: _kill_and_watch_health(srv, kind)))
         _assert_clean_errors(outs, kind)
         _assert_clean_exit(srv)
+    finally:
+        srv.stop()
+
+
+# -- killed server: no orphans --------------------------------------------------------------------
+
+
+async def _chat_streams(base_url: str, n: int, fault) -> None:
+    """``n`` streaming chats; once every one has its first event, ``fault()`` runs (in a thread)
+    while they stream; then every stream ends within a bound (a dead server ends them at once)."""
+    body = {"model": "default", "temperature": 0, "ignore_eos": True, "max_tokens": 400, "stream": True}
+    started = [asyncio.Event() for _ in range(n)]
+
+    async def chat(i: int) -> None:
+        messages = [{"role": "user", "content": f"Tell me story number {i}."}]
+        try:
+            async with http.stream("POST", f"{base_url}/v1/chat/completions",
+                                   json={**body, "messages": messages}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        started[i].set()
+        except httpx.HTTPError:
+            pass                           # the server was killed under this stream
+        finally:
+            started[i].set()
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n + 4)) as http:
+        tasks = [asyncio.create_task(chat(i)) for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        assert not any(t.done() for t in tasks), "a stream ended before the fault"
+        await asyncio.to_thread(fault)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+
+@pytest.mark.parametrize("term_first", [False, True], ids=["kill", "term-then-kill"])
+def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_path, term_first):
+    """kill -9 of the server process (or SIGTERM, then kill -9 two seconds into the drain) while 50
+    chats stream: within 5 s neither runtime child is alive (checked by pid) and the socket
+    directory is gone. Children notice their parent's death on their own and always exit."""
+    srv = start_server(tmp_path)
+    gone_after: list[float] = []
+
+    def kill_server() -> None:
+        if term_first:
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(2.0)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 5.0:
+            if not any(pid_alive(p) for p in srv.child_pids) and not socket_dirs(srv):
+                gone_after.append(time.monotonic() - killed)
+                return
+            time.sleep(0.05)
+
+    try:
+        assert len(srv.child_pids) == 2 and len(socket_dirs(srv)) == 1
+        asyncio.run(_chat_streams(srv.base_url, 50, kill_server))
+        assert not [p for p in srv.child_pids if pid_alive(p)], "runtime processes outlived the server by 5 s"
+        assert socket_dirs(srv) == [], "socket directory left behind"
+        assert gone_after and gone_after[0] < 5.0
+    finally:
+        srv.stop()
+
+
+# -- worker death with a long queue: /health first, one log line per request --------------------
+
+
+RUNNING, QUEUED = 8, 176
+
+
+async def _queue_then(srv: ServerProcess, fault) -> list[Outcome]:
+    """``RUNNING`` streams run (the server admits no more), ``QUEUED`` non-streaming requests wait
+    behind them; then ``fault()`` runs (in a thread) and every request ends within a bound."""
+    limits = httpx.Limits(max_connections=RUNNING + QUEUED + 4)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        url = f"{srv.base_url}/v1/completions"
+        outs = [Outcome(stream=i < RUNNING) for i in range(RUNNING + QUEUED)]
+        flags = [asyncio.Event() for _ in range(RUNNING)]
+        tasks = []
+        for i, out in enumerate(outs):
+            body = {**BODY, "prompt": f"Story number {i}: once upon a time", "max_tokens": 400}
+            if out.stream:
+                tasks.append(asyncio.create_task(_stream(http, url, body, out, flags[i])))
+                if i == RUNNING - 1:
+                    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 120)
+            else:
+                tasks.append(asyncio.create_task(_plain(http, url, body, out)))
+        deadline = time.monotonic() + 120
+        while (await asyncio.to_thread(metric, srv.base_url, "num_requests_waiting")) < QUEUED:
+            assert time.monotonic() < deadline, "the requests never queued"
+            await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks), "a request ended before the fault"
+        await asyncio.to_thread(fault)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    return outs
+
+
+def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line_per_request(tmp_path):
+    """kill -9 of the worker with 8 requests streaming and 176 queued behind them: /health answers
+    503 within 2 s of the kill and no probe waits more than 1 s (failing the requests never holds
+    the event loop); every request ends with a clean error; the server's log holds at most one
+    traceback and exactly one line per failed request."""
+    srv = start_server(tmp_path, "--max-running-requests", str(RUNNING))
+    probes: list[tuple[float, float, int]] = []       # (since the kill, latency, status)
+
+    def kill_worker_and_probe() -> None:
+        os.kill(srv.child("worker"), signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 3.0:
+            sent = time.monotonic()
+            status = httpx.get(f"{srv.base_url}/health", timeout=10).status_code
+            probes.append((sent - killed, time.monotonic() - sent, status))
+            if status == 503:
+                return
+            time.sleep(0.05)
+
+    try:
+        outs = asyncio.run(_queue_then(srv, kill_worker_and_probe))
+        first_503 = next((at + latency for at, latency, status in probes if status == 503), None)
+        assert first_503 is not None and first_503 < 2.0, probes
+        assert max(latency for _, latency, _ in probes) < 1.0, probes
+        _assert_clean_errors(outs, "worker")
+        assert srv.proc.wait(30) == 1
+        log = (srv.tmp_dir / "server.log").read_text(errors="replace")
+        assert log.count("Traceback") <= 1, log[-3000:]
+        failed = re.findall(r"request \d+ failed: the runtime died: the worker process", log)
+        assert len(failed) == len(outs), log[-3000:]
     finally:
         srv.stop()
 
