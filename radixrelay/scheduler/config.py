@@ -12,7 +12,7 @@ _POLICIES = ("lpm", "dfs-weight", "fcfs")
 @dataclass(frozen=True)
 class SchedulerConfig:
     kv_cache_tokens: int                      # KV capacity in token slots (rounded down to pages)
-    # Tokens per KV page. 16 by measurement (benchmarks/bench_radix_page_size.py, multi-turn
+    # Tokens per KV page. 16 by measurement (benchmarks/engine/bench_radix_page_size.py, multi-turn
     # chats over shared system prompts): scheduler CPU time per generated token 5.5 us at 1,
     # 3.7 at 8, 3.5 at 16, 3.4 at 64 (flat past 16), while the prefix-hit rate, which loses the
     # partial last page of every request, drops 0.4% at 16 and 1.8% at 64 (relative to 1).

@@ -1,7 +1,7 @@
 """A torch-profiler trace of a window of worker steps (``RADIXRELAY_TRACE_STEPS``, see ``radixrelay.env``).
 
 Each traced launch is wrapped in a ``record_function("step <id>")`` range, so the Chrome trace ties
-the host work of a step to the kernels it launched (``benchmarks/trace_summary.py`` reads it back:
+the host work of a step to the kernels it launched (``benchmarks/serving/trace_summary.py`` reads it back:
 per step, host launch span, device kernel time and device span, and the gaps between kernels).
 """
 

@@ -15,7 +15,8 @@ from radixrelay.bench import report
 from radixrelay.bench.cli import main
 from tests.bench.test_metrics import record
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "benchmarks.serving.bench_serving"     # run as its docstring says, from the repository root
 
 
 def closed_port() -> int:
@@ -27,10 +28,10 @@ def closed_port() -> int:
 def test_dead_server_gives_failed_requests(tmp_path):
     out = tmp_path / "dead.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--base-url", f"http://127.0.0.1:{closed_port()}",
+        [sys.executable, "-m", MODULE, "--base-url", f"http://127.0.0.1:{closed_port()}",
          "--workload", "shared-prefix", "-P", "groups=2", "-P", "system_len=8", "--num-requests", "4",
          "--request-rate", "50", "--timeout", "10", "--output", str(out)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "Completed / failed requests:        0 / 4" in proc.stdout
     results = json.loads(out.read_text())

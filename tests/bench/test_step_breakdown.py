@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_serving_gpu import step_breakdown
+from benchmarks.serving.bench_serving_gpu import step_breakdown
 
 
 def test_device_busy_is_over_the_traffic_window() -> None:

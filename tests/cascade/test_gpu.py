@@ -1,4 +1,4 @@
-"""Cascade on the GPU (run with ``-m gpu`` on a CUDA machine; benchmarks/gpu_all.sh does).
+"""Cascade on the GPU (run with ``-m gpu`` on a CUDA machine; benchmarks/engine/gpu_all.sh does).
 
 - bf16 at Llama-3-8B attention shapes: cascade (both phases) is within the error of flat attention,
   both measured against a float64 reference of the flat batch;

@@ -23,7 +23,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from benchmarks.bench_serving_gpu import default_tokenizer
+    from benchmarks.common import default_tokenizer
 
     path = tmp_path_factory.mktemp("small-llama")
     (path / "config.json").write_text(json.dumps({

@@ -126,7 +126,7 @@ def test_cascade_real_size_gpu():
 @pytest.mark.parametrize("config", [(64, 128, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
                                     (128, 128, 8, 3)])
 def test_shared_node_tile_configs_gpu(config):
-    """The tile configs the H100 sweep tried (benchmarks/sweep_shared_node.py), bf16 at real sizes, with a
+    """The tile configs the H100 sweep tried (benchmarks/results/HISTORY.md, v6), bf16 at real sizes, with a
     partial last tile and a second group."""
     group_rows = [list(range(256)), list(range(0, 256, 3))]
     run_case(256, group_rows, [4096 + 24, 1000], 32, 8, 128, 16, torch.bfloat16, seed=11, config=config)

@@ -1,5 +1,5 @@
 """The soak benchmark as a CI check: 60 s of mixed traffic with client aborts against the real
-server (default model), run as a user runs it (``python benchmarks/soak.py``).
+server (default model), run as a user runs it (``python -m benchmarks.reliability.soak``).
 
 Asserts what the hardening issue asks of a soak: no request lost (every request sent completed,
 failed with a reason or was aborted by the client on purpose), none failed, the server back at its
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 def test_soak_60s_with_aborts(tmp_path):
     out = tmp_path / "soak"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--duration", str(DURATION_S),
+    cmd = [sys.executable, "-m", "benchmarks.reliability.soak", "--duration", str(DURATION_S),
            "--warmup", "15", "--abort-share", "0.2", "--scrape-interval", "3",
            "--max-rss-growth", str(RSS_GROWTH_LIMIT), "--request-timeout", "120",
            "--out", str(out), "--server-log", str(tmp_path / "server.log")]

