@@ -27,7 +27,7 @@ kernel load K/V by TMA (``plan.kv_tma``; H100, 256 x 16K x 256: 0.258 -> 0.181 m
 options below; shared_node.py).
 
 A version that interleaved both kinds of programs in ONE kernel measured 1.5x slower at batch 256 x 16K
-on an H200 (255 registers for every program) and was dropped; see benchmarks/results/attention.md.
+on an H200 (255 registers for every program) and was dropped; see benchmarks/results/kernels/attention.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from radixrelay.kernels.shared_node import shared_node_attention_reference
 
 # A node shared by n requests saves (n - 1) * node_tokens KV reads; below this the extra launches and
 # partial states may cost more than they save (Llama-3-8B shapes, H100 / H200: at batch 16 x 1-2K the
-# cascade ties flat within 2%; 16 x 8K and 64 x 1K win clearly; benchmarks/results/attention.md).
+# cascade ties flat within 2%; 16 x 8K and 64 x 1K win clearly; benchmarks/results/kernels/attention.md).
 MIN_SAVED_TOKENS = 32768
 
 # Own-KV decode launch options: alone it has the GPU and takes 128-token tiles; beside the shared node
@@ -68,7 +68,7 @@ OWN_BESIDE = dict(block_n=64, num_stages=2, maxnreg=96)
 # 256 requests x 2K shared x own 64 / 160 / 256 / 512 / 1024 tokens: 0.065 / 0.116 / 0.138 / 0.228 / 0.405
 # with OWN_BESIDE, 0.062 / 0.100 / 0.132 / 0.219 / 0.388 with this; 128 x 4K x 256: 0.090 -> 0.084. Beside a
 # 16K node OWN_BESIDE stays ahead (256 x 16K x 256: 0.182 vs 0.198):
-# benchmarks/results/attention_own_tiles_h100_80gb_hbm3.md (benchmarks/sweep_own_tiles.py).
+# benchmarks/results/HISTORY.md (own-KV tiles, 2026-11-24).
 OWN_BESIDE_LIGHT = dict(block_n=32, num_warps=2, num_stages=2)
 LIGHT_NODE_TOKENS = 4096
 

@@ -34,7 +34,7 @@ The K/V tiles are gathered slot by slot (16-byte loads through the page list). W
 are consecutive ids the node is one strided block of the cache and, on Hopper, the full tiles come by
 TMA instead (``KV_TMA``): at 256 x 16K on an H100 the kernel goes from about 300 to 500 TFLOP/s, the
 gather being bound by the L2-to-SM traffic of 16 query tiles re-reading each KV tile
-(benchmarks/results/attention.md, v6).
+(benchmarks/results/kernels/attention.md, v6).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group.
 
     Gathered K/V: BLOCK_M <= 64, 4 warps (H200 sweep). K/V by TMA (used only with >= TMA_MIN_ROWS rows):
-    128 x 64 tiles, 8 warps (H100 sweep, benchmarks/results/attention.md v6: at 256 x 16K x 256 the
+    128 x 64 tiles, 8 warps (H100 sweep, benchmarks/results/kernels/attention.md v6: at 256 x 16K x 256 the
     cascade takes 0.208 ms with it, 0.236 with 64 x 64 tiles by TMA, 0.258 gathered; it won at all 9
     grid points measured with >= 128 rows; v7, with ``TMA_MAXNREG`` and the decode beside it capped: 0.181)."""
     if kv_tma:

@@ -4,7 +4,7 @@ On the CPU the projections and the LM head are most of a step (SmolLM2-135M at 8
 through ``F.linear``). torch's float32 ``F.linear`` calls MKL's sgemm; oneDNN's float32 matmul (the op
 torch's own compiler emits for CPU linears, ``torch.ops.mkldnn._linear_pointwise``, here with plain
 [out, in] weights, no packing) took 1.3-4.4x less time for every shape of the default model from 1 to
-2,048 rows on a 2-core AMD EPYC (``benchmarks/results/cpu_engine.md``). Both are IEEE float32
+2,048 rows on a 2-core AMD EPYC (``benchmarks/results/engine/cpu_engine.md``). Both are IEEE float32
 arithmetic: only the order of the sums differs, so the results agree to float32 rounding (~1e-4 of
 the float64 product for SmolLM2's 576- and 1536-long sums), not bit for bit.
 

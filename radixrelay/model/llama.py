@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         ``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
         copy of the head in memory: 113 MB for SmolLM2-135M in float32). On the CPU the LM head is the
         largest matrix (SmolLM2-135M: 28M of 135M weights) and BLAS streams it ~1.6x faster in this layout
-        for one row, ~1.08x for 32 (``benchmarks/results/cpu_engine.md``); the tied embedding keeps its row
+        for one row, ~1.08x for 32 (``benchmarks/results/engine/cpu_engine.md``); the tied embedding keeps its row
         layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
         not bit for bit."""
         key = (head.data_ptr(), head._version, tuple(head.shape))

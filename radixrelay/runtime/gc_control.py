@@ -25,7 +25,7 @@ launched waits for it: a stall of tens of milliseconds with the device idle.
 Measured at saturation (3,000 requests at 200 req/s, H100, the interpreter's policy, two servers):
 full collections paused the frontend about 16 times a run (118-474 ms each, 4-7 s of a 28 s run),
 the scheduler 4-6 times (52-83 ms) and the worker about once (90-114 ms); managed, 3 pauses of
-50 ms or more in all (benchmarks/results/serving_loop.md).
+50 ms or more in all (benchmarks/results/HISTORY.md).
 
 Either way each collection is timed (``gc.callbacks``): total seconds, full collections and the
 longest pause, reported as ``GcStats`` and exported by ``/metrics``; a pause longer than

@@ -67,7 +67,7 @@ from radixrelay.worker.step_state import ResidentTokens
 # and under load the step that admits them beside 256 decodes (cascade included) is one replay too,
 # instead of a piecewise step whose 32 layers of attention are launched from Python (H100, Llama-3-8B
 # shapes, shared-prefix at 48 req/s: host launch 7.2 -> 3.9 ms per step with 32 -> 256 here,
-# benchmarks/results/serving_loop.md). The worker's decode graphs take max_running_requests + this many rows.
+# benchmarks/results/HISTORY.md). The worker's decode graphs take max_running_requests + this many rows.
 SMALL_EXTEND_ROWS = 256
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them

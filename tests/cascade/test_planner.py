@@ -56,7 +56,7 @@ def one_group(cost: CostModel, n: int, tokens: int) -> bool:
 def test_cost_model_thresholds_and_folding():
     # "a node of 30 tokens shared by 2 requests is cheaper to read twice"
     assert not CostModel().worth_group(2, 30)
-    # the calibration points (benchmarks/results/throughput_h200.md): one shared prefix x batch
+    # the calibration points (benchmarks/results/engine/throughput_h200.md): one shared prefix x batch
     for n, tokens in [(64, 1024), (32, 2048), (64, 2048), (2, 30), (1, 10**6)]:
         assert not one_group(CostModel(), n, tokens)
     for n, tokens in [(32, 8192), (256, 1024), (128, 2048), (2, MIN_SAVED_TOKENS)]:
