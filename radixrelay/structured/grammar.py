@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from radixrelay.server.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 256
+COMPACT = (",", ":")           # JSON is one line, ``json.dumps(separators=(",", ":"))``: no optional whitespace
 _ENGINE_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")       # "[01:15:21] /project/cpp/x.cc:83: "
 
 
@@ -61,9 +62,11 @@ class GrammarEngine:
         compiler = self._compiler
         try:
             if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    separators=COMPACT, strict_mode=False)
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+                return compiler.compile_json_schema(spec.value, any_whitespace=False, separators=COMPACT,
+                                                    strict_mode=True)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
             return compiler.compile_grammar(choice_grammar(spec.choices))

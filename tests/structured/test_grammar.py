@@ -77,7 +77,7 @@ def test_choice_grammar_accepts_exactly_the_choices(engine):
 
 def test_special_tokens_are_never_allowed_and_a_finished_grammar_allows_only_eos(engine, tokenizer):
     matcher = engine.matcher(engine.compile(StructuredOutput.json_object()))
-    assert matcher.accept_string('{"text": "')
+    assert matcher.accept_string('{"text":"')
     allowed = _allowed(engine, matcher)
     assert allowed and not allowed & set(tokenizer.special_token_ids)
     assert matcher.accept_string('hi"}')
@@ -106,6 +106,6 @@ def test_schema_outputs_follow_the_schema(engine, tokenizer):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"]}
     matcher = engine.matcher(engine.compile(StructuredOutput.json_schema(schema)))
-    assert matcher.accept_string('{"n": 7}') and matcher.is_completed()
+    assert matcher.accept_string('{"n":7}') and matcher.is_completed()
     matcher = engine.matcher(engine.compile(StructuredOutput.json_schema(json.dumps(schema))))
-    assert not matcher.accept_string('{"n": 12')
+    assert not matcher.accept_string('{"n":12')
