@@ -771,6 +771,20 @@ def _schema_children(elem: _Elem, top: bool) -> tuple[tuple, list[Scaffold]]:
     return merge_text(children), scaffolds
 
 
+def param_positions(nodes: Sequence[object]) -> int:
+    """Positions the params of ``nodes`` take at the least (the members of a union share theirs):
+    a lower bound of a schema's ``end_position``, known without tokenizing its text."""
+    total = 0
+    for node in nodes:
+        if isinstance(node, Param):
+            total += node.length
+        elif isinstance(node, Union):
+            total += max((param_positions([m]) for m in node.members), default=0)
+        elif isinstance(node, (Module, Role)):
+            total += param_positions(node.children)
+    return total
+
+
 def parse_schema(source: str | bytes, limits: Limits | None = None) -> Schema:
     """Parse and validate a PML schema document; SchemaError for anything invalid or hostile."""
     limits = limits or DEFAULT_LIMITS

@@ -327,7 +327,8 @@ def build_app(state: ServerState) -> FastAPI:
             check_json_content_type(request)
             body = await read_body(request, cap)
             # Parsing and tokenising a large schema is CPU work: off the event loop.
-            info = await asyncio.to_thread(schemas.register, state.schemas, state.model_name, body)
+            max_context = state.client.info.max_context if state.client is not None else None
+            info = await asyncio.to_thread(schemas.register, state.schemas, state.model_name, body, max_context)
             return json_response(info)
         except oa.APIError as error:
             return error_response(error)

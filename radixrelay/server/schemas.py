@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from radixrelay.modules.pml import SchemaError
+from radixrelay.modules.layout import layout
+from radixrelay.modules.pml import SchemaError, param_positions, parse_schema
 from radixrelay.modules.registry import SchemaInfo, SchemaRegistry, UnknownSchemaError
 from radixrelay.server import openai_protocol as oa
 
@@ -37,9 +38,10 @@ def not_found(exc: UnknownSchemaError) -> oa.APIError:
     return oa.APIError(404, str(exc), param="name", code="schema_not_found")
 
 
-def register(registry: SchemaRegistry, model_name: str, body: bytes) -> SchemaInfo:
+def register(registry: SchemaRegistry, model_name: str, body: bytes, max_context: int | None = None) -> SchemaInfo:
     """Decode the body and register its schema; APIError 400 for a bad body, another model's
-    schema or invalid PML (CPU work: the caller runs it off the event loop)."""
+    schema, invalid PML, or (given the model's ``max_context``) a schema whose positions run past
+    the context: its modules could never be used (CPU work: the caller runs it off the event loop)."""
     try:
         req = msgspec.json.decode(body, type=SchemaCreate)
     except msgspec.ValidationError as exc:
@@ -49,7 +51,19 @@ def register(registry: SchemaRegistry, model_name: str, body: bytes) -> SchemaIn
     if req.model is not None and req.model != model_name:
         raise oa.invalid(f"the schema is for model {req.model!r}; this server serves {model_name!r}", "model")
     try:
-        return registry.register(req.schema)
+        if max_context is None:
+            return registry.register(req.schema)
+        schema = parse_schema(req.schema, registry.limits)
+        # Params alone bound the positions from below: refused before any text is tokenized.
+        if (low := param_positions(schema.children)) > max_context:
+            raise SchemaError(f"schema {schema.name!r}: its params take {low} positions, more than the "
+                              f"model's context of {max_context}")
+        lay = layout(schema, registry.encode, placeholder_id=registry.placeholder_id,
+                     role_text=registry.role_text, limits=registry.limits)
+        if lay.end > max_context:
+            raise SchemaError(f"schema {schema.name!r}: it ends at position {lay.end}, past the model's "
+                              f"context of {max_context}")
+        return registry.register(schema)
     except SchemaError as exc:
         raise oa.invalid(str(exc), "schema") from None
 

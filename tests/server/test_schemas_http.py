@@ -29,7 +29,7 @@ PLAIN = """<schema name="plain">
   <module name="preamble">You are a helpful assistant. Answer every question in one short, clear sentence.</module>
   <module name="other">This module is never first.</module>
 </schema>"""
-# A module past the context: importing it leaves no room for output.
+# Positions past the context: refused at registration (its modules could never be used).
 FAR = ('<schema name="far"><module name="filler">' + "lorem ipsum " * 300 + '</module>'
        '<module name="late">The end.</module></schema>')
 
@@ -47,8 +47,10 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=f"{server.base_url}/v1", timeout=120) as h:
-        for pml in (DOCS, PLAIN, FAR):
+        for pml in (DOCS, PLAIN):
             assert h.post("/schemas", json={"schema": pml}).status_code == 200
+        far = h.post("/schemas", json={"schema": FAR})
+        assert far.status_code == 400 and f"context of {CONTEXT}" in far.json()["error"]["message"], far.text
         yield h
 
 
@@ -84,7 +86,7 @@ def test_register_show_list(http) -> None:
     assert again == info                                   # idempotent: same digest, same created
     assert http.get("/schemas/docs").json() == info
     listing = http.get("/schemas").json()
-    assert listing["object"] == "list" and {"docs", "plain", "far"} <= {s["name"] for s in listing["data"]}
+    assert listing["object"] == "list" and {"docs", "plain"} <= {s["name"] for s in listing["data"]}
 
 
 def test_replace_and_delete(http) -> None:
@@ -145,7 +147,6 @@ def completion(client, prompt, schema="docs", **kw):
     ("docs", '<prompt schema="docs"><doc-a/><doc-b/>x</prompt>', "prompt", "same union"),
     ("docs", "<prompt schema='docs'><intro/>unclosed", "prompt", ""),
     ("docs", [1, 2, 3], "prompt", "not token ids"),
-    ("far", '<prompt schema="far"><late/>Why?</prompt>', "prompt", "position"),
 ])
 def test_bad_prompts_are_400(client, http, schema, prompt, param, match) -> None:
     with pytest.raises(openai.BadRequestError) as err:
