@@ -62,6 +62,7 @@ class ServerState:
                                                     chat_template=config.chat_template)
         self.metrics = ServerMetrics()
         self.grammars = GrammarCheck(self.tokenizer)
+        self.prompt_work = serving.PromptWork()   # templates and tokenization, off the event loop
         self.client: AsyncRuntimeClient | None = None
         self.collector = GcControl("frontend", "python", logger)   # replaced at start-up
         self.draining = False
@@ -81,7 +82,7 @@ class ServerState:
                       Truncation(ratio, self.client.info.max_context, self.engine_config.page_size))
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
                                       self.model_name, self.config.max_n, self.metrics, max_choices,
-                                      self.grammars, truncation, self.schemas)
+                                      self.grammars, truncation, self.schemas, self.prompt_work)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""
@@ -287,9 +288,9 @@ def build_app(state: ServerState) -> FastAPI:
             check_json_content_type(request)
             req = oa.decode_request(await read_body(request, cap), kind)
             if isinstance(req, oa.ChatCompletionRequest):
-                choices = serving.chat_choices(ctx, req)
+                choices = await until_disconnect(request, serving.chat_choices(ctx, req))
             else:
-                choices = serving.completion_choices(ctx, req)
+                choices = await until_disconnect(request, serving.completion_choices(ctx, req))
             await until_disconnect(request, serving.check_structured(ctx, req, choices))
             job = serving.GenerationJob(ctx, choices, req.cache_salt)
             if req.stream:

@@ -22,23 +22,36 @@ whatever surrounds it:
   this, and none may contain a space or strip its neighbours, so none spans a cut.
 
 Anything else (a normalizer, Metaspace, a BPE without a word-splitting pre-tokenizer, dropout,
-truncation or padding, unknown regexes) is encoded whole, as before. Chunk ends are the first cut at
-least ``chunk_chars`` past the previous end, so two texts sharing a prefix share every chunk that
-ends (one character of look-ahead included) inside it.
+truncation or padding, unknown regexes) is encoded whole. Chunk ends are the first cut at least
+``chunk_chars`` past the previous end, so two texts sharing a prefix share every chunk that ends
+(one character of look-ahead included) inside it.
+
+``parts`` yields a text's ids a batch of chunks at a time, so a caller that only needs to know
+whether a text exceeds some number of tokens stops after encoding about that many. The cache is
+bounded by tokens and by bytes (chunk texts plus ids), and one text caches chunks only for its first
+``max_cached_tokens // 4`` tokens: a huge prompt neither fills the cache nor evicts it.
+``max_chars_per_token`` bounds how many characters one token spells, so a text longer than
+``n * bound`` characters has more than ``n`` tokens without encoding any of it. Whole texts and
+batches are encoded with ``encode_batch``, which releases the GIL.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 CHUNK_CHARS = 1024                # ~200 tokens of English text per chunk
-MAX_CACHED_TOKENS = 1 << 19       # LRU bound on the ids held (~20 MB)
+MAX_CACHED_TOKENS = 1 << 19       # LRU bound on the ids held
+MAX_CACHED_BYTES = 16 << 20       # LRU bound on the cache's memory: chunk texts plus ids (4 bytes each)
+BATCH_CHUNKS = 32                 # chunks per encode_batch call (and per part) of a long text
 
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
@@ -53,19 +66,21 @@ _WORD_SPLITS = frozenset({_GPT2, _LLAMA3, _QWEN2})
 _DIGIT_SPLITS = frozenset({r"\p{N}"})
 
 
-def split_text(text: str, chunk_chars: int = CHUNK_CHARS) -> list[str]:
+def iter_pieces(text: str, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
     """``text`` cut at the first cut point at least ``chunk_chars`` past the previous cut; the
     pieces concatenate to ``text``."""
-    pieces: list[str] = []
     start = 0
     while True:
         m = _CUT.search(text, start + chunk_chars)
         if m is None:
             break
-        pieces.append(text[start:m.start()])
+        yield text[start:m.start()]
         start = m.start()
-    pieces.append(text[start:])
-    return pieces
+    yield text[start:]
+
+
+def split_text(text: str, chunk_chars: int = CHUNK_CHARS) -> list[str]:
+    return list(iter_pieces(text, chunk_chars))
 
 
 def unchunkable_reason(tok: HFTokenizer) -> str | None:
@@ -110,19 +125,34 @@ def unchunkable_reason(tok: HFTokenizer) -> str | None:
     return None if splits_words else "no pre-tokenizer splits words"
 
 
+def max_chars_per_token(tok: HFTokenizer) -> int | None:
+    """The most characters of text one token of ``tok`` spells, for the tokenizers that chunk
+    (None for the others). Their pre-tokenizers drop no character and there is no normalizer, so
+    each character of the text is in exactly one token; a token spells at most as many characters
+    as its vocabulary string has (byte-level strings: one letter per byte, and a character is at
+    least one byte), an added token its content. A fused unknown token spells any number: None."""
+    if unchunkable_reason(tok) is not None or getattr(tok.model, "fuse_unk", False):
+        return None
+    return max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
+
+
 class ChunkedEncoder:
     """``encode(text)`` == ``tok.encode(text, add_special_tokens=False).ids``, cheaper for long
     texts that share chunks with earlier ones. Safe to share between threads."""
 
     def __init__(self, tok: HFTokenizer, chunk_chars: int = CHUNK_CHARS,
-                 max_cached_tokens: int = MAX_CACHED_TOKENS) -> None:
+                 max_cached_tokens: int = MAX_CACHED_TOKENS,
+                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
         self._tok = tok
         self.chunk_chars = chunk_chars
         self.max_cached_tokens = max_cached_tokens
+        self.max_cached_bytes = max_cached_bytes
         self.reason = unchunkable_reason(tok)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.max_chars_per_token = max_chars_per_token(tok)
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._lock = threading.Lock()
         self.cached_tokens = 0
+        self.cached_bytes = 0
         self.hits = 0                 # chunks served from the cache
         self.misses = 0               # chunks encoded
 
@@ -131,9 +161,37 @@ class ChunkedEncoder:
         return self.reason is None
 
     def encode(self, text: str) -> list[int]:
-        if self.reason is not None or len(text) < 2 * self.chunk_chars:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        pieces = split_text(text, self.chunk_chars)
+        out: list[int] = []
+        for ids in self.parts(text):
+            out.extend(ids)
+        return out
+
+    def parts(self, text: str) -> Iterator[list[int]]:
+        """``encode(text)`` in consecutive parts of at most ``BATCH_CHUNKS`` chunks each."""
+        if len(text) < 2 * self.chunk_chars:
+            yield self._tok.encode(text, add_special_tokens=False).ids
+            return
+        if self.reason is not None:
+            yield self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+            return
+        uncached = self.max_cached_tokens // 4     # this text's tokens not yet offered to the cache
+        batch: list[str] = []
+        for piece in iter_pieces(text, self.chunk_chars):
+            batch.append(piece)
+            if len(batch) == BATCH_CHUNKS:
+                ids = self._encode_pieces(batch, cache=uncached > 0)
+                uncached -= len(ids)
+                yield ids
+                batch = []
+        if batch:
+            yield self._encode_pieces(batch, cache=uncached > 0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self.cached_tokens = self.cached_bytes = 0
+
+    def _encode_pieces(self, pieces: list[str], cache: bool) -> list[int]:
         with self._lock:
             found = [self._get(p) for p in pieces]
         missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
@@ -143,14 +201,15 @@ class ChunkedEncoder:
             fresh = {p: e.ids for p, e in zip(missing, encodings)}
             with self._lock:
                 self.misses += len(missing)
-                for p, ids in fresh.items():
-                    self._put(p, ids)
+                if cache:
+                    for p, ids in fresh.items():
+                        self._put(p, ids)
         out: list[int] = []
         for p, ids in zip(pieces, found):
             out.extend(fresh[p] if ids is None else ids)
         return out
 
-    def _get(self, piece: str) -> list[int] | None:
+    def _get(self, piece: str) -> array[int] | None:
         ids = self._cache.get(piece)
         if ids is not None:
             self._cache.move_to_end(piece)
@@ -158,10 +217,14 @@ class ChunkedEncoder:
         return ids
 
     def _put(self, piece: str, ids: list[int]) -> None:
-        if piece in self._cache or len(ids) > self.max_cached_tokens:
+        size = sys.getsizeof(piece) + 4 * len(ids)
+        if piece in self._cache or len(ids) > self.max_cached_tokens or size > self.max_cached_bytes:
             return
-        self._cache[piece] = ids
+        self._cache[piece] = array("I", ids)
         self.cached_tokens += len(ids)
-        while self.cached_tokens > self.max_cached_tokens:
-            _, old = self._cache.popitem(last=False)
+        self.cached_bytes += size
+        while self._cache and (self.cached_tokens > self.max_cached_tokens
+                               or self.cached_bytes > self.max_cached_bytes):
+            old_piece, old = self._cache.popitem(last=False)
             self.cached_tokens -= len(old)
+            self.cached_bytes -= sys.getsizeof(old_piece) + 4 * len(old)

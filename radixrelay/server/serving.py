@@ -15,16 +15,27 @@ spans. Such a prompt is never truncated; it must fit the context both as positio
 (``end_position + max_tokens``) and as KV (its tokens, page padding included, ``+ max_tokens``).
 ``usage.prompt_tokens`` counts all its tokens, the placeholder padding of module spans to whole
 pages included (so cached and module tokens never exceed it); ``echo`` is refused.
+
+A request's bulk work on its prompts (chat template rendering, tokenization, composing modular
+prompts, checking token ids) runs in ``PromptWork``'s bounded thread pool, never on the event loop.
+A text prompt is encoded with a bound: without truncation it is refused once it is known to exceed
+``EXACT_COUNT_FACTOR`` contexts (the 400 then says "more than N tokens"), so an over-long prompt
+costs time and memory proportional to the context, not to the prompt; with truncation only the
+ids truncation may keep are held (``Tokenizer.encode_ends``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.pml import SchemaError
@@ -40,9 +51,29 @@ from radixrelay.server.metrics import ServerMetrics
 from radixrelay.server.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck
-from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.server.tokenizer import TokenEnds, Tokenizer, TooManyTokens
 from radixrelay.structured.spec import InvalidStructuredOutput
 from radixrelay.worker.protocol import TokenLogprobs
+
+T = TypeVar("T")
+EXACT_COUNT_FACTOR = 2      # an over-context prompt's tokens are counted up to this many contexts
+INLINE_SIZE = 4096          # prompt work up to this size (characters, ids) runs on the event loop
+
+
+class PromptWork:
+    """The thread pool requests' prompt work runs in: ``workers`` prompts are worked on at once,
+    the others wait their turn off the event loop. Work of at most ``inline_size`` characters runs
+    on the loop (less than a hand-off to a thread costs)."""
+
+    def __init__(self, workers: int | None = None, inline_size: int = INLINE_SIZE) -> None:
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.inline_size = inline_size
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="prompt-work")
+
+    async def run(self, size: int, fn: Callable[[], T]) -> T:
+        if size <= self.inline_size:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
 
 @dataclass
@@ -59,6 +90,10 @@ class ServingContext:
     grammars: GrammarCheck
     truncation: Truncation | None = None    # context overflow drops the oldest tokens (else a 400)
     schemas: SchemaRegistry | None = None   # prompt modules (``prompt_schema``); None: refused
+    prompt_work: PromptWork | None = None   # where prompt work runs (None: on the caller's thread)
+
+    async def run_prompt_work(self, size: int, fn: Callable[[], T]) -> T:
+        return fn() if self.prompt_work is None else await self.prompt_work.run(size, fn)
 
 
 @dataclass(eq=False)
@@ -223,10 +258,17 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, def
     return requested
 
 
-def _fit(ctx: ServingContext, ids: list[int], requested: int | None, default: int | None,
+def _truncates(ctx: ServingContext, requested: int | None, default: int | None) -> bool:
+    """Whether an over-long prompt would be truncated (else it is refused)."""
+    want = requested if requested is not None else (default or 1)
+    return ctx.truncation is not None and 1 <= want < ctx.client.info.max_context
+
+
+def _fit(ctx: ServingContext, ids: Sequence[int], requested: int | None, default: int | None,
          prompt_param: str, param: str = "max_tokens") -> tuple[Truncated, int]:
     """The prompt to serve and its max_tokens: with ``--truncation``, a prompt that does not fit
-    the context with its max_tokens (at least 1 token when none is given) loses its oldest tokens."""
+    the context with its max_tokens (at least 1 token when none is given) loses its oldest tokens.
+    ``ids`` may be a ``TokenEnds`` only when it is truncated."""
     t, limit = ctx.truncation, ctx.client.info.max_context
     want = requested if requested is not None else (default or 1)
     prompt = Truncated(ids)
@@ -235,7 +277,32 @@ def _fit(ctx: ServingContext, ids: list[int], requested: int | None, default: in
             prompt = t.apply(ids, want)
         except ValueError as exc:
             raise oa.invalid(str(exc), param) from None
+    assert not isinstance(prompt.ids, TokenEnds)
     return prompt, _max_tokens(ctx, len(prompt.ids), requested, default, prompt_param, param)
+
+
+def _encode_fit(ctx: ServingContext, text: str, add_special_tokens: bool, requested: int | None,
+                default: int | None, prompt_param: str, param: str = "max_tokens", *,
+                nonempty: bool = False) -> tuple[Truncated, int]:
+    """``_fit`` of a text prompt (``nonempty``: no ids is a 400), encoded in memory bounded by the
+    context: a prompt that will be truncated keeps only the ids truncation may serve; one that
+    would be refused is counted up to ``EXACT_COUNT_FACTOR`` contexts."""
+    t, limit = ctx.truncation, ctx.client.info.max_context
+    ids: Sequence[int]
+    if t is not None and _truncates(ctx, requested, default):
+        # Truncation keeps the head and at most ``limit`` ids after it; ``shifted_prefix`` is the
+        # chunk before those.
+        ids = ctx.tokenizer.encode_ends(text, add_special_tokens, head=t.head, tail=limit + t.chunk)
+    else:
+        bound = EXACT_COUNT_FACTOR * limit
+        try:
+            ids = ctx.tokenizer.encode(text, add_special_tokens, max_tokens=bound)
+        except TooManyTokens:
+            raise oa.invalid(f"the prompt has more than {bound} tokens; this model's context is "
+                             f"{limit} tokens", prompt_param) from None
+    if nonempty and not ids:
+        raise oa.invalid("prompt is empty", prompt_param)
+    return _fit(ctx, ids, requested, default, prompt_param, param)
 
 
 def _registry(ctx: ServingContext) -> SchemaRegistry:
@@ -289,12 +356,49 @@ def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Trunc
     return out
 
 
-def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
+def _chat_size(messages: list[Any]) -> int:
+    """About how much prompt work ``messages`` make: their text's characters, plus one per message
+    and per content part."""
+    size = 0
+    for message in messages:
+        size += 1
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                size += 1
+                text = part.get("text") if isinstance(part, dict) else None
+                size += len(text) if isinstance(text, str) else 0
+    return size
+
+
+def _prompt_size(prompt: Any) -> int:
+    """About how much prompt work a completion's ``prompt`` makes: characters and token ids (a
+    JSON object prompt counts as work for the pool)."""
+    size = 0
+    for p in prompt if isinstance(prompt, list) else [prompt]:
+        if isinstance(p, (str, list)):
+            size += 1 + len(p)
+        elif isinstance(p, (int, float)):
+            size += 1
+        else:
+            size += INLINE_SIZE + 1
+    return size
+
+
+async def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
+    """The choices of a chat request; its prompt work runs in ``ctx``'s prompt pool."""
     _check_common(ctx, req)
     _check_choices(ctx, 1, req.n, "n")
     if ctx.chat_template is None:
         raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                          "messages")
+    return await ctx.run_prompt_work(_chat_size(req.messages), partial(_chat_choices, ctx, req))
+
+
+def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
+    assert ctx.chat_template is not None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.prompt_schema is not None:
@@ -308,32 +412,38 @@ def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Cho
         text = ctx.chat_template.render(req.messages)
     except ValueError as exc:
         raise oa.invalid(str(exc), "messages") from None
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)   # the template has BOS if any
-    prompt, max_tokens = _fit(ctx, ids, requested, None, "messages", param)
+    # The template has BOS if any.
+    prompt, max_tokens = _encode_fit(ctx, text, False, requested, None, "messages", param)
     return _choices(ctx, req, [prompt], [max_tokens], req.num_logprobs)
 
 
-def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
+async def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
+    """The choices of a completion request; its prompt work runs in ``ctx``'s prompt pool."""
     _check_common(ctx, req)
+    size = _prompt_size(req.prompt)
     if req.prompt_schema is not None:
-        return _schema_completion_choices(ctx, req, req.prompt_schema)
+        return await ctx.run_prompt_work(size, partial(_schema_completion_choices, ctx, req,
+                                                       req.prompt_schema))
     texts = oa.completion_prompts(req)
     _check_choices(ctx, len(texts), req.n, "prompt")
-    prompts = []
-    for prompt in texts:
-        if isinstance(prompt, str):
-            ids = ctx.tokenizer.encode(prompt)
-        else:
-            ids = prompt
-            vocab = ctx.client.info.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise oa.invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if not ids:
-            raise oa.invalid("prompt is empty", "prompt")
-        prompts.append(ids)
+    return await ctx.run_prompt_work(size, partial(_completion_choices, ctx, req, texts))
+
+
+def _completion_choices(ctx: ServingContext, req: oa.CompletionRequest,
+                        texts: list[str | list[int]]) -> list[Choice]:
     echo_only = req.echo and req.max_tokens == 0
     requested = 1 if echo_only else req.max_tokens
-    fitted = [_fit(ctx, ids, requested, 16, "prompt") for ids in prompts]
+    fitted = []
+    for prompt in texts:
+        if isinstance(prompt, str):
+            fitted.append(_encode_fit(ctx, prompt, True, requested, 16, "prompt", nonempty=True))
+            continue
+        vocab = ctx.client.info.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise oa.invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not prompt:
+            raise oa.invalid("prompt is empty", "prompt")
+        fitted.append(_fit(ctx, prompt, requested, 16, "prompt"))
     return _choices(ctx, req, [f[0] for f in fitted], [f[1] for f in fitted], req.logprobs,
                     echo=req.echo, echo_only=echo_only)
 

@@ -12,6 +12,12 @@ Conventions every backend follows: ``encode`` recognises special-token strings i
 prepend BOS. ``decode`` applies no clean-up of tokenization spaces. ``tokenizers`` backends encode
 long texts in chunks and cache the chunks' ids (``encode_cache``: same ids, and a prompt that extends
 an earlier one costs only its new part).
+
+Prompts may be far longer than any context. ``encode(text, max_tokens=n)`` raises ``TooManyTokens``
+once the text is known to have more than ``n`` tokens: at once when it has more characters than
+``n`` tokens can spell, else after encoding about ``n`` tokens (backends that chunk; the others
+encode the whole text). ``encode_ends`` counts a text's tokens but keeps only its first and last
+ones (what left truncation serves), in memory bounded by what it keeps.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -33,10 +39,55 @@ from radixrelay.server.encode_cache import ChunkedEncoder
 logger = logging.getLogger(__name__)
 
 
+class TooManyTokens(ValueError):
+    """A text encodes to more than ``limit`` tokens."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the text has more than {limit} tokens")
+        self.limit = limit
+
+
+class TokenEnds(Sequence[int]):
+    """The ids of an encoding with its middle left out: ``len`` is the whole encoding's; indexes
+    and contiguous slices within the first ``len(first)`` or the last ``len(last)`` ids work,
+    others raise ``IndexError``."""
+
+    def __init__(self, first: list[int], last: list[int], count: int) -> None:
+        assert len(first) + len(last) <= count
+        self.first, self.last, self.count = first, last, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        lo = self.count - len(self.last)          # index of last[0]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.count)
+            stop = max(start, stop)
+            if step == 1 and stop <= len(self.first):
+                return self.first[start:stop]
+            if step == 1 and start >= lo:
+                return self.last[start - lo:stop - lo]
+        else:
+            i = index + self.count if index < 0 else index
+            if 0 <= i < len(self.first):
+                return self.first[i]
+            if lo <= i < self.count:
+                return self.last[i - lo]
+        raise IndexError(f"ids {index} of {self.count} were not kept")
+
+
 class TokenizerBackend(Protocol):
     vocab_size: int
+    max_chars_per_token: int | None   # no token spells more characters (None: not known)
 
     def encode(self, text: str) -> list[int]: ...
+    def parts(self, text: str) -> Iterator[list[int]]: ...   # encode(text) in consecutive parts
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -52,9 +103,13 @@ class HFBackend:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.encoder = ChunkedEncoder(tokenizer)   # long texts: chunked, with a cache of chunks
+        self.max_chars_per_token = self.encoder.max_chars_per_token
 
     def encode(self, text: str) -> list[int]:
         return self.encoder.encode(text)
+
+    def parts(self, text: str) -> Iterator[list[int]]:
+        return self.encoder.parts(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -94,6 +149,11 @@ class SentencePieceBackend:
             reverse=True,
         )
         self._split = re.compile("(" + "|".join(map(re.escape, named)) + ")") if named else None
+        # Its normalizer may shorten a text (runs of spaces become one): no bound.
+        self.max_chars_per_token = None
+
+    def parts(self, text: str) -> Iterator[list[int]]:
+        yield self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
@@ -178,11 +238,50 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self._backend.id_to_token(self.eos_token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text)
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               max_tokens: int | None = None) -> list[int]:
+        """The ids of ``text`` (BOS first when the model adds one). With ``max_tokens``: raises
+        ``TooManyTokens`` instead of returning more ids than that, having encoded at most about
+        ``max_tokens`` of them where the backend encodes in parts."""
+        bos = self._bos(add_special_tokens)
+        if max_tokens is None:
+            return bos + self._backend.encode(text)
+        most = self._backend.max_chars_per_token
+        if most is not None and len(text) > (max_tokens - len(bos)) * most:
+            raise TooManyTokens(max_tokens)
+        ids = bos
+        for part in self._backend.parts(text):
+            ids.extend(part)
+            if len(ids) > max_tokens:
+                raise TooManyTokens(max_tokens)
         return ids
+
+    def encode_ends(self, text: str, add_special_tokens: bool = True, *, head: int,
+                    tail: int) -> list[int] | TokenEnds:
+        """``encode(text)``, or when it has more than ``head + tail`` ids, a ``TokenEnds`` holding
+        its first ``head`` and last ``tail`` ids; the ids in between are never all held at once."""
+        first = self._bos(add_special_tokens)
+        rest: list[int] = []
+        dropped = 0
+        for part in self._backend.parts(text):
+            room = head - len(first)
+            if room > 0:
+                first.extend(part[:room])
+                part = part[room:]
+            rest.extend(part)
+            if len(rest) > 2 * tail + (1 << 16):    # amortised: trimmed once per ~tail new ids
+                dropped += len(rest) - tail
+                del rest[:len(rest) - tail]
+        if not dropped and len(rest) <= tail:
+            return first + rest
+        dropped += max(0, len(rest) - tail)
+        kept = rest[len(rest) - tail:] if tail else []
+        return TokenEnds(first, kept, len(first) + dropped + len(kept))
+
+    def _bos(self, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            return [self.bos_token_id]
+        return []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens)

@@ -43,3 +43,11 @@ def test_max_tokens_beyond_any_truncation_is_a_400(client):
     api, _ = client
     with pytest.raises(openai.BadRequestError, match="cannot make it fit"):
         api.completions.create(model="default", prompt="word " * 300, max_tokens=250)
+
+
+def test_a_huge_prompt_is_truncated_holding_only_what_it_keeps(client):
+    api, srv = client
+    words = " ".join(f"w{i % 977}x{i % 13}" for i in range(300_000))     # ~2.6 MB, ~900K tokens
+    out = api.completions.create(model="default", prompt=words + " The end.", max_tokens=8, temperature=0)
+    assert 8 < out.usage.prompt_tokens and out.usage.prompt_tokens + 8 <= CONTEXT
+    assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
