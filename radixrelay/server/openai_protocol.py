@@ -420,6 +420,7 @@ FinishReason = Literal["stop", "length", "abort"]
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
     module_tokens: int = 0          # served from prompt modules' KV (``prompt_schema``)
+    module_padding_tokens: int = 0  # placeholders padding module spans to whole pages (in prompt_tokens)
 
 
 class Usage(msgspec.Struct):

@@ -14,7 +14,9 @@ With ``prompt_schema`` (modular prompt reuse) a prompt is composed against a reg
 spans. Such a prompt is never truncated; it must fit the context both as positions
 (``end_position + max_tokens``) and as KV (its tokens, page padding included, ``+ max_tokens``).
 ``usage.prompt_tokens`` counts all its tokens, the placeholder padding of module spans to whole
-pages included (so cached and module tokens never exceed it); ``echo`` is refused.
+pages included (what the model processes; cached and module tokens never exceed it), and
+``usage.prompt_tokens_details.module_padding_tokens`` says how many of them are padding; ``echo``
+is refused.
 
 A request's bulk work on its prompts (chat template rendering, tokenization, composing modular
 prompts, checking token ids) runs in ``PromptWork``'s bounded thread pool, never on the event loop.
@@ -199,6 +201,13 @@ class GenerationJob:
             metrics.generation_tokens.inc(update.completion_tokens)
 
 
+def module_padding(composed: ComposedPrompt | None) -> int:
+    """Placeholder tokens padding a modular prompt's module spans to whole pages."""
+    if composed is None:
+        return 0
+    return sum(len(m.token_ids) - m.num_real for m in composed.modules)
+
+
 def usage(choices: list[Choice]) -> oa.Usage:
     """Each prompt counts once (its first choice's numbers), every choice's completion counts."""
     firsts = {c.prompt_index: c for c in reversed(choices)}
@@ -206,8 +215,10 @@ def usage(choices: list[Choice]) -> oa.Usage:
     cached = sum(c.output.last.cached_tokens for c in firsts.values() if c.output.last is not None)
     modules = sum(getattr(c.output.last, "module_tokens", 0) for c in firsts.values()
                   if c.output.last is not None)
+    padding = sum(module_padding(c.composed) for c in firsts.values())
     completion = sum(c.output.last.completion_tokens for c in choices if c.output.last is not None)
-    return oa.Usage(prompt, completion, prompt + completion, oa.PromptTokensDetails(cached, modules))
+    return oa.Usage(prompt, completion, prompt + completion,
+                    oa.PromptTokensDetails(cached, modules, padding))
 
 
 # -- request -> choices -------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from radixrelay.config import EngineConfig
+from radixrelay.modules.registry import SchemaRegistry
 from radixrelay.server.tokenizer import load_tokenizer
 from tests.runtime.server_process import ServerProcess
 from tests.server.test_tokenizer import default_gguf
@@ -203,6 +205,33 @@ def test_modular_completion_reports_module_tokens(client) -> None:
     assert second.choices[0].text == first.choices[0].text            # greedy, same module KV
     details = second.usage.prompt_tokens_details
     assert 0 < details.module_tokens <= details.cached_tokens <= second.usage.prompt_tokens
+
+
+def test_usage_shows_module_padding_apart(client, tok) -> None:
+    """``prompt_tokens`` counts what the model processes, module padding included;
+    ``module_padding_tokens`` says how much of it is padding (zero for a prefix-only prompt)."""
+    local = SchemaRegistry.for_tokenizer(tok, model_id="default", page_size=EngineConfig().page_size)
+    local.register(DOCS)
+    prompt = '<prompt schema="docs"><greet who="Ann"/><doc-c/>Question: what does Gamma make? Answer:</prompt>'
+    composed = local.compose("docs", prompt)
+    padding = sum(len(m.token_ids) - m.num_real for m in composed.modules)
+    assert composed.is_modular and padding > 0
+    for out in (completion(client, prompt), completion(client, prompt)):
+        assert out.usage.prompt_tokens == len(composed.token_ids)
+        details = out.usage.prompt_tokens_details
+        assert details.module_padding_tokens == padding
+        assert details.module_tokens <= out.usage.prompt_tokens   # module KV: padding pages included
+    chunks = list(completion(client, [prompt, prompt], stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.module_padding_tokens == 2 * padding
+    plain = completion(client, '<prompt schema="plain"><preamble/> Hello</prompt>', "plain")
+    assert plain.usage.prompt_tokens_details.module_padding_tokens == 0
+    messages = [{"role": "user", "content": "<doc-a/><doc-c/>Which town has a harbour?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"prompt_schema": "docs"})
+    chat_composed = local.compose_chat("docs", messages)
+    assert chat.usage.prompt_tokens == len(chat_composed.token_ids)
+    assert chat.usage.prompt_tokens_details.module_padding_tokens == \
+        sum(len(m.token_ids) - m.num_real for m in chat_composed.modules)
 
 
 def test_modular_completion_n_stream_stop_and_batch(client, http) -> None:
