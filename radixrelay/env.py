@@ -2,6 +2,9 @@
 
 - ``RADIXRELAY_API_KEY``: the server's API key when neither ``--api-key`` nor ``--api-key-file`` is given
   (an environment variable, unlike a command-line flag, is not shown to other users by ``ps``).
+- ``RADIXRELAY_GRAMMAR_BUDGET_MS``: host milliseconds per token a structured output's grammar may take
+  on average over its last 16 tokens before its request fails with an error (default 10;
+  ``radixrelay.worker.constraints.MaskBudget``): what one hostile constraint can cost its batch mates.
 - ``RADIXRELAY_PROFILE_DIR``: when set, each runtime child process (scheduler, worker) runs under
   cProfile and writes ``<name>.prof`` and a text summary ``<name>.txt`` there when it exits
   normally. For finding where a step's host time goes; profiling slows Python code down.
@@ -32,6 +35,20 @@ import os
 def api_key_env() -> str | None:
     """``RADIXRELAY_API_KEY``; None when unset or empty."""
     return os.environ.get("RADIXRELAY_API_KEY") or None
+
+
+def grammar_budget_ms() -> float | None:
+    """``RADIXRELAY_GRAMMAR_BUDGET_MS`` as a float > 0; None when unset. A malformed value is an error."""
+    text = os.environ.get("RADIXRELAY_GRAMMAR_BUDGET_MS")
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"RADIXRELAY_GRAMMAR_BUDGET_MS must be a number of milliseconds > 0, got {text!r}")
+    return value
 
 
 def profile_dir() -> str | None:

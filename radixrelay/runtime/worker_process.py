@@ -26,7 +26,7 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.backend import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
-from radixrelay.env import gc_mode, profile_dir, small_extend_rows, trace_steps
+from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.runtime.gc_control import GcControl
@@ -36,7 +36,7 @@ from radixrelay.runtime.messages import (
 )
 from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
-from radixrelay.worker.constraints import Constraints
+from radixrelay.worker.constraints import Constraints, MaskBudget
 from radixrelay.worker.kv_tiers import build_tiers, page_bytes
 from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
@@ -98,7 +98,7 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
 
     tiers, host_pages, disk_pages, namespace = build_tiers(cfg, mc, kv_cache)
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
-                         graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device),
+                         graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device, _mask_budget()),
                          tiers=tiers)
     runner.small_extend_rows = extend_rows
     if device.type == "cpu":
@@ -114,6 +114,11 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     ready = WorkerReady(num_pages, max_context, mc.vocab_size, list(mc.eos_token_ids),
                         host_pages, disk_pages, namespace, page_bytes(kv_cache))
     return runner, ready
+
+
+def _mask_budget() -> MaskBudget:
+    per_token_ms = grammar_budget_ms()
+    return MaskBudget() if per_token_ms is None else MaskBudget(per_token_s=per_token_ms / 1e3)
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

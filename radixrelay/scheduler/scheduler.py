@@ -300,6 +300,10 @@ class Scheduler:
         for decoded in step.decodes:
             decoded.kv_committed += 1
         updates = []
+        for rid, why in out.failed:            # failed alone (e.g. a grammar over its time budget)
+            req = step.samplers.get(rid)
+            if req is not None and self._running.get(rid) is req:
+                updates.append(self._finish(req, "abort", error=why))
         for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = step.samplers.get(rid)
             if req is None or self._running.get(rid) is not req:

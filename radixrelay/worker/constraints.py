@@ -13,14 +13,22 @@ is compiled while the request's prompt is prefilled; the first mask waits for it
 A matcher that has terminated (its request emitted EOS and the scheduler drops the extra token it
 planned one step late) leaves its row unmasked; one that rejects a token (which the mask should make
 impossible) allows only EOS from then on, so its request ends rather than leaving its grammar.
+
+Budget: a constrained request's host time in its grammar (accepting tokens, filling masks) is what its
+batch mates wait for. A request whose grammar took more than ``MaskBudget.per_token_s`` per token over
+its last ``MaskBudget.window`` tokens (or more than ``MaskBudget.single_s`` for one token) fails with a
+clear error (``take_failed``: the step output's ``failed``), and allows only EOS until the scheduler
+drops it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +40,20 @@ logger = logging.getLogger("radixrelay.worker")
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
+@dataclass(frozen=True)
+class MaskBudget:
+    """Host time a request's grammar may take: ``per_token_s`` on average over its last ``window``
+    tokens, ``single_s`` for any one token (seconds)."""
+
+    per_token_s: float = 0.010
+    window: int = 16
+    single_s: float = 0.250
+
+    def __post_init__(self) -> None:
+        if self.per_token_s <= 0 or self.single_s <= 0 or self.window < 1:
+            raise ValueError(f"MaskBudget: bad limits {self}")
+
+
 class _Matcher:
     """One request's grammar state; ``replay``: its output tokens so far (a re-admitted request)."""
 
@@ -41,6 +63,24 @@ class _Matcher:
         self._replay = replay
         self._matcher: Any = None
         self.broken = False
+        self.over_budget: str | None = None      # why the request failed its budget (None: within it)
+        self._recent: deque[float] = deque()     # host seconds of its last tokens (at most the window)
+
+    def charge(self, seconds: float, budget: MaskBudget) -> None:
+        """Record one token's grammar time; past the budget the request fails (only EOS from now on)."""
+        if self.over_budget is not None:
+            return
+        self._recent.append(seconds)
+        if len(self._recent) > budget.window:
+            self._recent.popleft()
+        if seconds > budget.single_s:
+            self.over_budget = (f"structured output too costly: its grammar took {seconds * 1e3:.3g} ms of host "
+                                f"time for one token (limit {budget.single_s * 1e3:.3g} ms)")
+        elif len(self._recent) == budget.window and sum(self._recent) > budget.per_token_s * budget.window:
+            mean = sum(self._recent) / budget.window
+            self.over_budget = (f"structured output too costly: its grammar took {mean * 1e3:.3g} ms of host "
+                                f"time per token over {budget.window} tokens (limit {budget.per_token_s * 1e3:.3g} "
+                                f"ms); simplify the schema or regex")
 
     def get(self, engine: GrammarEngine) -> Any:
         if self._matcher is None:
@@ -66,8 +106,11 @@ class _Matcher:
 
 
 class Constraints:
-    def __init__(self, make_engine: Callable[[], GrammarEngine], device: torch.device) -> None:
+    def __init__(self, make_engine: Callable[[], GrammarEngine], device: torch.device,
+                 budget: MaskBudget | None = None) -> None:
         self._make_engine = make_engine
+        self.budget = budget or MaskBudget()
+        self._failed: list[tuple[int, str]] = []     # (rid, why) found over budget, not yet reported
         self._engine: GrammarEngine | None = None
         self._host = _MaskBuffers(device)
         self._pool: ThreadPoolExecutor | None = None
@@ -87,6 +130,11 @@ class Constraints:
     def release(self, rid: int) -> None:
         self._matchers.pop(rid, None)
 
+    def take_failed(self) -> list[tuple[int, str]]:
+        """Requests found over their budget since the last call: (rid, why), each reported once."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def sampled(self, rids: list[int], tokens: Callable[[], list[int]]) -> None:
         """A step sampled ``rids``; ``tokens()`` returns their tokens (waiting for the device)."""
         rows = [self._matchers.get(rid) for rid in rids]
@@ -98,17 +146,21 @@ class Constraints:
         tensor; unconstrained rows unchanged)."""
         engine = self._engine
         assert engine is not None
+        spent: dict[int, float] = {}                  # id(matcher) -> host seconds this step
         while self._pending:
             rows, tokens = self._pending.popleft()
             for matcher, token in zip(rows, tokens(), strict=True):
                 if matcher is not None:
+                    start = time.perf_counter()
                     matcher.accept(engine, token)
+                    spent[id(matcher)] = spent.get(id(matcher), 0.0) + time.perf_counter() - start
         constrained = [(i, self._matchers[rid]) for i, rid in enumerate(rids) if rid in self._matchers]
         rows: list[int] = []
         bitmask = self._host.bitmask(len(constrained), engine.vocab_size)        # [k, ceil(V / 32)] int32
         for i, matcher in constrained:
-            state = matcher.get(engine)
-            if matcher.broken or state is None:
+            state = matcher.get(engine)                # may wait for the compile: not charged
+            start = time.perf_counter()
+            if matcher.broken or state is None or matcher.over_budget is not None:
                 bitmask[len(rows)] = 0
                 for eos in engine.info.stop_token_ids:
                     bitmask[len(rows), eos // 32] |= 1 << (eos % 32)
@@ -116,6 +168,10 @@ class Constraints:
                 continue
             else:
                 state.fill_next_token_bitmask(bitmask, len(rows))
+                matcher.charge(spent.get(id(matcher), 0.0) + time.perf_counter() - start, self.budget)
+                if matcher.over_budget is not None:
+                    logger.warning("request %d: %s", matcher.rid, matcher.over_budget)
+                    self._failed.append((matcher.rid, matcher.over_budget))
             rows.append(i)
         if not rows:
             return logits

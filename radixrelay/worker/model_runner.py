@@ -112,9 +112,11 @@ class LaunchedStep:
     def __init__(self, step_id: int, *, rids: list[int] | None = None, tokens: torch.Tensor | None = None,
                  logprobs: LogprobsTensors | None = None, num_logprobs: tuple[int | None, ...] = (),
                  prompt: list[PendingPromptLogprobs] | None = None, error: str | None = None,
-                 launch_s: float = 0.0, events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+                 launch_s: float = 0.0, events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+                 failed: list[tuple[int, str]] | None = None) -> None:
         self.step_id = step_id
         self.rids = rids or []
+        self._failed = failed or []    # (rid, why): requests failed alone (a grammar over its budget)
         self._tokens, self._logprobs, self._num_logprobs = tokens, logprobs, num_logprobs   # host copies
         self._prompt = prompt or []
         self._error = error
@@ -142,7 +144,8 @@ class LaunchedStep:
                 self.device_s = self._events[0].elapsed_time(self._events[1]) / 1e3
             token_ids = [] if self._tokens is None else self._tokens.tolist()
             logprobs = None if self._logprobs is None else self._logprobs.to_protocol(self._num_logprobs)
-            return StepOutput(self.step_id, self.rids, token_ids, logprobs, [p.chunk() for p in self._prompt])
+            return StepOutput(self.step_id, self.rids, token_ids, logprobs, [p.chunk() for p in self._prompt],
+                              failed=self._failed)
         except Exception as exc:  # noqa: BLE001 - a device fault fails the step, not the process
             return StepOutput(self.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
 
@@ -337,8 +340,10 @@ class ModelRunner:
             num_logprobs = tensors.num_logprobs
         if events is not None:
             events[1].record()
+        failed = self.constraints.take_failed() if self.constraints is not None else None
         launched = LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
-                                num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events)
+                                num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events,
+                                failed=failed)
         if self.constraints and samplers:
             self.constraints.sampled(samplers, launched.host_tokens)
         return launched

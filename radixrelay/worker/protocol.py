@@ -147,4 +147,6 @@ class StepOutput(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprobs | None] | None = None  # same order; None for requests without
     prompt_logprobs: list[PromptLogprobsChunk] = []     # one per extend that owed prompt logprobs
     error: str | None = None                # set when the step failed; the scheduler fails the batch
+    failed: list[tuple[int, str]] = []      # (rid, why): requests this step failed alone (their tokens
+                                            # are dropped); the rest of the batch goes on
     kv_acks: KVAcks | None = None           # KV tier transfers completed (None: none)

@@ -140,7 +140,7 @@ def test_retracted_constrained_requests_resume_their_grammar():
     their outputs, which their grammars replay; tokens equal a pool large enough for all four."""
     prompts = ["Tell me a story:", "Describe the sea:", "Write about trees:", "Explain the sky:"]
     params = [SamplingParams(max_tokens=120, temperature=0.7, seed=i,
-                             structured=StructuredOutput.regex(r"[a-z ]{300,400}\.")) for i in range(4)]
+                             structured=StructuredOutput.regex(r"[a-z ]{200,256}\.")) for i in range(4)]
     runs = []
     for kv in (128, 4096):
         with Engine(model="default", kv_cache_tokens=kv, page_size=16, max_running_requests=4) as engine:
@@ -148,4 +148,32 @@ def test_retracted_constrained_requests_resume_their_grammar():
     (small, retractions), (large, _) = runs
     assert retractions > 0
     assert [o.token_ids for o in small] == [o.token_ids for o in large]
-    assert all(re.fullmatch(r"[a-z ]{300,400}\.", o.text) for o in small)
+    assert all(re.fullmatch(r"[a-z ]{200,256}\.", o.text) for o in small)
+
+
+def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch):
+    """With a budget no grammar can keep (1e-6 ms per token), each constrained request ends once its
+    window of 16 tokens is full, with the budget's error; its unconstrained batch mate runs to its
+    length as if alone."""
+    monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "0.000001")
+    long_string = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100}},
+                   "required": ["story"]}
+    constrained = SamplingParams(max_tokens=64, temperature=0, structured=StructuredOutput.json_schema(long_string))
+    with Engine(model="default", kv_cache_tokens=2048) as engine:
+        hot, mate = engine.generate([PROMPTS[0], PROMPTS[6]], [constrained, MATE])
+        alone = engine.generate([PROMPTS[6]], MATE)[0]
+    assert hot.finish_reason == "abort"
+    assert hot.error is not None and "structured output too costly" in hot.error and "per token" in hot.error
+    assert 15 <= hot.completion_tokens < 64        # the 16th mask is charged before its token is sampled
+    assert (mate.finish_reason, mate.token_ids) == ("length", alone.token_ids)
+
+
+def test_grammar_budget_setting_is_checked(monkeypatch):
+    from radixrelay.env import grammar_budget_ms
+
+    for bad in ("0", "-1", "ten", "nan"):
+        monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", bad)
+        with pytest.raises(ValueError, match="RADIXRELAY_GRAMMAR_BUDGET_MS"):
+            grammar_budget_ms()
+    monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "2.5")
+    assert grammar_budget_ms() == 2.5
