@@ -118,8 +118,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
 
         def cold() -> None:
             if encoder_ is not None:
-                encoder_._cache.clear()
-                encoder_.cached_tokens = 0
+                encoder_.clear()
             tok.encode(text, add_special_tokens=False)
 
         row["tokenize (nothing cached)"] = median_ms(cold, repeats)

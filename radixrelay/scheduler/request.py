@@ -150,6 +150,9 @@ class RequestUpdate(msgspec.Struct, frozen=True):
     cached_tokens: int = 0                      # prompt tokens from cache (first admission)
     error: str | None = None                    # worker failure that aborted the request
     module_tokens: int = 0                      # of the cached tokens, module KV (modular prompts)
+    # whose fault ``error`` is (OpenAI's error types): the step's ("server_error") or the request's own
+    # ("invalid_request_error": e.g. its grammar over its time budget)
+    error_type: Literal["server_error", "invalid_request_error"] = "server_error"
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

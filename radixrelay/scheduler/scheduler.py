@@ -303,7 +303,8 @@ class Scheduler:
         for rid, why in out.failed:            # failed alone (e.g. a grammar over its time budget)
             req = step.samplers.get(rid)
             if req is not None and self._running.get(rid) is req:
-                updates.append(self._finish(req, "abort", error=why))
+                update = self._finish(req, "abort", error=why)
+                updates.append(msgspec.structs.replace(update, error_type="invalid_request_error"))
         for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = step.samplers.get(rid)
             if req is None or self._running.get(rid) is not req:

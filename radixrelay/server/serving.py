@@ -168,6 +168,8 @@ class GenerationJob:
             raise item
         update = item.update
         if update.error is not None:
+            if update.error_type == "invalid_request_error":      # the request's own fault: a 400
+                raise oa.APIError(400, update.error, type="invalid_request_error", code="request_too_costly")
             raise RuntimeError(f"generation failed: {update.error}")
         delta = choice.output.apply(item)
         self._observe(choice, item)

@@ -1,0 +1,111 @@
+"""One request's limits protect the others, over real HTTP: a short request beside a neighbour with the
+largest stop list allowed, or with a costly allowed grammar, takes no longer than beside a plain
+neighbour of the same length (each the median of three, measured side by side on one server); a
+grammar past its time budget ends its own request with a 400 and nothing else."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from radixrelay.structured.spec import MAX_REPETITION
+from tests.runtime.server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+NEIGHBOUR = {"model": "default", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+             "stream": True}
+# The largest stop list allowed, none of which matches (every string holds a character the model's
+# text never has beside the others).
+MAX_STOPS = [f"\x01{i:03d}" + "y" * (MAX_STOP_STRING_CHARS - 4) for i in range(MAX_STOP_STRINGS)]
+# Long strings at the repetition limit (bounded repetitions are what costs a grammar matcher per token).
+COSTLY_SCHEMA = {"type": "object", "required": ["a", "b", "c"], "properties": {
+    "a": {"type": "string", "minLength": MAX_REPETITION, "maxLength": MAX_REPETITION},
+    "b": {"type": "string", "pattern": f"^[a-z ]{{0,{MAX_REPETITION}}}$"},
+    "c": {"type": "array", "maxItems": MAX_REPETITION, "items": {"type": "string", "maxLength": MAX_REPETITION}}}}
+NEIGHBOURS = {
+    "plain": NEIGHBOUR,
+    "max stop list": {**NEIGHBOUR, "stop": MAX_STOPS},
+    "costly grammar": {**{k: v for k, v in NEIGHBOUR.items() if k != "ignore_eos"}, "guided_json": COSTLY_SCHEMA},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("neighbours"), "--kv-cache-tokens", "4096")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def _short_request_beside(base_url: str, neighbour: dict) -> float:
+    """Seconds an 8-token completion takes while ``neighbour`` streams (it has produced tokens before
+    the short request starts and is still going when it ends)."""
+    started, done = threading.Event(), threading.Event()
+    refused: list[bytes] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=neighbour, timeout=300) as r:
+            if r.status_code != 200:
+                refused.append(r.read())
+                started.set()
+                return
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 3:
+                    started.set()
+                if done.is_set():
+                    return                  # closing the stream aborts the neighbour
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert started.wait(120) and not refused, f"the neighbour produced no tokens: {refused}"
+    t0 = time.perf_counter()
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+        "model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True})
+    elapsed = time.perf_counter() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    assert thread.is_alive(), "the neighbour ended before the short request did"
+    done.set()
+    thread.join(60)
+    return elapsed
+
+
+def test_limited_neighbours_cost_a_short_request_nothing_measurable(server):
+    _short_request_beside(server.base_url, NEIGHBOUR)          # warm: first compile of each path
+    _short_request_beside(server.base_url, NEIGHBOURS["costly grammar"])
+    times: dict[str, list[float]] = {name: [] for name in NEIGHBOURS}
+    for _ in range(3):                                          # interleaved: drift hits all alike
+        for name, neighbour in NEIGHBOURS.items():
+            times[name].append(_short_request_beside(server.base_url, neighbour))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    for name in ("max stop list", "costly grammar"):
+        assert median[name] < 1.2 * median["plain"], (name, median, times)
+
+
+def test_a_grammar_over_its_budget_is_a_400_for_its_request_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "0.000001")       # no grammar keeps this budget
+    srv = ServerProcess(tmp_path, "--kv-cache-tokens", "2048")
+    try:
+        srv.wait_ready()
+        body = {"model": "default", "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+        with httpx.Client(base_url=srv.base_url, timeout=120) as http:
+            costly = http.post("/v1/completions", json={**body, "guided_json": COSTLY_SCHEMA})
+            plain = http.post("/v1/completions", json={**body, "max_tokens": 8, "ignore_eos": True})
+        assert costly.status_code == 400, costly.text
+        error = costly.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_costly")
+        assert "structured output too costly" in error["message"]
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 8
+        assert "Traceback" not in srv.read_log()
+    finally:
+        srv.stop()
