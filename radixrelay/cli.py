@@ -186,17 +186,24 @@ def main(argv: list[str] | None = None) -> int:
     return _generate(engine_config, args)
 
 
+def generate_prompt(tokenizer, text: str, *, raw: bool, chat_template: str | None = None) -> str | list[int]:
+    """What ``generate`` submits: ``text`` itself with ``raw``, else the token ids of ``text`` as a user
+    message rendered with the chat template (``chat_template`` or the tokenizer's)."""
+    from radixrelay.server.chat_template import ChatTemplate
+
+    if raw:
+        return text
+    rendered = ChatTemplate.for_tokenizer(tokenizer, chat_template).render([{"role": "user", "content": text}])
+    return tokenizer.encode(rendered, add_special_tokens=False)       # the template has BOS if any
+
+
 def _generate(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     from radixrelay import Engine, SamplingParams
-    from radixrelay.server.chat_template import ChatTemplate
 
     with Engine(**{**engine_config.__dict__}) as engine:
         try:
-            prompt: str | list[int] = args.prompt
-            if not args.raw:
-                template = ChatTemplate.for_tokenizer(engine.tokenizer, _template_text(args.chat_template))
-                text = template.render([{"role": "user", "content": args.prompt}])
-                prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS if any
+            prompt = generate_prompt(engine.tokenizer, args.prompt, raw=args.raw,
+                                     chat_template=_template_text(args.chat_template))
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
             for delta in engine.generate_stream(prompt, params):
                 print(delta, end="", flush=True)

@@ -11,8 +11,11 @@ import httpx
 import pytest
 
 from radixrelay import Engine, SamplingParams
-from radixrelay.cli import _api_key, _parser, main
+from radixrelay.cli import _api_key, _parser, generate_prompt, main
+from radixrelay.config import EngineConfig
+from radixrelay.model.registry import tokenizer_path
 from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.server.tokenizer import load_tokenizer
 from tests.runtime.server_process import ServerProcess
 
 
@@ -79,17 +82,20 @@ def test_server_takes_its_key_from_a_file(tmp_path):
         server.stop()
 
 
-def test_generate_renders_the_chat_template_unless_raw(capsys):
-    options = ["--kv-cache-tokens", "2048", "--max-tokens", "8", "--prompt", "Hi"]
-    assert main(["generate", *options]) == 0
-    chat = capsys.readouterr().out
-    assert main(["generate", "--raw", *options]) == 0
-    raw = capsys.readouterr().out
+def test_generate_prompt_is_the_chat_template_unless_raw():
+    tokenizer = load_tokenizer(tokenizer_path(EngineConfig()))
+    rendered = ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": "Hi"}])
+    assert "<|im_start|>user\nHi<|im_end|>" in rendered
+    assert generate_prompt(tokenizer, "Hi", raw=False) == tokenizer.encode(rendered, add_special_tokens=False)
+    assert generate_prompt(tokenizer, "Hi", raw=True) == "Hi"
+    assert generate_prompt(tokenizer, "Hi", raw=False, chat_template="[{{ messages[0]['content'] }}]") == \
+        tokenizer.encode("[Hi]", add_special_tokens=False)
+
+
+def test_generate_prints_the_answer_to_the_chat_rendered_prompt(capsys):
+    assert main(["generate", "--kv-cache-tokens", "2048", "--max-tokens", "8", "--prompt", "Hi"]) == 0
+    printed = capsys.readouterr().out
     with Engine(kv_cache_tokens=2048) as engine:
-        text = ChatTemplate.for_tokenizer(engine.tokenizer).render([{"role": "user", "content": "Hi"}])
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        params = SamplingParams(max_tokens=8, temperature=0)
-        expected_chat, expected_raw = engine.generate([ids, "Hi"], params)
-    assert chat == expected_chat.text + "\n"
-    assert raw == expected_raw.text + "\n"
-    assert chat != raw
+        ids = generate_prompt(engine.tokenizer, "Hi", raw=False)
+        expected = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert printed == expected.text + "\n"
