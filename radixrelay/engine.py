@@ -24,13 +24,13 @@ import numpy as np
 
 from radixrelay import modules
 from radixrelay.config import EngineConfig
+from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.registry import SchemaInfo, SchemaRegistry
-from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.outputs import RequestOutput
+from radixrelay.protocol.messages import RequestRejected, UpdateBatch
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.client import QueueFullError
-from radixrelay.runtime.messages import RequestRejected, UpdateBatch
 from radixrelay.runtime.sync_client import SyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.server.output_text import OutputAssembler

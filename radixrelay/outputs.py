@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixrelay.worker.protocol import TokenLogprobs
+from radixrelay.protocol.step import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,11 @@ import torch
 
 from radixrelay.attention import KVCache
 from radixrelay.attention.backend import make_backend
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 from radixrelay.model import ModelConfig, load_model
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
+from radixrelay.protocol.step import AdmittedRequest, PageAppend, StepPlan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import AdmittedRequest, PageAppend, StepPlan
 
 
 class StubModel:

@@ -15,9 +15,9 @@ import argparse
 import random
 import time
 
+from radixrelay.protocol.step import StepOutput, StepPlan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from radixrelay.worker.protocol import StepOutput, StepPlan
 
 
 def sampled_rids(plan: StepPlan) -> list[int]:

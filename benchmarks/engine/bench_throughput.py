@@ -43,11 +43,11 @@ from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.cascade.planner import make_cascade_planner
 from radixrelay.model import ModelConfig, load_model
+from radixrelay.protocol.cascade import DecodeRow, PathSegment
+from radixrelay.protocol.step import AdmittedRequest, StepPlan
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.cascade_hook import DecodeRow, PathSegment
 from radixrelay.worker.cuda_graphs import DecodeGraphs
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import AdmittedRequest, StepPlan
 
 PAGE = 16
 MODES = ("no-cache", "flat", "cascade", "no-attn")

@@ -68,7 +68,7 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 class _Info:
     def __init__(self, max_context: int, kv_cache_tokens: int, vocab_size: int) -> None:
-        from radixrelay.runtime.messages import RuntimeReady
+        from radixrelay.protocol.messages import RuntimeReady
 
         self.info = RuntimeReady(kv_cache_tokens, max_context, vocab_size)
 
@@ -77,9 +77,9 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     import msgspec
 
     from radixrelay.model.registry import resolve_model_path
-    from radixrelay.runtime.messages import (
-        FrontendMessage, GenerateRequest, RuntimeMessage, TokenUpdate, UpdateBatch, WorkerCommand,
-        WorkerStep, decoder, encoder,
+    from radixrelay.protocol.messages import (
+        FrontendMessage, GenerateRequest, RuntimeMessage, TokenUpdate, UpdateBatch, WorkerCommand, WorkerStep,
+        decoder, encoder,
     )
     from radixrelay.scheduler import Scheduler
     from radixrelay.scheduler.config import SchedulerConfig
@@ -89,7 +89,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     from radixrelay.server.grammar_check import GrammarCheck
     from radixrelay.server.metrics import ServerMetrics
     from radixrelay.server.tokenizer import load_tokenizer
-    from radixrelay.worker.protocol import StepOutput
+    from radixrelay.protocol.step import StepOutput
 
     tok = load_tokenizer(resolve_model_path("default"))
     template = ChatTemplate.for_tokenizer(tok)
@@ -186,7 +186,7 @@ class _Job:
 
 
 def _run(sched, rid: int, ids: list[int], sampling) -> None:
-    from radixrelay.worker.protocol import StepOutput
+    from radixrelay.protocol.step import StepOutput
 
     sched.add_request(rid, ids, sampling)
     while sched.has_work():

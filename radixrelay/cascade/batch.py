@@ -27,7 +27,7 @@ from operator import attrgetter, is_not
 
 from radixrelay.attention.metadata import BatchRequest, SharedRun, SharedRuns, build_shared_runs, consecutive
 from radixrelay.cascade.cost import CostModel
-from radixrelay.cascade.plan import CascadePlan
+from radixrelay.protocol.cascade import CascadePlan
 
 PagesOf = Callable[[int], Sequence[int]]   # rid -> its page list
 

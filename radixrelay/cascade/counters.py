@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixrelay.cascade.plan import CascadePlan
+from radixrelay.protocol.cascade import CascadePlan
 
 
 @dataclass

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 from radixrelay.cascade.cost import CostModel, cost_model
 from radixrelay.cascade.counters import CascadeCounters
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
-from radixrelay.scheduler.cascade_hook import DecodeRow
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan, DecodeRow
 
 _Signature = tuple[tuple[int, int, int], ...]    # (rid, last node id or -1, depth) per row
 logger = logging.getLogger("radixrelay.cascade")

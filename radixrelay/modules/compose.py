@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .layout import ModuleSegment, ParamSegment, PromptPlan, SchemaLayout, TextSegment
 from .pml import SchemaError
-from radixrelay.worker.protocol import ModuleSpan, positions_of
+from radixrelay.protocol.step import ModuleSpan, positions_of
 
 KEY_SEP = "\x1f"
 

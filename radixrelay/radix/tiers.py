@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.radix.allocator import PageAllocator
-from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 TierPolicy = Literal["lru", "scheduler"]
 TIER_POLICIES = ("lru", "scheduler")

@@ -23,15 +23,16 @@ import zmq
 import zmq.asyncio
 
 from radixrelay.config import EngineConfig
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.messages import (
+    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RequestRejected,
+    RuntimeMessage, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest, TokenUpdate, UpdateBatch, decoder,
+    encoder,
+)
+from radixrelay.protocol.stats import RuntimeStats
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.runtime.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
-from radixrelay.runtime.messages import (
-    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
-    RequestRejected, RuntimeMessage, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply,
-    StatsRequest, TokenUpdate, UpdateBatch, decoder, encoder,
-)
 from radixrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger("radixrelay.runtime")

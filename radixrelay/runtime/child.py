@@ -37,7 +37,7 @@ import msgspec
 import zmq
 
 from radixrelay.env import profile_dir, trace_steps
-from radixrelay.runtime.messages import ChildArgs
+from radixrelay.protocol.messages import ChildArgs
 
 POLL_MS = 500                         # longest a child blocks before checking on its parent
 LINGER_MS = 1000                      # longest a closing socket keeps unsent messages

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from radixrelay.runtime.messages import RuntimeFailed, RuntimeMessage, RuntimeReady, RuntimeStats, TokenUpdate
+from radixrelay.protocol.messages import RuntimeFailed, RuntimeMessage, RuntimeReady, TokenUpdate
+from radixrelay.protocol.stats import RuntimeStats
 from radixrelay.sampling_params import SamplingParams
 
 

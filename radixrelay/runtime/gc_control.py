@@ -38,7 +38,7 @@ import gc
 import logging
 import time
 
-import msgspec
+from radixrelay.protocol.stats import GcStats
 
 WARN_S = 0.05                 # a pause at least this long is logged (warning)
 FULL_AFTER_PROMOTIONS = 100   # managed: an idle process collects fully once this many generation-1
@@ -47,15 +47,6 @@ FULL_EVERY_S = 300.0          # ... and a busy one once this long has passed (th
 FRONTEND_FULL_EVERY_S = 60.0  # the frontend's: its garbage grows with requests served (HTTP, asyncio)
 FRONTEND_POLL_S = 0.25        # the frontend polls from a timer this often
 _NO_AUTO_FULL = 1 << 30       # threshold2 that the young collections never reach
-
-
-class GcStats(msgspec.Struct, frozen=True):
-    """One process's collections since start (cumulative)."""
-    seconds: float = 0.0          # time inside the collector
-    collections: int = 0          # collections of any generation
-    full_collections: int = 0     # of which generation 2
-    longest_s: float = 0.0        # longest single pause
-    frozen: int = 0               # objects frozen at start-up (managed mode; 0 otherwise)
 
 
 class GcControl:

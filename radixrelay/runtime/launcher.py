@@ -26,8 +26,8 @@ import msgspec
 
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode
+from radixrelay.protocol.messages import ChildArgs, Endpoints
 from radixrelay.runtime.child import marker
-from radixrelay.runtime.messages import ChildArgs, Endpoints
 
 logger = logging.getLogger("radixrelay.runtime")
 CHILD_KINDS = ("worker", "scheduler")

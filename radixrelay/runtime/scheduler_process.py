@@ -38,24 +38,23 @@ from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, overlap_depth
+from radixrelay.model.registry import tokenizer_path
+from radixrelay.protocol.messages import (
+    AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RejectReason,
+    RequestRejected, RequestUpdate, RuntimeFailed, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest,
+    TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone, WorkerStop, encoder,
+)
+from radixrelay.protocol.stats import GcStats, RuntimeStats
+from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.radix.tiers import KVTiers
-from radixrelay.model.registry import tokenizer_path
-from radixrelay.runtime.gc_control import GcControl, GcStats
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
-from radixrelay.runtime.messages import (
-    AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
-    RejectReason, RequestRejected, RuntimeFailed, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply,
-    StatsRequest, TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone,
-    WorkerStop, encoder,
-)
+from radixrelay.runtime.gc_control import GcControl
 from radixrelay.runtime.token_ids import TokenTable
 from radixrelay.scheduler.audit import PacedAudit
 from radixrelay.scheduler.config import SchedulerConfig
-from radixrelay.scheduler.request import RequestUpdate
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.server.tokenizer import load_tokenizer
-from radixrelay.worker.protocol import PromptLogprobsChunk, StepOutput, TokenLogprobs
 
 # While requests are live, the KV integrity check (memory-bound over every page and host-tier entry)
 # runs at most this often; at idle, on every stats request.

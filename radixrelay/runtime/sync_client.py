@@ -15,16 +15,16 @@ import numpy as np
 import zmq
 
 from radixrelay.config import EngineConfig
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.messages import (
+    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RuntimeMessage,
+    RuntimeReady, ShutdownRequest, StatsReply, StatsRequest, decoder, encoder,
+)
+from radixrelay.protocol.stats import RuntimeStats
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.runtime.async_client import WATCH_INTERVAL
 from radixrelay.runtime.client import RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
 from radixrelay.runtime.token_ids import pack_token_ids
-from radixrelay.runtime.messages import (
-    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest,
-    RuntimeMessage, RuntimeReady, RuntimeStats, ShutdownRequest, StatsReply, StatsRequest,
-    decoder, encoder,
-)
 from radixrelay.sampling_params import SamplingParams
 
 _POLL_MS = int(WATCH_INTERVAL * 1000)

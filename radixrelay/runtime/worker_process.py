@@ -29,11 +29,11 @@ from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
 from radixrelay.model.registry import tokenizer_path
-from radixrelay.runtime.gc_control import GcControl
-from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
-from radixrelay.runtime.messages import (
+from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
+from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.runtime.gc_control import GcControl
 from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.worker.constraints import Constraints, MaskBudget

@@ -1,10 +1,9 @@
-"""Continuous-batching scheduler over the radix prefix cache (CPU only)."""
+"""Continuous-batching scheduler over the radix prefix cache (CPU only). What it sends and receives
+(``StepPlan``, ``StepOutput``, ``RequestUpdate``, ``SchedulerStats``, ``KVAudit``, ``DecodeRow``) is defined in
+``radixrelay.protocol``."""
 
-from radixrelay.scheduler.audit import KVAudit
-from radixrelay.scheduler.cascade_hook import CascadePlanner, DecodeRow, PathSegment
+from radixrelay.scheduler.cascade_hook import CascadePlanner
 from radixrelay.scheduler.config import SchedulerConfig
-from radixrelay.scheduler.request import FinishReason, RequestUpdate, SchedulerStats
 from radixrelay.scheduler.scheduler import Scheduler
 
-__all__ = ["CascadePlanner", "DecodeRow", "FinishReason", "KVAudit", "PathSegment", "RequestUpdate",
-           "Scheduler", "SchedulerConfig", "SchedulerStats"]
+__all__ = ["CascadePlanner", "Scheduler", "SchedulerConfig"]

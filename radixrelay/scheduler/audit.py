@@ -23,35 +23,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from radixrelay.protocol.stats import KVAudit
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.request import Request
 
 if TYPE_CHECKING:                     # the scheduler imports this module
     from radixrelay.scheduler.scheduler import Scheduler
-
-
-class KVAudit(msgspec.Struct, frozen=True):
-    total_pages: int
-    free_pages: int
-    cached_pages: int                 # held by radix-tree nodes (locked or evictable)
-    request_pages: int                # private pages of running requests (beyond their locked path)
-    locked_nodes: int                 # radix nodes with lock_ref > 0
-    lock_refs: int                    # lock_ref summed over nodes (a lock counts once per node of its path)
-    lock_holders: int                 # running requests holding a lock on their matched path
-    live_requests: int                # running + waiting
-    integrity_error: str | None = None   # check_integrity's failure, None when every invariant holds
-    integrity_age_s: float = 0.0         # seconds since that verdict was computed (0: by this audit)
-
-    @property
-    def integrity_ok(self) -> bool:
-        return self.integrity_error is None
-
-    @property
-    def at_idle_baseline(self) -> bool:
-        """No live request and nothing held on behalf of one (see the module docstring)."""
-        return (self.live_requests == 0 and self.request_pages == 0 and self.locked_nodes == 0
-                and self.lock_refs == 0 and self.lock_holders == 0
-                and self.free_pages + self.cached_pages == self.total_pages and self.integrity_ok)
 
 
 def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: int,

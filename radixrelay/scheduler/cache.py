@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.kv import KVAcks, KVTransfers
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.allocator import PageAllocator
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
-from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 
 class CacheManager:

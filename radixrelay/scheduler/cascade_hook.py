@@ -1,34 +1,13 @@
-"""The cascade planner's view of a decode batch: each decode row with its path of radix nodes.
-
-A row's path lists the tree nodes of its locked cached prefix, root first; node ``node_id`` covers
-token positions ``[start, start + num_tokens)`` of that row, i.e. its pages
-``pages[start // page_size : (start + num_tokens) // page_size]`` (the same page ids in every row
-that shares the node). Positions past the path are private to the row. The planner returns an
-opaque plan that the scheduler puts into ``StepPlan.cascade``; node ids are stable while the rows
-hold their locks, but a node may be split between steps (its upper part gets a new id).
-"""
+"""The cascade planner's view of a decode batch: each decode row with its path of radix nodes
+(``DecodeRow``, ``PathSegment``: ``radixrelay.protocol.cascade`` states what a path covers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
-
+from radixrelay.protocol.cascade import DecodeRow, PathSegment
 from radixrelay.radix.tree import RadixTree
 from radixrelay.scheduler.request import Request
-
-
-class PathSegment(msgspec.Struct, frozen=True):
-    node_id: int
-    start: int                 # first token position of the node within the row
-    num_tokens: int
-
-
-class DecodeRow(msgspec.Struct, frozen=True):
-    rid: int
-    path: list[PathSegment]    # shared prefix, root first; covers [0, sum of num_tokens)
-    seq_len: int               # positions this row attends this step (its KV incl. the new token)
-
 
 CascadePlanner = Callable[[list[DecodeRow]], object]
 

@@ -18,7 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.config import SchedulerConfig

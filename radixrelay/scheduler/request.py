@@ -1,4 +1,5 @@
-"""Scheduler-side request state and the typed values the scheduler hands out.
+"""Scheduler-side request state (what it hands out, ``RequestUpdate`` and ``SchedulerStats``, is in
+``radixrelay.protocol``).
 
 Index ranges of one request (``L = len(token_ids)``):
 - ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs;
@@ -28,15 +29,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
 
-import msgspec
-
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.sampling_params import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 class Phase(enum.Enum):
@@ -132,58 +128,3 @@ class Request:
             return 0, 0
         first = max(self.kv_len, self.prompt_logprob_pos)
         return first, max(0, min(self.kv_len + num_tokens, self.num_prompt - 1) - first)
-
-
-class RequestUpdate(msgspec.Struct, frozen=True):
-    """What one request produced in one step (or its end). The caller detokenizes ``token_ids``
-    in order; on a stop-string finish it drops the last ``trim_chars`` characters of the text of
-    all emitted tokens (the stop string and whatever followed it inside the last token)."""
-
-    rid: int
-    token_ids: list[int]                        # newly releasable outputs (never a stop token)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    matched_stop: int | str | None = None       # stop token id or stop string that ended it
-    trim_chars: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0                  # sampled so far, a matched stop token included
-    cached_tokens: int = 0                      # prompt tokens from cache (first admission)
-    error: str | None = None                    # worker failure that aborted the request
-    module_tokens: int = 0                      # of the cached tokens, module KV (modular prompts)
-    # whose fault ``error`` is (OpenAI's error types): the step's ("server_error") or the request's own
-    # ("invalid_request_error": e.g. its grammar over its time budget)
-    error_type: Literal["server_error", "invalid_request_error"] = "server_error"
-
-
-class SchedulerStats(msgspec.Struct, frozen=True):
-    num_running: int
-    num_waiting: int
-    kv_total_pages: int
-    kv_free_pages: int
-    kv_used_pages: int                          # held by running requests or the tree
-    cached_tokens: int                          # in the radix tree
-    evictable_tokens: int
-    locked_tokens: int
-    cache_hit_tokens: int                       # cumulative prompt tokens served from the cache
-    prompt_tokens: int                          # cumulative prompt tokens of first admissions
-    num_retractions: int
-    # -- KV tiers (0 without): pages held, prompt tokens served, bytes moved, load time --------
-    tier_host_pages: int = 0
-    tier_host_used_pages: int = 0
-    tier_disk_pages: int = 0
-    tier_disk_used_pages: int = 0
-    tier_host_hit_tokens: int = 0               # prompt tokens promoted from host memory
-    tier_disk_hit_tokens: int = 0               # of which read from disk ahead of the turn
-    tier_repositioned_tokens: int = 0           # of which re-positioned for a truncated prompt
-    tier_prefetch_used_pages: int = 0
-    tier_read_failed_pages: int = 0             # disk pages found missing or corrupt: misses
-    tier_saved_bytes: int = 0                   # device -> host
-    tier_loaded_bytes: int = 0                  # host -> device
-    tier_written_bytes: int = 0                 # host -> disk
-    tier_read_bytes: int = 0                    # disk -> host
-    tier_load_s: float = 0.0                    # device seconds of host -> device loads
-    tier_load_exposed_s: float = 0.0            # of which steps waited for
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_used_pages / self.kv_total_pages

@@ -21,19 +21,21 @@ from collections import deque
 import msgspec
 from dataclasses import dataclass
 
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.messages import FinishReason, RequestUpdate
+from radixrelay.protocol.stats import KVAudit, SchedulerStats
+from radixrelay.protocol.step import (
+    AdmittedRequest, ExtendItem, ModuleSpan, PageAppend, StepOutput, StepPlan, needs_all_tokens, needs_outputs,
+)
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.audit import KVAudit, audit_kv
+from radixrelay.scheduler.audit import audit_kv
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.cascade_hook import CascadePlanner, decode_rows
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.decode import DecodeManager
 from radixrelay.scheduler.prefill import PrefillManager
-from radixrelay.scheduler.request import FinishReason, Phase, Request, RequestUpdate, SchedulerStats
+from radixrelay.scheduler.request import Phase, Request
 from radixrelay.scheduler.stop import Detokenize, StopChecker
-from radixrelay.worker.protocol import (AdmittedRequest, ExtendItem, PageAppend, StepOutput, StepPlan,
-                                       needs_all_tokens, needs_outputs)
 
 
 # An internal request computing a module span: its prompt's KV is the point; the one token sampled

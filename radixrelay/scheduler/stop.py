@@ -22,7 +22,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixrelay.scheduler.request import FinishReason, Request
+from radixrelay.protocol.messages import FinishReason
+from radixrelay.scheduler.request import Request
 
 Detokenize = Callable[[list[int]], str]
 

@@ -17,8 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixrelay.runtime.messages import RuntimeStats
-from radixrelay.scheduler.audit import KVAudit
+from radixrelay.protocol.stats import KVAudit, RuntimeStats
 
 PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -9,12 +9,11 @@ may return less than its tokens spell (the trimmed stop string).
 from __future__ import annotations
 
 from radixrelay.outputs import RequestOutput
-from radixrelay.runtime.messages import TokenUpdate
+from radixrelay.protocol.messages import RequestUpdate, TokenUpdate
+from radixrelay.protocol.step import TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.request import RequestUpdate
 from radixrelay.server.detokenizer import IncrementalDetokenizer
 from radixrelay.server.tokenizer import Tokenizer
-from radixrelay.worker.protocol import TokenLogprobs
 
 
 class OutputAssembler:

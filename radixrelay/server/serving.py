@@ -45,7 +45,7 @@ from radixrelay.modules.registry import SchemaRegistry, UnknownSchemaError
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
-from radixrelay.runtime.messages import TokenUpdate
+from radixrelay.protocol.messages import TokenUpdate
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server.chat_template import ChatTemplate
@@ -55,7 +55,7 @@ from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.tokenizer import TokenEnds, Tokenizer, TooManyTokens
 from radixrelay.structured.spec import InvalidStructuredOutput
-from radixrelay.worker.protocol import TokenLogprobs
+from radixrelay.protocol.step import TokenLogprobs
 
 T = TypeVar("T")
 EXACT_COUNT_FACTOR = 2      # an over-context prompt's tokens are counted up to this many contexts

@@ -1,5 +1,5 @@
 """Worker side of the lower KV tiers: the host-memory pool, the disk store, and the copies between
-them and the device KV cache (``protocol.KVTransfers``, planned by ``radixrelay.radix.tiers``).
+them and the device KV cache (``radixrelay.protocol.kv.KVTransfers``, planned by ``radixrelay.radix.tiers``).
 
 Host pool: ``host: [num_layers, 2 (K, V), host_pages * page_size, num_kv_heads, head_dim]``, laid out
 like the device cache, so a run of pages consecutive on both sides moves as one plain copy per layer
@@ -38,9 +38,9 @@ import torch
 from radixrelay.attention import KVCache
 from radixrelay.attention.host_staging import upload
 from radixrelay.model.layers import apply_rope
+from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.worker.host_memory import pinned_empty, release
-from radixrelay.worker.protocol import KVAcks, KVTransfers
 
 logger = logging.getLogger("radixrelay.worker")
 

@@ -11,7 +11,7 @@ sampling on the device and starts copying the results to the host, without waiti
 launches step N+1 before finishing step N: a decode feeds its request's newest token from the device
 (``ResidentTokens``), so the host never needs step N's tokens to launch N+1. ``step(plan)`` does both.
 
-The request table mirrors the scheduler's view (``protocol.py`` states the invariants): for every
+The request table mirrors the scheduler's view (``radixrelay.protocol.step`` states the invariants): for every
 resident request, its tokens known at admission (extend inputs), how many it has sampled since (on
 the device), and its page list. A decode computes the request's newest token, whose position is
 ``num_tokens - 1``.
@@ -47,17 +47,19 @@ import msgspec
 import torch
 
 from radixrelay.attention import AttentionBackend, KVCache
-from radixrelay.attention.metadata import (BatchRequest, DecodeRows, DevicePageTable, ForwardBatch, SharedRun,
-                                           build_forward_batch, build_shared_runs, to_device)
-from radixrelay.cascade.batch import (LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs,
-                                      shifted_runs)
+from radixrelay.attention.metadata import (
+    BatchRequest, DecodeRows, DevicePageTable, ForwardBatch, SharedRun, build_forward_batch, build_shared_runs,
+    to_device,
+)
+from radixrelay.cascade.batch import (
+    LONG_PREFIX_TOKENS, DecodeRunsCache, long_prefix_runs, prefill_runs, shifted_runs,
+)
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
-from radixrelay.worker.protocol import positions_of
+from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepOutput, StepPlan, positions_of
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
-from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepOutput, StepPlan
 from radixrelay.worker.graph_step import GraphStep, RowPatch
+from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 

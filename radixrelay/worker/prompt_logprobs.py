@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixrelay.worker.protocol import ExtendItem, PromptLogprobsChunk, TokenLogprobs
+from radixrelay.protocol.step import ExtendItem, PromptLogprobsChunk, TokenLogprobs
 
 
 def num_logits_rows(item: ExtendItem) -> int:

@@ -35,8 +35,8 @@ from typing import TypeVar
 import torch
 
 from radixrelay.attention.metadata import to_device
+from radixrelay.protocol.step import TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 T = TypeVar("T")

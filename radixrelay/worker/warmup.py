@@ -253,8 +253,8 @@ def warm_up_steps(runner, *, prompt_tokens: int = 40, decode_steps: int = 4) -> 
     has handed out none yet; whatever the warm-up wrote there is overwritten before it is read), the
     runner's step counters are restored, and greedy sampling draws nothing from the shared generator.
     Returns the seconds it took."""
+    from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepPlan
     from radixrelay.sampling_params import SamplingParams
-    from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, StepPlan
 
     start = time.perf_counter()
     counters = (runner.eager_steps, runner.graph_replays, runner.extend_row_steps)

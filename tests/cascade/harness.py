@@ -16,10 +16,10 @@ from radixrelay.attention import AttentionBackend, KVCache, TorchBackend
 from radixrelay.cascade.cost import CostModel, cost_model
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.model import LlamaForCausalLM
+from radixrelay.protocol.step import ModuleSpan, StepPlan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import ModuleSpan, StepPlan
 
 Wave = list[tuple[int, list[int]]]     # (rid, prompt)
 

@@ -13,7 +13,7 @@ import torch
 
 from radixrelay.attention.metadata import build_shared_runs
 from radixrelay.cascade.batch import DecodeRunsCache, _common_prefix, decode_runs
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
 
 PS = 4
 SHARED = list(range(400, 432)) + list(range(7, 39))     # two pieces of 32 consecutive ids (split_pages)

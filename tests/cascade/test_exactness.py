@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from radixrelay.attention.backend import make_backend
 from radixrelay.cascade.batch import long_prefix_runs
-from radixrelay.worker import model_runner
 from radixrelay.model import ModelConfig, load_model
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.step import ModuleSpan
+from radixrelay.worker import model_runner
 from tests.cascade.harness import Wave, run_workload
 
 CFG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,

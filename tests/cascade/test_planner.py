@@ -6,10 +6,9 @@ import msgspec
 import pytest
 
 from radixrelay.cascade.cost import ALWAYS, MIN_SAVED_TOKENS, CostModel
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner, plan_groups
-from radixrelay.scheduler.cascade_hook import DecodeRow, PathSegment
-from radixrelay.worker.protocol import StepPlan
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan, DecodeRow, PathSegment
+from radixrelay.protocol.step import StepPlan
 
 PS = 4
 

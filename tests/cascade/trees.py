@@ -14,7 +14,7 @@ from radixrelay.attention.metadata import build_shared_runs
 from radixrelay.cascade.batch import decode_runs, prefill_runs
 from radixrelay.cascade.cost import ALWAYS, CostModel
 from radixrelay.cascade.planner import plan_groups
-from radixrelay.scheduler.cascade_hook import DecodeRow, PathSegment
+from radixrelay.protocol.cascade import DecodeRow, PathSegment
 
 
 @dataclass

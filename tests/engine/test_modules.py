@@ -15,7 +15,7 @@ import torch
 from radixrelay import Engine, SamplingParams
 from radixrelay.modules import SchemaError
 from radixrelay.modules.compose import ComposedPrompt
-from radixrelay.worker.protocol import positions_of
+from radixrelay.protocol.step import positions_of
 
 from .hf_reference import _hf_model
 

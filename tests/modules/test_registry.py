@@ -13,16 +13,8 @@ from radixrelay.modules.builder import module, param, scaffold, schema, union
 from radixrelay.modules.compose import KEY_SEP, positions_of
 from radixrelay.modules.pml import Import, Limits, Prompt, SchemaError, Text, parse_schema, to_pml
 from radixrelay.modules.registry import (
-    ModuleSummary,
-    ParamInfo,
-    ScaffoldSummary,
-    SchemaRegistry,
-    UnknownSchemaError,
-    chat_generation_prompt,
-    chat_role_text,
-    placeholder_token,
-    prompt_from_messages,
-    schema_digest,
+    ModuleSummary, ParamInfo, ScaffoldSummary, SchemaRegistry, UnknownSchemaError, chat_generation_prompt,
+    chat_role_text, placeholder_token, prompt_from_messages, schema_digest,
 )
 from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
 from tests.server.test_tokenizer import default_gguf

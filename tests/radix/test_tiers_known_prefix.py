@@ -5,11 +5,12 @@ per step afterwards, so the host LRU order is what a touch per save gave."""
 
 from __future__ import annotations
 
+from radixrelay.protocol.kv import KVAcks
+from radixrelay.protocol.step import StepOutput
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from radixrelay.worker.protocol import KVAcks, StepOutput
 
 PAGE_SIZE = 4
 NAMESPACE = "test-model;page_size=4"

@@ -4,8 +4,8 @@ per layer and K/V and pays a copy per layer and K/V for every further piece."""
 
 from __future__ import annotations
 
+from radixrelay.protocol.kv import KVAcks
 from radixrelay.radix.tiers import KVTiers
-from radixrelay.worker.protocol import KVAcks
 
 
 def _pieces(slots: list[int]) -> int:

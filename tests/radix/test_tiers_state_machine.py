@@ -48,11 +48,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixrelay.protocol.kv import KVAcks, KVTransfers
+from radixrelay.protocol.messages import RequestUpdate
+from radixrelay.protocol.step import StepOutput, StepPlan
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler import RequestUpdate, Scheduler, SchedulerConfig
-from radixrelay.worker.protocol import KVAcks, KVTransfers, StepOutput, StepPlan
+from radixrelay.scheduler import Scheduler, SchedulerConfig
 
 NAMESPACE = "test-model;page_size=4"
 PAGE_SIZE = 4

@@ -38,11 +38,11 @@ import msgspec
 import pytest
 import zmq
 
-from radixrelay.runtime.messages import (
+from radixrelay.protocol.messages import (
     AbortRequest, GenerateRequest, RuntimeReady, StatsRequest, WorkerReady, WorkerStep, encoder,
 )
+from radixrelay.protocol.step import StepPlan
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.protocol import StepPlan
 from tests.runtime.server_process import ServerProcess, pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

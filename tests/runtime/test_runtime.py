@@ -14,13 +14,13 @@ import msgspec
 import pytest
 
 from radixrelay.config import EngineConfig
-from radixrelay.runtime.async_client import AsyncRuntimeClient
-from radixrelay.runtime.messages import (
-    AbortRequest, FrontendMessage, GenerateRequest, RuntimeMessage, WorkerCommand, WorkerMessage,
-    WorkerStep, WorkerStepDone, decoder, encoder,
+from radixrelay.protocol.messages import (
+    AbortRequest, FrontendMessage, GenerateRequest, RuntimeMessage, WorkerCommand, WorkerMessage, WorkerStep,
+    WorkerStepDone, decoder, encoder,
 )
+from radixrelay.protocol.step import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan, TokenLogprobs
+from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.protocol import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan, TokenLogprobs
 from tests.runtime.server_process import pid_alive
 
 pytestmark = pytest.mark.timeout(240)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from radixrelay.runtime.messages import FrontendMessage, GenerateRequest, decoder, encoder
+from radixrelay.protocol.messages import FrontendMessage, GenerateRequest, decoder, encoder
 from radixrelay.runtime.token_ids import TokenTable, pack_token_ids
 from radixrelay.sampling_params import SamplingParams
 

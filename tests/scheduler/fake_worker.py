@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixrelay.scheduler import RequestUpdate, Scheduler
-from radixrelay.worker.protocol import StepOutput, StepPlan
+from radixrelay.protocol.messages import RequestUpdate
+from radixrelay.protocol.step import StepOutput, StepPlan
+from radixrelay.scheduler import Scheduler
 
 TokenFn = Callable[[int, list[int]], int]
 

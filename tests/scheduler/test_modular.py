@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from radixrelay.protocol.step import ModuleSpan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.cascade_hook import decode_rows
-from radixrelay.worker.protocol import ModuleSpan
 
 from .fake_worker import Run, drive
 from .test_scheduler_basic import expected_outputs, make

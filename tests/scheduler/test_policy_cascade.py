@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from radixrelay.protocol.cascade import DecodeRow
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler import DecodeRow, Scheduler, SchedulerConfig
+from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.scheduler.config import SchedulePolicy
 from tests.scheduler.fake_worker import FakeWorker, drive
 
@@ -89,12 +90,12 @@ def test_cascade_hook_sees_shared_radix_nodes():
 def test_lpm_counts_a_prefix_held_in_host_memory():
     """With KV tiers, a queued request whose prefix host memory holds (a chat's later turn, evicted
     from the device) counts as cached: lpm admits it before an earlier request that hits nothing."""
+    from radixrelay.protocol.kv import KVAcks
     from radixrelay.radix.page_keys import chain_seed, extend_keys
     from radixrelay.radix.tiers import KVTiers
     from radixrelay.scheduler.cache import CacheManager
     from radixrelay.scheduler.policy import order_waiting
     from radixrelay.scheduler.request import Request
-    from radixrelay.worker.protocol import KVAcks
 
     cfg = SchedulerConfig(kv_cache_tokens=64, page_size=2, kv_namespace="ns")
     cache = CacheManager(cfg, KVTiers(host_pages=8))

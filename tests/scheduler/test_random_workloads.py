@@ -13,10 +13,10 @@ from collections import deque
 
 import pytest
 
+from radixrelay.protocol.step import StepOutput
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.scheduler.config import SchedulePolicy
-from radixrelay.worker.protocol import StepOutput
 from tests.scheduler.fake_worker import FakeWorker, Run, collect
 
 EOS = 0

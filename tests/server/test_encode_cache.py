@@ -9,9 +9,7 @@ import pytest
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from radixrelay.server.encode_cache import (
-    _GPT2, _LLAMA3, _QWEN2, ChunkedEncoder, split_text, unchunkable_reason,
-)
+from radixrelay.server.encode_cache import _GPT2, _LLAMA3, _QWEN2, ChunkedEncoder, split_text, unchunkable_reason
 from radixrelay.server.tokenizer import load_tokenizer
 from tests.server.test_tokenizer import CORPUS, default_gguf
 

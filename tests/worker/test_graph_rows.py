@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 
 from radixrelay.attention import KVCache, TorchBackend
 from radixrelay.attention.backend import make_backend
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 from radixrelay.model import ModelConfig, load_model
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
+from radixrelay.protocol.step import AdmittedRequest, PageAppend, StepPlan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.cuda_graphs import MAX_PATCH_ROWS, DecodeGraphs, _Repeat
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import AdmittedRequest, PageAppend, StepPlan
 from tests.cascade.harness import RecordingSampler
 
 PS = 4

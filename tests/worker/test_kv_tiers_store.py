@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from radixrelay.attention import KVCache
+from radixrelay.protocol.kv import KVTransfers
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.worker.kv_tiers import TierStore, page_bytes
-from radixrelay.worker.protocol import KVTransfers
 
 PS = 4
 

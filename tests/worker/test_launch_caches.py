@@ -14,11 +14,11 @@ import torch
 
 from radixrelay.attention import KVCache, TorchBackend
 from radixrelay.cascade.batch import DecodeRunsCache
-from radixrelay.cascade.plan import CascadeGroup, CascadePlan
 from radixrelay.model import ModelConfig, load_model
+from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
+from radixrelay.protocol.step import AdmittedRequest, ExtendItem, PageAppend, StepPlan
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepPlan
 from radixrelay.worker.sampling import SamplingTensors, SamplingTensorsCache
 from radixrelay.worker.step_state import ResidentTokens
 from tests.cascade.harness import RecordingSampler

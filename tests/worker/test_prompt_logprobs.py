@@ -9,10 +9,10 @@ import torch
 from radixrelay.attention import KVCache, TorchBackend
 from radixrelay.attention.metadata import BatchRequest, build_forward_batch
 from radixrelay.model import load_model, resolve_model_path
+from radixrelay.protocol.step import PromptLogprobsChunk
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.worker.model_runner import ModelRunner
-from radixrelay.worker.protocol import PromptLogprobsChunk
 
 PAGE = 4
 TOP = 3

@@ -157,8 +157,8 @@ def _tiny_runner() -> "ModelRunner":
 def _sampled_tokens(runner) -> list[int]:
     """Two requests (one unseeded at temperature 1: it draws from the runner's shared generator), eight
     steps; the tokens they sample."""
+    from radixrelay.protocol.step import AdmittedRequest, ExtendItem, PageAppend, StepPlan
     from radixrelay.sampling_params import SamplingParams
-    from radixrelay.worker.protocol import AdmittedRequest, ExtendItem, PageAppend, StepPlan
 
     hot = SamplingParams(max_tokens=50, temperature=1.0)
     cold = SamplingParams(max_tokens=50, temperature=0.0)

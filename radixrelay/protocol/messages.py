@@ -1,6 +1,6 @@
 """Every message between the runtime's processes, as tagged msgspec structs (msgpack on the wire).
 
-Channels (one ZMQ PUSH -> PULL socket pair each, see ``launcher.Endpoints``):
+Channels (one ZMQ PUSH -> PULL socket pair each, see ``Endpoints``):
 
     frontend  --FrontendMessage-->  scheduler  --WorkerCommand-->  worker
     frontend  <--RuntimeMessage--   scheduler  <--WorkerMessage--  worker
@@ -8,7 +8,8 @@ Channels (one ZMQ PUSH -> PULL socket pair each, see ``launcher.Endpoints``):
 Nothing is pickled: each receiver decodes with a ``msgspec.msgpack.Decoder`` typed to its channel's
 union, so a malformed or unexpected message fails to decode instead of executing anything. Such a
 frame (garbage bytes, a truncated message, another channel's message) is logged and dropped by the
-receiver (``child.FrameDecoder``), which keeps serving; ``RuntimeStats.malformed_frames`` counts them.
+receiver (``radixrelay.runtime.child.FrameDecoder``), which keeps serving;
+``RuntimeStats.malformed_frames`` counts them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ from typing import Literal
 import msgspec
 
 from radixrelay.config import EngineConfig
-from radixrelay.runtime.gc_control import GcStats
-from radixrelay.worker.protocol import ModuleSpan
+from radixrelay.protocol.stats import GcStats, RuntimeStats
+from radixrelay.protocol.step import ModuleSpan, StepOutput, StepPlan, TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.audit import KVAudit
-from radixrelay.scheduler.request import RequestUpdate, SchedulerStats
-from radixrelay.worker.protocol import StepOutput, StepPlan, TokenLogprobs
 
 # -- frontend -> scheduler ----------------------------------------------------------------------
 
@@ -59,6 +57,29 @@ FrontendMessage = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequ
 
 # -- scheduler -> frontend ----------------------------------------------------------------------
 
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestUpdate(msgspec.Struct, frozen=True):
+    """What one request produced in one step (or its end). The caller detokenizes ``token_ids``
+    in order; on a stop-string finish it drops the last ``trim_chars`` characters of the text of
+    all emitted tokens (the stop string and whatever followed it inside the last token)."""
+
+    rid: int
+    token_ids: list[int]                        # newly releasable outputs (never a stop token)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None       # stop token id or stop string that ended it
+    trim_chars: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0                  # sampled so far, a matched stop token included
+    cached_tokens: int = 0                      # prompt tokens from cache (first admission)
+    error: str | None = None                    # worker failure that aborted the request
+    module_tokens: int = 0                      # of the cached tokens, module KV (modular prompts)
+    # whose fault ``error`` is (OpenAI's error types): the step's ("server_error") or the request's own
+    # ("invalid_request_error": e.g. its grammar over its time budget)
+    error_type: Literal["server_error", "invalid_request_error"] = "server_error"
+
 
 class TokenUpdate(msgspec.Struct, frozen=True):
     update: RequestUpdate
@@ -85,59 +106,6 @@ class RequestRejected(msgspec.Struct, tag="rejected", frozen=True):
 class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply", frozen=True):
     call_id: int
     flushed: bool                     # False: requests were live, nothing was dropped
-
-
-class RuntimeStats(msgspec.Struct, frozen=True):
-    scheduler: SchedulerStats
-    steps: int                        # steps the worker ran
-    computed_tokens: int              # tokens run through the model (cache hits excluded)
-    decode_steps: int                 # steps with at least one decode row
-    cascade_steps: int                # decode steps that carried a cascade plan
-    cascade_groups: int = 0           # cascade groups summed over steps
-    cascade_levels: int = 0           # cascade levels summed over steps
-    cascade_tokens_read_once: int = 0  # KV token reads saved: (members - 1) * tokens, per group and step
-    # Where the serving loop's time goes (seconds, summed over steps; with overlap the worker's host
-    # work, the scheduler's and the device's run at the same time):
-    worker_busy_s: float = 0.0        # worker host time on steps (launch + waiting for and reading results)
-    worker_launch_s: float = 0.0      # of which host work before the model's kernels were all launched
-    scheduler_busy_s: float = 0.0     # scheduling steps and processing their outputs
-    worker_device_s: float = 0.0      # device time of the steps (device busy fraction = this / wall time)
-    jit_after_ready: int = 0          # Triton kernel variants compiled (or loaded) after ready: 0 expected
-    graph_captures: int = 0           # CUDA graphs captured (start-up included)
-    graph_replays: int = 0            # steps that replayed a CUDA graph
-    eager_steps: int = 0              # steps whose forward ran eagerly
-    # Prefill cascade (extend rows reading a cached run shared between requests once, decided per step by
-    # the worker), cumulative:
-    prefill_cascade_steps: int = 0
-    prefill_cascade_runs: int = 0
-    prefill_cascade_tokens_read_once: int = 0
-    prefill_long_prefix_runs: int = 0  # long cached prefixes of short extends read split along their length
-    # KV pages and radix locks by holder, and check_integrity's verdict, taken when these stats were
-    # asked for (None from a runtime that does not audit):
-    kv_audit: KVAudit | None = None
-    # Frames dropped because they did not decode as their channel's messages (garbage, truncated,
-    # another channel's message), cumulative over the scheduler, the worker (as of its latest step
-    # output) and the frontend's inbox:
-    malformed_frames: int = 0
-    # Decode-graph steps (cumulative, of graph_replays): advanced on the device (the previous step's rows
-    # one token further: no batch packing on the host), and run on a larger graph covering their size class;
-    # of the advanced ones, those whose changed rows (requests joined, left) were patched in place; and
-    # decode steps of a size class no captured graph covered yet, run on the piecewise graphs instead:
-    decode_steps_advanced: int = 0
-    decode_steps_covered: int = 0
-    decode_steps_patched: int = 0
-    decode_steps_deferred: int = 0
-    # Steps with decode rows and no extends (cumulative): how many, their decode rows summed, and the
-    # worker's launch time on them (of worker_launch_s; mixed steps are the rest):
-    decode_only_steps: int = 0
-    decode_only_rows: int = 0
-    decode_only_launch_s: float = 0.0    # graph captures excluded (they are in graph_capture_s)
-    graph_capture_s: float = 0.0      # worker launch time spent capturing CUDA graphs (all steps)
-    # Python garbage collection per process (``radixrelay.runtime.gc_control``): the worker's as of its
-    # latest step output, the scheduler's, and the frontend's (filled in by the server, empty elsewhere):
-    worker_gc: GcStats = GcStats()
-    scheduler_gc: GcStats = GcStats()
-    frontend_gc: GcStats = GcStats()
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):
@@ -219,7 +187,7 @@ class ChildArgs(msgspec.Struct, frozen=True):
     config: EngineConfig
     endpoints: Endpoints
     parent_pid: int                   # the child exits once this process is gone
-    ipc_dir: str                      # the socket directory (``child.leave_socket_dir``)
+    ipc_dir: str                      # the socket directory (``radixrelay.runtime.child.leave_socket_dir``)
     log_level: str = "INFO"
 
 

@@ -1,7 +1,15 @@
-"""``CascadePlan``: how one decode step's attention is split into shared levels and own suffixes.
+"""Cascade types: the decode batch as the planner sees it (``DecodeRow``, scheduler side) and the plan it
+makes (``CascadePlan``, sent to the worker in ``StepPlan.cascade``).
 
-Sent from the scheduler to the worker in ``StepPlan.cascade``. Every group is a run of KV positions
-``[start, start + num_tokens)`` that all its requests hold in the same pages (a chain of radix nodes
+A row's path lists the tree nodes of its locked cached prefix, root first; node ``node_id`` covers
+token positions ``[start, start + num_tokens)`` of that row, i.e. its pages
+``pages[start // page_size : (start + num_tokens) // page_size]`` (the same page ids in every row
+that shares the node). Positions past the path are private to the row. The planner returns an
+opaque plan that the scheduler puts into ``StepPlan.cascade``; node ids are stable while the rows
+hold their locks, but a node may be split between steps (its upper part gets a new id).
+
+``CascadePlan``: how one decode step's attention is split into shared levels and own suffixes. Every
+group is a run of KV positions ``[start, start + num_tokens)`` that all its requests hold in the same pages (a chain of radix nodes
 they share); the worker reads the page run from the page list of ``rids[0]``,
 ``pages[start // page_size : ceil((start + num_tokens) / page_size)]`` (``start`` is page aligned).
 The groups of one request tile ``[0, own_start)`` of its KV without gaps or overlap, root first; the
@@ -14,6 +22,18 @@ Cascade is exact: each part carries its natural-log LSE and the parts merge by L
 from __future__ import annotations
 
 import msgspec
+
+
+class PathSegment(msgspec.Struct, frozen=True):
+    node_id: int
+    start: int                 # first token position of the node within the row
+    num_tokens: int
+
+
+class DecodeRow(msgspec.Struct, frozen=True):
+    rid: int
+    path: list[PathSegment]    # shared prefix, root first; covers [0, sum of num_tokens)
+    seq_len: int               # positions this row attends this step (its KV incl. the new token)
 
 
 class CascadeGroup(msgspec.Struct, frozen=True):

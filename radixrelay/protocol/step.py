@@ -19,9 +19,12 @@ Invariants the scheduler guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-from radixrelay.cascade.plan import CascadePlan
+from radixrelay.protocol.cascade import CascadePlan
+from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.sampling_params import SamplingParams
 
 
@@ -85,39 +88,6 @@ class ExtendItem(msgspec.Struct, frozen=True):
     num_prompt_logprobs: int = 0     # 0: this chunk reports no prompt logprobs
 
 
-class KVTransfers(msgspec.Struct, frozen=True):
-    """Copies between device KV pages and the lower tiers (``radixrelay.radix.tiers``), applied by the
-    worker before the step's forward (disk jobs: deletes, then writes, then reads). Every copy touching a host slot runs after every
-    earlier one touching host slots (plan order), so the scheduler may reuse a slot in a later plan.
-
-    - ``saves`` read device pages written by earlier steps (never by this one); the scheduler keeps
-      those pages allocated until the step's save is acknowledged (``KVAcks.saved_steps``);
-    - ``loads`` fill device pages that this step (or a later one) reads;
-    - disk writes read a host slot after its save; disk reads fill a slot that no load reads before
-      ``KVAcks.read`` says so."""
-    saves: list[tuple[int, int]] = []         # (device page, host slot)
-    loads: list[tuple[int, int]] = []         # (host slot, device page)
-    disk_writes: list[tuple[int, bytes]] = []  # (host slot, page key)
-    disk_reads: list[tuple[bytes, int]] = []   # (page key, host slot)
-    disk_deletes: list[bytes] = []            # page keys
-    # loads whose keys are rotated by a position delta after the copy (RoPE; a truncated prompt's
-    # KV re-positioned, ``radixrelay.radix.truncation``): (host slot, device page, delta)
-    shifted_loads: list[tuple[int, int, int]] = []
-
-
-class KVAcks(msgspec.Struct, frozen=True):
-    """Transfers that completed since the previous output (each is acknowledged exactly once). A plan
-    without rows returns only after all of its transfers (and earlier ones) completed."""
-    saved_steps: list[int] = []               # steps whose saves are complete in host memory
-    failed_steps: list[int] = []              # steps whose saves failed: their slots hold nothing
-    written: list[bytes] = []                 # page keys now on disk
-    write_failed: list[bytes] = []
-    read: list[bytes] = []                    # page keys read from disk into their host slot
-    read_failed: list[bytes] = []             # missing, truncated or corrupted: a miss
-    load_s: float = 0.0                       # device seconds of host->device loads (CUDA events)
-    load_exposed_s: float = 0.0               # of which the step's forward waited for
-
-
 class StepPlan(msgspec.Struct, frozen=True):
     step_id: int
     released: list[int] = []               # rids that leave the table (finished, aborted, retracted)
@@ -125,7 +95,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     page_appends: list[PageAppend] = []
     extends: list[ExtendItem] = []          # prefill / chunked prefill / resume work
     decodes: list[int] = []                 # rids computing one token: their last known token
-    cascade: CascadePlan | None = None      # shared levels of the decode rows (radixrelay.cascade.plan)
+    cascade: CascadePlan | None = None      # shared levels of the decode rows (radixrelay.protocol.cascade)
     transfers: KVTransfers | None = None    # KV tier copies (None: none)
 
 
