@@ -168,7 +168,7 @@ def gpu_8b_options(work: Path) -> dict[str, Any]:
 
 def engine_tokenizer(options: dict[str, Any]):
     """The tokenizer an Engine built with ``options`` loads (to build prompts before starting it)."""
-    import radixrelay.server.tokenizer as tk
+    import radixrelay.text.tokenizer as tk
     from radixrelay.config import EngineConfig
     from radixrelay.model.registry import tokenizer_path
 

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 def generate_prompt(tokenizer, text: str, *, raw: bool, chat_template: str | None = None) -> str | list[int]:
     """What ``generate`` submits: ``text`` itself with ``raw``, else the token ids of ``text`` as a user
     message rendered with the chat template (``chat_template`` or the tokenizer's)."""
-    from radixrelay.server.chat_template import ChatTemplate
+    from radixrelay.text.chat_template import ChatTemplate
 
     if raw:
         return text

@@ -33,9 +33,9 @@ from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.client import QueueFullError
 from radixrelay.runtime.sync_client import SyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.server.output_text import OutputAssembler
-from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
+from radixrelay.text.output_text import OutputAssembler
+from radixrelay.text.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
 SchemaPrompt = str | dict | modules.Prompt

@@ -85,10 +85,10 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     from radixrelay.scheduler.config import SchedulerConfig
     from radixrelay.server import openai_protocol as oa
     from radixrelay.server import serving
-    from radixrelay.server.chat_template import ChatTemplate
+    from radixrelay.text.chat_template import ChatTemplate
     from radixrelay.server.grammar_check import GrammarCheck
     from radixrelay.server.metrics import ServerMetrics
-    from radixrelay.server.tokenizer import load_tokenizer
+    from radixrelay.text.tokenizer import load_tokenizer
     from radixrelay.protocol.step import StepOutput
 
     tok = load_tokenizer(resolve_model_path("default"))

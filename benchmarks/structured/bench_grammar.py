@@ -42,7 +42,7 @@ import xgrammar as xgr
 
 from benchmarks.common import RESULTS, ROOT
 from radixrelay.model.registry import resolve_model_path
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 BATCH = 32  # matchers per batched mask fill
 BATCH_STEPS = 64  # steps timed per batch measurement, times --repeats

@@ -42,7 +42,7 @@ def token_counter(tokenizer: str | None) -> TokenCounter:
     if tokenizer is None:
         return TokenCounter("estimate", estimate_tokens)
     from radixrelay.model.registry import resolve_model_path
-    from radixrelay.server.tokenizer import load_tokenizer
+    from radixrelay.text.tokenizer import load_tokenizer
     tok = load_tokenizer(resolve_model_path(tokenizer))
     return TokenCounter("tokenizer", lambda text: len(tok.encode(text, add_special_tokens=False)), tokenizer)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from radixrelay.lang.expr import Role
-from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.text.chat_template import ChatTemplate
 
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
 _SENTINEL = "<<RadixRelay:Content>>"   # mixed case: a template that changes case is caught

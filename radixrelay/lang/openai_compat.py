@@ -21,8 +21,8 @@ from radixrelay.lang.backend import CallMeta, Generation, Usage
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.errors import BackendError
 from radixrelay.lang.expr import Gen
-from radixrelay.server.chat_template import ChatTemplate
 from radixrelay.structured.spec import StructuredOutput
+from radixrelay.text.chat_template import ChatTemplate
 
 
 class OpenAICompatible:

@@ -23,8 +23,8 @@ import httpx
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.openai_compat import OpenAICompatible
 from radixrelay.model.registry import resolve_model_path
-from radixrelay.server.chat_template import ChatTemplate
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.chat_template import ChatTemplate
+from radixrelay.text.tokenizer import load_tokenizer
 
 
 class RuntimeEndpoint(OpenAICompatible):

@@ -36,7 +36,7 @@ from .pml import ROLES, DEFAULT_LIMITS, Import, Limits, Module, Prompt, Role, Sc
     parse_schema, prompt_from_json, prompt_from_str, to_pml
 
 if TYPE_CHECKING:
-    from radixrelay.server.chat_template import ChatTemplate
+    from radixrelay.text.chat_template import ChatTemplate
 
 DEFAULT_MAX_SCHEMAS = 64
 DEFAULT_MAX_TOKENS = 1 << 22          # module tokens held by all schemas together (ids + positions)
@@ -153,7 +153,7 @@ class SchemaRegistry:
     @classmethod
     def for_tokenizer(cls, tokenizer: _Tokenizer, *, model_id: str, page_size: int,
                       chat_template: str | None = None, **options: Any) -> SchemaRegistry:
-        """A registry wired to a ``radixrelay.server.tokenizer.Tokenizer``: encode without special
+        """A registry wired to a ``radixrelay.text.tokenizer.Tokenizer``: encode without special
         tokens, the whitespace placeholder, and markers from the chat template (``chat_template``
         overrides the tokenizer's, as ``--chat-template`` does)."""
         template = _template(tokenizer, chat_template)
@@ -302,7 +302,7 @@ def prompt_from_messages(schema_name: str, messages: Sequence[Mapping[str, Any]]
 
 
 class _Tokenizer(Protocol):
-    """What the helpers need of ``radixrelay.server.tokenizer.Tokenizer``."""
+    """What the helpers need of ``radixrelay.text.tokenizer.Tokenizer``."""
 
     eos_token_id: int | None
     chat_template: str | None
@@ -323,7 +323,7 @@ def placeholder_token(tokenizer: _Tokenizer) -> int:
 
 
 def _template(tokenizer: _Tokenizer, override: str | None) -> ChatTemplate | None:
-    from radixrelay.server.chat_template import ChatTemplate   # jinja2: only when a template is used
+    from radixrelay.text.chat_template import ChatTemplate   # jinja2: only when a template is used
 
     if override is None and tokenizer.chat_template is None:
         return None

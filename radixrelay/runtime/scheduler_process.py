@@ -54,7 +54,7 @@ from radixrelay.runtime.token_ids import TokenTable
 from radixrelay.scheduler.audit import PacedAudit
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.tokenizer import load_tokenizer
 
 # While requests are live, the KV integrity check (memory-bound over every page and host-tier entry)
 # runs at most this often; at idle, on every stats request.

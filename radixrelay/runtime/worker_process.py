@@ -34,8 +34,8 @@ from radixrelay.protocol.messages import (
 )
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
-from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured.grammar import GrammarEngine
+from radixrelay.text.tokenizer import load_tokenizer
 from radixrelay.worker.constraints import Constraints, MaskBudget
 from radixrelay.worker.kv_tiers import build_tiers, page_bytes
 from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner

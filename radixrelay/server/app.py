@@ -34,10 +34,10 @@ from radixrelay.runtime.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, schemas, serving
-from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.metrics import ServerMetrics
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("radixrelay.server")
 DEATH_LINGER = 2.0       # seconds /health reports 503 after a runtime death before the exit

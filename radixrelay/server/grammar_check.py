@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from radixrelay.server.tokenizer import Tokenizer
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
+from radixrelay.text.tokenizer import Tokenizer
 
 COMPILE_TIMEOUT_S = 10.0
 

@@ -48,12 +48,12 @@ from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
 from radixrelay.protocol.messages import TokenUpdate
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.server import openai_protocol as oa
-from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.server.metrics import ServerMetrics
-from radixrelay.server.output_text import OutputAssembler
+from radixrelay.text.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck
-from radixrelay.server.tokenizer import TokenEnds, Tokenizer, TooManyTokens
+from radixrelay.text.tokenizer import TokenEnds, Tokenizer, TooManyTokens
 from radixrelay.structured.spec import InvalidStructuredOutput
 from radixrelay.protocol.step import TokenLogprobs
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 if TYPE_CHECKING:
-    from radixrelay.server.tokenizer import Tokenizer
+    from radixrelay.text.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 256
 COMPACT = (",", ":")           # JSON is one line, ``json.dumps(separators=(",", ":"))``: no optional whitespace

@@ -103,7 +103,7 @@ def test_greedy_departs_from_unconstrained_only_where_the_grammar_forbids(runs):
     outs, _, _, greedy = runs[0]
     _, params = _requests()
     from radixrelay.model.registry import resolve_model_path
-    from radixrelay.server.tokenizer import load_tokenizer
+    from radixrelay.text.tokenizer import load_tokenizer
 
     engine = GrammarEngine(load_tokenizer(resolve_model_path("default")))
     for i, schema in enumerate(SCHEMAS):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from radixrelay.model.registry import resolve_model_path
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 import radixrelay.lang as rl
-from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.text.chat_template import ChatTemplate
 from tests.lang import reference
 from tests.lang.test_select import CASES as SELECT_CASES
 

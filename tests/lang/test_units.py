@@ -14,7 +14,7 @@ from radixrelay.lang import scoring
 from radixrelay.lang.backend import CallMeta, Generation
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.expr import Gen
-from radixrelay.server.chat_template import ChatTemplate
+from radixrelay.text.chat_template import ChatTemplate
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
           "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}")

@@ -16,8 +16,8 @@ from radixrelay.modules.registry import (
     ModuleSummary, ParamInfo, ScaffoldSummary, SchemaRegistry, UnknownSchemaError, chat_generation_prompt,
     chat_role_text, placeholder_token, prompt_from_messages, schema_digest,
 )
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
-from tests.server.test_tokenizer import default_gguf
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
+from tests.text.test_tokenizer import default_gguf
 
 PAGE = 16
 DOCS = """<schema name="docs">

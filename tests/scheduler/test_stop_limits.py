@@ -13,7 +13,7 @@ from radixrelay.model.registry import resolve_model_path
 from radixrelay.sampling_params import MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, SamplingParams
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.stop import StopChecker
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.tokenizer import load_tokenizer
 from tests.scheduler.test_stop import VOCAB, detok, generate
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.tokenizer import load_tokenizer
 from tests.runtime.server_process import ServerProcess
-from tests.server.test_tokenizer import default_gguf
+from tests.text.test_tokenizer import default_gguf
 
 pytestmark = pytest.mark.timeout(600)
 CONTEXT = 8192                     # the default model's

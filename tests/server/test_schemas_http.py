@@ -9,9 +9,9 @@ import pytest
 
 from radixrelay.config import EngineConfig
 from radixrelay.modules.registry import SchemaRegistry
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.tokenizer import load_tokenizer
 from tests.runtime.server_process import ServerProcess
-from tests.server.test_tokenizer import default_gguf
+from tests.text.test_tokenizer import default_gguf
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "relay"

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from radixrelay.model.registry import resolve_model_path
-from radixrelay.server.tokenizer import load_tokenizer
 from radixrelay.structured import InvalidStructuredOutput, StructuredOutput
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.structured.spec import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from radixrelay.text.tokenizer import load_tokenizer
 from radixrelay.worker.constraints import apply_bitmask
 
 

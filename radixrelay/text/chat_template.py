@@ -28,7 +28,7 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.text.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_REPEAT = 1_000_000      # items (characters) a `*` repetition may produce in a template

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrelay.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
-from tests.server.test_tokenizer import CORPUS, default_gguf
-from tests.server.test_tokenizer_formats import SAMPLES, TRAINING_TEXT, sp_model  # noqa: F401 (fixture)
+from radixrelay.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
+from tests.text.test_tokenizer import CORPUS, default_gguf
+from tests.text.test_tokenizer_formats import SAMPLES, TRAINING_TEXT, sp_model  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decode context for the first output token

@@ -11,7 +11,7 @@ import sentencepiece
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from radixrelay.server.tokenizer import load_tokenizer
+from radixrelay.text.tokenizer import load_tokenizer
 
 TRAINING_TEXT = [
     "the cat sat on the mat and the dog sat on the log",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from radixrelay.server.chat_template import ChatTemplate, ChatTemplateError, validate_messages
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
-from tests.server.test_tokenizer import default_gguf
-from tests.server.test_tokenizer_formats import sp_model  # noqa: F401 (fixture)
+from radixrelay.text.chat_template import ChatTemplate, ChatTemplateError, validate_messages
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
+from tests.text.test_tokenizer import default_gguf
+from tests.text.test_tokenizer_formats import sp_model  # noqa: F401 (fixture)
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from radixrelay.server.tokenizer import Tokenizer, load_tokenizer
+from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 
 def default_gguf() -> Path:

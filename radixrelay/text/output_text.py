@@ -12,8 +12,8 @@ from radixrelay.outputs import RequestOutput
 from radixrelay.protocol.messages import RequestUpdate, TokenUpdate
 from radixrelay.protocol.step import TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.server.detokenizer import IncrementalDetokenizer
-from radixrelay.server.tokenizer import Tokenizer
+from radixrelay.text.detokenizer import IncrementalDetokenizer
+from radixrelay.text.tokenizer import Tokenizer
 
 
 class OutputAssembler:

@@ -56,7 +56,7 @@ BATCH_CHUNKS = 32                 # chunks per encode_batch call (and per part) 
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
 # Split regexes known to cut at "word| word" (the spellings of tokenizer.json files and of
-# radixrelay.server.tokenizer's GGUF pre-tokenizers).
+# radixrelay.text.tokenizer's GGUF pre-tokenizers).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -10,10 +10,10 @@ import random
 import pytest
 
 from radixrelay.radix.truncation import Truncation
-from radixrelay.server.encode_cache import BATCH_CHUNKS, ChunkedEncoder, max_chars_per_token
-from radixrelay.server.tokenizer import TokenEnds, TooManyTokens, load_tokenizer
-from tests.server.test_encode_cache import PARTS, random_text
-from tests.server.test_tokenizer import default_gguf
+from radixrelay.text.encode_cache import BATCH_CHUNKS, ChunkedEncoder, max_chars_per_token
+from radixrelay.text.tokenizer import TokenEnds, TooManyTokens, load_tokenizer
+from tests.text.test_encode_cache import PARTS, random_text
+from tests.text.test_tokenizer import default_gguf
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from radixrelay.server.encode_cache import ChunkedEncoder
+from radixrelay.text.encode_cache import ChunkedEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Chunked, cached encoding (``radixrelay.server.encode_cache``): the ids are exactly those of one
+"""Chunked, cached encoding (``radixrelay.text.encode_cache``): the ids are exactly those of one
 encode of the whole text, for every pre-tokenizer it accepts; the others encode whole."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from radixrelay.server.encode_cache import _GPT2, _LLAMA3, _QWEN2, ChunkedEncoder, split_text, unchunkable_reason
-from radixrelay.server.tokenizer import load_tokenizer
-from tests.server.test_tokenizer import CORPUS, default_gguf
+from radixrelay.text.encode_cache import _GPT2, _LLAMA3, _QWEN2, ChunkedEncoder, split_text, unchunkable_reason
+from radixrelay.text.tokenizer import load_tokenizer
+from tests.text.test_tokenizer import CORPUS, default_gguf
 
 # Pieces random texts are made of: words, the places a cut could go wrong (contractions, digits
 # next to letters, runs of spaces, newlines, punctuation, non-ASCII letters, special tokens).
