@@ -53,7 +53,7 @@ import msgspec
 import torch
 
 from radixrelay.attention import KVCache
-from radixrelay.attention.backend import make_backend
+from radixrelay.attention.factory import make_backend
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
 from radixrelay.protocol.step import AdmittedRequest, PageAppend, StepPlan

@@ -31,7 +31,7 @@ import time
 import torch
 
 from radixrelay.attention import BatchRequest, KVCache, build_forward_batch
-from radixrelay.attention.backend import make_backend
+from radixrelay.attention.factory import make_backend
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 

@@ -25,7 +25,7 @@ if "--cpu-smoke" in sys.argv:        # before triton is imported anywhere
 
 import torch  # noqa: E402
 
-from radixrelay.attention.backend import make_backend  # noqa: E402
+from radixrelay.attention.factory import make_backend  # noqa: E402
 from radixrelay.attention.kv_cache import KVCache  # noqa: E402
 from radixrelay.attention.metadata import (BatchRequest, SharedRun, build_forward_batch,  # noqa: E402
                                            build_shared_runs)

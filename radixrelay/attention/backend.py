@@ -49,17 +49,6 @@ class AttentionBackend(ABC):
         return False
 
 
-def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """``triton`` (the kernels: CUDA, or the CPU under TRITON_INTERPRET=1) or ``torch`` (reference)."""
-    if name == "torch":
-        return TorchBackend()
-    if name == "triton":
-        from radixrelay.attention.triton_backend import TritonBackend   # keeps triton out of torch-only use
-
-        return TritonBackend(overlap=torch.device(device).type == "cuda")
-    raise ValueError(f"attention backend must be triton or torch, got {name!r}")
-
-
 @dataclass(frozen=True)
 class _SharedPart:
     plan: AttentionPlan     # groups as requests: rows attend positions [0, kv_len) of the group's run

@@ -48,10 +48,10 @@ from radixrelay.protocol.stats import GcStats, RuntimeStats
 from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.radix.tiers import KVTiers
+from radixrelay.runtime.audit import PacedAudit
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
 from radixrelay.runtime.token_ids import TokenTable
-from radixrelay.scheduler.audit import PacedAudit
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.text.tokenizer import load_tokenizer

@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from radixrelay.attention import KVCache
-from radixrelay.attention.backend import make_backend
+from radixrelay.attention.factory import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, trace_steps

@@ -3,7 +3,7 @@
 The holder counts are cheap enough to run on every /metrics scrape: O(tree nodes + running requests).
 ``check_integrity`` walks every page and every host-tier entry (memory-bound: ~7 ms at 25K host pages),
 so while requests are live a caller runs it at most every so often and reports the last verdict with
-its age (``integrity_age_s``); at idle it runs on every call.
+its age (``integrity_age_s``); at idle it runs on every call (``radixrelay.runtime.audit``).
 
 Idle baseline: once no request is live (none running, none waiting), every page is either free or
 cached in the radix tree and nothing is locked:
@@ -19,16 +19,10 @@ anything else is a leak of pages or locks.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
-
-import msgspec
 
 from radixrelay.protocol.stats import KVAudit
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.request import Request
-
-if TYPE_CHECKING:                     # the scheduler imports this module
-    from radixrelay.scheduler.scheduler import Scheduler
 
 
 def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: int,
@@ -54,23 +48,3 @@ def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: i
         locked_nodes=locked_nodes, lock_refs=lock_refs,
         lock_holders=sum(r.holds_locks for r in running), live_requests=live_requests,
         integrity_error=error)
-
-
-class PacedAudit:
-    """``Scheduler.audit`` with ``check_integrity`` paced: run on every call while the scheduler has no
-    work, at most every ``every_s`` seconds while it has; in between the last verdict is reported with
-    its age."""
-
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
-        self._at = float("-inf")              # when check_integrity last ran ...
-        self._error: str | None = None        # ... and its verdict
-
-    def audit(self, scheduler: Scheduler, now: float) -> KVAudit:
-        """``now``: a monotonic clock reading, seconds."""
-        due = not scheduler.has_work() or now - self._at >= self.every_s
-        audit = scheduler.audit(integrity=due)
-        if due:
-            self._at, self._error = now, audit.integrity_error
-            return audit
-        return msgspec.structs.replace(audit, integrity_error=self._error, integrity_age_s=now - self._at)

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrelay.attention.backend import TorchBackend, make_backend, merge_rows
+from radixrelay.attention.backend import TorchBackend, merge_rows
+from radixrelay.attention.factory import make_backend
 from radixrelay.attention.reference import merge_states
 from tests.cascade.trees import random_scenario
 

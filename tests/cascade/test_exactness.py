@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrelay.attention.backend import make_backend
+from radixrelay.attention.factory import make_backend
 from radixrelay.cascade.batch import long_prefix_runs
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.protocol.step import ModuleSpan

@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from radixrelay.attention.backend import TorchBackend, make_backend
+from radixrelay.attention.backend import TorchBackend
+from radixrelay.attention.factory import make_backend
 from radixrelay.model import load_model
 from tests.cascade.harness import run_workload
 from tests.cascade.test_exactness import CFG, prompt_tree

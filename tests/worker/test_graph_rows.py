@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixrelay.attention import KVCache, TorchBackend
-from radixrelay.attention.backend import make_backend
+from radixrelay.attention.factory import make_backend
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
 from radixrelay.protocol.step import AdmittedRequest, PageAppend, StepPlan

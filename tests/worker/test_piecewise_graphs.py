@@ -264,7 +264,7 @@ def test_token_buckets():
 
 @pytest.mark.gpu
 def test_captured_mixed_steps_on_cuda():
-    from radixrelay.attention.backend import make_backend
+    from radixrelay.attention.factory import make_backend
 
     def triton():
         return make_backend("triton", "cuda")
