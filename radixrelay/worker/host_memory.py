@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -65,22 +66,32 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked host tensor of ``shape`` (contents undefined, as ``torch.empty``) for copies to and
     from CUDA devices; see the module docstring. Give it back with ``release``."""
     nbytes = math.prod(shape) * dtype.itemsize
+    cudart = torch.cuda.cudart()
     try:
         view, _ = anonymous_buffer(nbytes)
-        err = torch.cuda.cudart().cudaHostRegister(view.ctypes.data, nbytes, 0)
+        err = cudart.cudaHostRegister(view.ctypes.data, nbytes, 0)
         if int(err) != 0:
+            cudart.cudaGetLastError()       # a failed call leaves its error pending for the next launch
             raise RuntimeError(f"cudaHostRegister: {err}")
     except (OSError, RuntimeError, ValueError) as exc:
         logger.warning("pinned host memory: fast path failed (%s), allocating through cudaHostAlloc", exc)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     tensor = torch.from_numpy(view).view(dtype).view(shape)   # keeps ``view`` (and the mapping) alive
     _REGISTERED.add(tensor.data_ptr())
+    # A buffer dropped without ``release`` is unregistered when ``view`` goes: numpy clears an array's weak
+    # references before it lets go of the mapping, so the range is never unmapped while registered (a
+    # registered range left behind makes a later registration at the same address fail).
+    weakref.finalize(view, _unregister, tensor.data_ptr())
     return tensor
 
 
 def release(tensor: torch.Tensor) -> None:
     """Unregister a ``pinned_empty`` buffer from CUDA before it can be unmapped (a no-op for one that took
     the fallback, or released already)."""
-    if tensor.data_ptr() in _REGISTERED:
-        _REGISTERED.discard(tensor.data_ptr())
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    _unregister(tensor.data_ptr())
+
+
+def _unregister(ptr: int) -> None:
+    if ptr in _REGISTERED:
+        _REGISTERED.discard(ptr)
+        torch.cuda.cudart().cudaHostUnregister(ptr)
