@@ -2,7 +2,7 @@
 /openapi.json) and a corpus of hand-written hostile requests; one tally of what came back.
 
 Used by ``test_fuzz.py`` / ``test_hostile_input.py`` (a few hundred cases in CI) and by
-``benchmarks/fuzz_server.py`` (longer runs). The guarantees checked: no response >= 500, no request
+``benchmarks/reliability/fuzz_server.py`` (longer runs). The guarantees checked: no response >= 500, no request
 left unanswered past ``timeout`` (a hang), every 4xx is OpenAI's error JSON, and after each batch
 /health is 200 and a normal request is served.
 """
