@@ -106,7 +106,6 @@ class CacheManager:
             self.tree.unlock(node)
         req.pages, req.num_shared_pages, req.lock_node, req.module_nodes = [], 0, None, []
         req.kv_len = req.kv_committed = 0
-        req.path_key = None
 
     def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.

@@ -1,5 +1,6 @@
-"""The cascade planner's view of a decode batch: each decode row with its path of radix nodes
-(``DecodeRow``, ``PathSegment``: ``radixrelay.protocol.cascade`` states what a path covers)."""
+"""The cascade planner as the scheduler holds it: each step's decode rows with their radix paths
+(``DecodeRow``, ``PathSegment``: ``radixrelay.protocol.cascade`` states what a path covers), and the
+per-request path cache the rows are built from."""
 
 from __future__ import annotations
 
@@ -11,16 +12,39 @@ from radixrelay.scheduler.request import Request
 
 CascadePlanner = Callable[[list[DecodeRow]], object]
 
+# rid -> (key, path): the path (root first) of the request's locked tree path(s), valid while the key
+# (its locked node(s), the tree's split count) holds
+PathCache = dict[int, tuple[tuple[object, int], list[PathSegment]]]
 
-def decode_rows(tree: RadixTree, decodes: list[Request]) -> list[DecodeRow]:
+
+class CascadeHook:
+    """``planner`` with its path cache. An entry lives from the request's first decode row until it
+    leaves the running set (finish, abort, retraction: ``forget``)."""
+
+    def __init__(self, planner: CascadePlanner) -> None:
+        self.planner = planner
+        self._paths: PathCache = {}
+
+    def plan(self, tree: RadixTree, decodes: list[Request]) -> object:
+        """The planner's result for this step's decode batch (``StepPlan.cascade``)."""
+        return self.planner(decode_rows(tree, decodes, self._paths))
+
+    def forget(self, rid: int) -> None:
+        self._paths.pop(rid, None)
+
+
+def decode_rows(tree: RadixTree, decodes: list[Request], paths: PathCache | None = None) -> list[DecodeRow]:
     """O(rows) per step: a request's path is rebuilt only when its lock moved or the tree split a
-    node (which renumbers the upper part); otherwise the last one is reused."""
+    node (which renumbers the upper part); otherwise the one in ``paths`` is reused."""
+    if paths is None:
+        paths = {}
     rows = []
     for req in decodes:
         key = (req.lock_node if not req.modules else tuple(req.module_nodes), tree.splits)
-        if req.path_key != key:
-            req.path_key, req.path = key, _path(tree, req)
-        rows.append(DecodeRow(req.rid, req.path, req.kv_len + 1))   # kv_len: the position fed now
+        cached = paths.get(req.rid)
+        if cached is None or cached[0] != key:
+            cached = paths[req.rid] = (key, _path(tree, req))
+        rows.append(DecodeRow(req.rid, cached[1], req.kv_len + 1))   # kv_len: the position fed now
     return rows
 
 

@@ -59,9 +59,6 @@ class Request:
     num_pending: int = 0                        # tokens sampled by steps in flight
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
-    # -- cascade: the locked path as the planner sees it, valid while path_key holds -------------
-    path_key: tuple[object, int] | None = None      # (locked node(s), the tree's split count)
-    path: list = field(default_factory=list)        # list[PathSegment], root first
     # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
     page_keys: list[bytes] = field(default_factory=list)
     # Truncated prompt (radix/truncation.py): tokens dropped since the previous truncation point (at

@@ -30,7 +30,7 @@ from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import audit_kv
 from radixrelay.scheduler.cache import CacheManager
-from radixrelay.scheduler.cascade_hook import CascadePlanner, decode_rows
+from radixrelay.scheduler.cascade_hook import CascadeHook, CascadePlanner
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.decode import DecodeManager
 from radixrelay.scheduler.prefill import PrefillManager
@@ -76,7 +76,7 @@ class Scheduler:
         self._next_step = 0
         self._arrivals = 0
         self._retractions = 0
-        self._cascade_planner: CascadePlanner | None = None
+        self._cascade: CascadeHook | None = None     # the cascade planner and its path cache
         self._span_jobs: dict[tuple[str, tuple[int, ...]], int] = {}   # module span -> internal rid
         self._internal_rids = 0                      # internal requests count down from -1
 
@@ -159,6 +159,7 @@ class Scheduler:
         if req.phase is Phase.RUNNING:
             del self._running[rid]
             self.cache.release(req, keep_cache=False)
+            self._forget_path(rid)
         else:
             self._waiting.remove(req)
         if req.on_worker:
@@ -189,7 +190,7 @@ class Scheduler:
     def set_cascade_planner(self, planner: CascadePlanner | None) -> None:
         """``planner(rows)`` sees each step's decode rows with their radix paths; its result
         becomes ``StepPlan.cascade``."""
-        self._cascade_planner = planner
+        self._cascade = None if planner is None else CascadeHook(planner)
 
     def schedule(self) -> StepPlan | None:
         """Plan one step; None when there is nothing to compute (or, with a step in flight, when
@@ -234,8 +235,8 @@ class Scheduler:
         samplers = {r.rid: r for r in dec.decodes}
         samplers.update((e.req.rid, e.req) for e in extends if e.ends_prefill)
         cascade = None
-        if self._cascade_planner is not None and dec.decodes:
-            cascade = self._cascade_planner(decode_rows(self.cache.tree, dec.decodes))
+        if self._cascade is not None and dec.decodes:
+            cascade = self._cascade.plan(self.cache.tree, dec.decodes)
         plan = StepPlan(
             step_id=self._next_step,
             released=self._released,
@@ -381,6 +382,7 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]
         self.cache.release(req, keep_cache=True)
+        self._forget_path(req.rid)
         req.phase = Phase.WAITING
         req.on_worker = False
         self._released.append(req.rid)
@@ -392,10 +394,15 @@ class Scheduler:
                 error: str | None = None) -> RequestUpdate:
         del self._requests[req.rid]
         del self._running[req.rid]
+        self._forget_path(req.rid)
         if req.internal:
             self._span_jobs.pop((req.salt, tuple(req.token_ids[:req.num_prompt])), None)
         self._finished.append((req, error is None))      # released by ``release_finished``
         return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
+
+    def _forget_path(self, rid: int) -> None:
+        if self._cascade is not None:
+            self._cascade.forget(rid)
 
     def _fail_waiting(self, spans: set[tuple[str | None, tuple[int, ...]]], error: str) -> list[RequestUpdate]:
         waiting = [r for r in self._waiting
