@@ -61,7 +61,8 @@ class PrefillManager:
         reserved = sum(self.reserve_pages(r) for r in running)
         computing = {self._next_page_key(r, r.num_shared_pages * self.config.page_size)
                      for r in running if not r.prefill_committed}
-        extend = self.cache.host_extension if self.cache.tiers is not None else None
+        tiers = self.cache.tiers
+        extend = tiers.host_extension if tiers is not None else None
         for req in order_waiting(waiting, self.cache.tree, self.config, extend):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
@@ -72,7 +73,7 @@ class PrefillManager:
                     continue
             else:
                 waits, near = self._waits_for_shared_prefill(req, computing)
-                if waits or self.cache.waits_for_fetch(req):
+                if waits or (tiers is not None and tiers.waits_for_fetch(req)):
                     continue
                 self.cache.match_and_lock(req, near)
             if not self._admit(req, reserved if running or out.admitted else None):

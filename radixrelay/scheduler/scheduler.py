@@ -21,6 +21,7 @@ from collections import deque
 import msgspec
 from dataclasses import dataclass
 
+from radixrelay.protocol.kv import KVTransfers
 from radixrelay.protocol.messages import FinishReason, RequestUpdate
 from radixrelay.protocol.stats import KVAudit, SchedulerStats
 from radixrelay.protocol.step import (
@@ -64,6 +65,7 @@ class Scheduler:
                  tiers: KVTiers | None = None) -> None:
         self.config = config
         self.cache = CacheManager(config, tiers)
+        self._tiers = self.cache.tiers                # the lower tiers' coordinator (None: no tiers)
         self._stop = StopChecker(config.eos_token_ids, detokenize)
         self._prefill = PrefillManager(config, self.cache)
         self._decode = DecodeManager(config, self.cache, self._retract)
@@ -168,7 +170,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Live requests, or KV tier copies to send or to hear back about."""
-        return bool(self._requests) or self.cache.tiers_busy()
+        return bool(self._requests) or self._tiers_busy()
 
     @property
     def num_waiting(self) -> int:
@@ -211,9 +213,9 @@ class Scheduler:
         dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
         if dec is None:
             return None
-        if self.cache.tiers is not None:            # an empty window clears the protection too
+        if self._tiers is not None:                 # an empty window clears the protection too
             window = itertools.islice(self._waiting, self.config.tier_lookahead)
-            self.cache.prefetch_window(window)
+            self._tiers.prefetch_window(window)
         budget = self.config.chunked_prefill_tokens - len(dec.decodes)
         pre = self._prefill.schedule(running, self._waiting, budget)
         if pre.missing:                             # evicted since the request arrived: compute again
@@ -245,7 +247,7 @@ class Scheduler:
             extends=items,
             decodes=[r.rid for r in dec.decodes],
             cascade=cascade,
-            transfers=self.cache.take_transfers(self._next_step),
+            transfers=self._take_transfers(),
         )
         for e in extends:
             e.req.kv_len += e.num_tokens
@@ -280,7 +282,8 @@ class Scheduler:
         if not self._inflight or out.step_id != self._inflight[0].step_id:
             raise ValueError(f"StepOutput {out.step_id} does not answer the oldest step in flight")
         step = self._inflight.popleft()
-        self.cache.on_acks(out.kv_acks)
+        if self._tiers is not None:
+            self._tiers.on_acks(out.kv_acks)
         for req in step.samplers.values():
             req.num_pending -= 1
         if out.error is not None:   # fail every request of the step
@@ -326,7 +329,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         alloc, tree = self.cache.allocator, self.cache.tree
-        return msgspec.structs.replace(self._base_stats(alloc, tree), **self.cache.tier_stats())
+        tier_stats = self._tiers.stats() if self._tiers is not None else {}
+        return msgspec.structs.replace(self._base_stats(alloc, tree), **tier_stats)
 
     def _base_stats(self, alloc, tree) -> SchedulerStats:
         return SchedulerStats(
@@ -361,14 +365,20 @@ class Scheduler:
     def _transfers_only(self) -> StepPlan | None:
         """A plan without rows when KV tier copies wait to be sent, or (nothing in flight) their
         acknowledgements are awaited: the worker answers it once every copy has completed."""
-        if not self.cache.tiers_busy() or (self._inflight and not self.cache.tiers.has_outgoing()):
+        if not self._tiers_busy() or (self._inflight and not self._tiers.has_outgoing()):
             return None
-        plan = StepPlan(step_id=self._next_step, released=self._released,
-                        transfers=self.cache.take_transfers(self._next_step))
+        plan = StepPlan(step_id=self._next_step, released=self._released, transfers=self._take_transfers())
         self._released = []
         self._inflight.append(_InFlight(self._next_step, [], [], {}))
         self._next_step += 1
         return plan
+
+    def _tiers_busy(self) -> bool:
+        return self._tiers is not None and self._tiers.busy()
+
+    def _take_transfers(self) -> KVTransfers | None:
+        """The tier copies to send with the step being planned."""
+        return None if self._tiers is None else self._tiers.take_transfers(self._next_step)
 
     @staticmethod
     def _admission(req: Request) -> AdmittedRequest:

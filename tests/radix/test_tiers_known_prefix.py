@@ -1,7 +1,7 @@
 """Saves under a long shared prefix cost O(new pages): a save told that its chain's first keys are known
 in host memory neither looks them up nor touches them (``KVTiers.save(known=...)``), and the scheduler's
-cache passes what the step's earlier saves found (``CacheManager._save``), touching the shared head once
-per step afterwards, so the host LRU order is what a touch per save gave."""
+tier coordinator passes what the step's earlier saves found (``TierCoordinator.save``), touching the
+shared head once per step afterwards, so the host LRU order is what a touch per save gave."""
 
 from __future__ import annotations
 

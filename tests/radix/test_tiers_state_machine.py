@@ -515,7 +515,7 @@ def test_integrity_with_saves_not_sent() -> None:
     sched.add_request(0, [1] * 9, SamplingParams(max_tokens=1))
     plan = sched.schedule()
     sched.process_output(StepOutput(plan.step_id, [0], [2]))     # finished: 2 page saves queued
-    assert sched.cache.tiers.has_outgoing()
+    assert sched.cache.tiers.store.has_outgoing()
     sched.check_integrity()
 
 
@@ -690,7 +690,7 @@ def test_protection_ends_with_the_window(policy: str) -> None:
             finals.update((u.rid, u) for u in sched.process_output(msgspec.structs.replace(out, kv_acks=acks))
                           if u.finished)
         if rid == 0:
-            assert sched.cache.tiers.num_host_entries == 4
+            assert sched.cache.tiers.store.num_host_entries == 4
     assert finals[1].cached_tokens == 2 * PAGE_SIZE
     assert sched.stats().tier_disk_hit_tokens == 2 * PAGE_SIZE
 
@@ -716,10 +716,10 @@ def test_saved_keys_are_kept_on_tree_nodes() -> None:
         node = tree.match_prefix(prompt, length=len(prompt) // PAGE_SIZE * PAGE_SIZE).node
         kept = [k for n in tree.path(node) for k in n.page_keys]
         assert kept == extend_keys([], seed, prompt, PAGE_SIZE, len(prompt) // PAGE_SIZE)
-        assert all(sched.cache.tiers.host_state(k) is not None for k in kept)
+        assert all(sched.cache.tiers.store.host_state(k) is not None for k in kept)
     assert tree.splits >= 1
     # a waiting request's keys (lpm's host hint, promotion) start from the nodes' keys, then its own tokens
     third = second[:4 * PAGE_SIZE] + [5] * (2 * PAGE_SIZE) + [1]
     sched.add_request(2, third, SamplingParams(max_tokens=1))
     req = sched._waiting[-1]
-    assert sched.cache.page_keys(req, 6) == extend_keys([], seed, third, PAGE_SIZE, 6)
+    assert sched.cache.tiers.page_keys(req, 6) == extend_keys([], seed, third, PAGE_SIZE, 6)

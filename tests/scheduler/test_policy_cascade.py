@@ -100,11 +100,11 @@ def test_lpm_counts_a_prefix_held_in_host_memory():
     cfg = SchedulerConfig(kv_cache_tokens=64, page_size=2, kv_namespace="ns")
     cache = CacheManager(cfg, KVTiers(host_pages=8))
     history = [3, 1, 4, 1, 5, 9, 2, 6]
-    cache.tiers.save(extend_keys([], chain_seed("ns", None), history, 2, 4), [0, 1, 2, 3])
-    cache.tiers.take(0)
-    cache.tiers.on_acks(KVAcks(saved_steps=[0]))
+    cache.tiers.store.save(extend_keys([], chain_seed("ns", None), history, 2, 4), [0, 1, 2, 3])
+    cache.tiers.store.take(0)
+    cache.tiers.store.on_acks(KVAcks(saved_steps=[0]))
     fresh = Request(0, [8] * 12, 12, SamplingParams(max_tokens=1), None, 0)
     later = Request(1, history + [7, 7], 10, SamplingParams(max_tokens=1), None, 1)
-    assert cache.host_extension(later, 0) == 8 and cache.host_extension(fresh, 0) == 0
-    assert list(order_waiting([fresh, later], cache.tree, cfg, cache.host_extension)) == [later, fresh]
+    assert cache.tiers.host_extension(later, 0) == 8 and cache.tiers.host_extension(fresh, 0) == 0
+    assert list(order_waiting([fresh, later], cache.tree, cfg, cache.tiers.host_extension)) == [later, fresh]
     assert list(order_waiting([fresh, later], cache.tree, cfg)) == [fresh, later]     # device only

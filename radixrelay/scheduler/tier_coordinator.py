@@ -1,0 +1,242 @@
+"""Tier coordinator: the scheduler's side of the lower KV tiers (``radixrelay.radix.tiers``: host memory
+and disk, content-addressed by page keys).
+
+What it does, and who asks:
+- content keys of a request's pages (``page_keys``, ``shifted_keys``), the part the radix tree caches
+  kept on its nodes, so a long shared prefix is hashed once;
+- saves (``save``, from the cache manager when pages enter the tree): the pages host memory lacks are
+  copied there once; the path's end node stays locked until the worker acknowledges the copy
+  (``take_transfers`` sends it with a step, ``on_acks`` unlocks), so device eviction never waits;
+- promotion (``host_run``, ``load``, from ``CacheManager.promote``): the cache manager gets device
+  pages and extends the request's locked path, this module finds the host run and queues the loads;
+- the waiting queue (scheduler and prefill manager): disk reads ahead of a request's turn
+  (``prefetch_window``), whether a read is still in flight (``waits_for_fetch``), lpm's hint of host
+  pages after a device match (``host_extension``);
+- the ``SchedulerStats`` tier fields (``stats``).
+
+It locks and unlocks radix nodes only for its saves; a request's own KV hold is the cache manager's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from radixrelay.protocol.kv import KVAcks, KVTransfers
+from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.tiers import KVTiers
+from radixrelay.radix.tree import RadixNode, RadixTree
+from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.request import Request
+
+
+class TierCoordinator:
+    def __init__(self, config: SchedulerConfig, store: KVTiers, tree: RadixTree) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.store = store                                   # the tier state machine
+        self.tree = tree
+        self._seeds: dict[str | None, bytes] = {}
+        self._save_locks: list[RadixNode] = []              # locked for saves not yet sent
+        self._locks_by_step: dict[int, list[RadixNode]] = {}  # locked for saves sent with a step
+        # this step's saves (``save``): node id -> KVTiers.epoch at which all its keys were in host memory,
+        # and the nodes a save skipped as known (touched once by ``take_transfers``)
+        self._on_host: dict[int, int] = {}
+        self._retouch: dict[int, RadixNode] = {}
+        self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
+        self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
+        self.repositioned_tokens = 0                        # of which re-positioned (truncated prompts)
+
+    # -- content keys ------------------------------------------------------------------------------
+
+    def page_keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request). The part
+        of them the device tree caches comes off its nodes (``_node_keys``): a long shared prefix is
+        hashed once, not once per request that asks."""
+        if not req.page_keys and num_pages and not self.config.disable_radix_cache:
+            hint, _ = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                             length=num_pages * self.page_size)
+            if hint is not None:
+                req.page_keys = self._node_keys(req, hint[0])
+        keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
+        return keys if len(keys) == num_pages else keys[:num_pages]
+
+    def _node_keys(self, req: Request, node: RadixNode, path: list[RadixNode] | None = None) -> list[bytes]:
+        """Content keys of the pages of the tree path root -> ``node`` (a prefix of ``req``'s tokens),
+        kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet. ``path``: that
+        path (``RadixTree.path(node)``) if the caller has it."""
+        keys: list[bytes] = []
+        prev = self._seed(req)
+        for nd in self.tree.path(node) if path is None else path:
+            if nd.page_keys is None:
+                nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
+            keys.extend(nd.page_keys)
+            prev = keys[-1]
+        return keys
+
+    def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
+        sequence (``Request.shifted_prefix``, ``radixrelay.radix.truncation``)."""
+        if len(req.shifted_keys) < num_pages:
+            at = req.shifted_at
+            previous = req.token_ids[:at] + req.shifted_prefix + req.token_ids[at:]
+            extend_keys(req.shifted_keys, self._seed(req), previous, self.page_size, num_pages)
+        return req.shifted_keys[:num_pages]
+
+    def _seed(self, req: Request) -> bytes:
+        seed = self._seeds.get(req.salt)
+        if seed is None:
+            seed = self._seeds[req.salt] = chain_seed(self.config.kv_namespace, req.salt)
+        return seed
+
+    # -- promotion (``CacheManager.promote``) ----------------------------------------------------------
+
+    def host_run(self, keys: list[bytes], start: int, stop: int) -> list[int]:
+        """Host slots of ``keys[start:stop]``, in order, up to the first key host memory cannot load
+        from (``KVTiers.host_run``)."""
+        return self.store.host_run(keys, start, stop)
+
+    def load(self, keys: list[bytes], pages: list[int], shift: int) -> None:
+        """Queue the loads of ``keys`` (a ``host_run``) into the fresh device ``pages``, their keys rotated
+        by ``shift`` positions (nonzero: a truncated prompt's KV re-positioned), and count the hits."""
+        store, ps = self.store, self.page_size
+        from_disk_before = store.counters.loaded_from_disk
+        store.load(keys, pages, shift=shift)
+        self.tier_hit_tokens += len(pages) * ps
+        self.disk_hit_tokens += (store.counters.loaded_from_disk - from_disk_before) * ps
+        if shift:
+            self.repositioned_tokens += len(pages) * ps
+
+    # -- the waiting queue ---------------------------------------------------------------------------
+
+    def host_extension(self, req: Request, matched: int) -> int:
+        """Tokens of ``req``'s reusable prefix that host memory holds right after its first
+        ``matched`` tokens (which the device has): what ``promote`` would load. An ordering hint
+        (``lpm``), walked once per device match and then kept on the request: it may go stale as
+        host memory changes, which only affects the order, never what is loaded."""
+        ps, limit = self.page_size, req.reusable_prefix // self.page_size
+        if matched // ps >= limit or req.modules:
+            return 0
+        if req.host_hint is None or req.host_hint[0] != matched:
+            found = len(self.store.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
+            req.host_hint = (matched, found)
+        return req.host_hint[1]
+
+    def waits_for_fetch(self, req: Request) -> bool:
+        """Whether a disk read for one of ``req``'s next pages is in flight (admit it afterwards)."""
+        if not req.page_keys:
+            return False
+        limit = min(len(req.page_keys), req.reusable_prefix // self.page_size)
+        if self.store.fetching_in(req.page_keys, 0, limit):
+            return True
+        off = len(req.shifted_prefix) // self.page_size
+        return bool(req.shifted_keys) and self.store.fetching_in(req.shifted_keys, off, off + limit)
+
+    def prefetch_window(self, window: Iterable[Request]) -> None:
+        """Queue disk reads for the pages of ``window`` (the next requests to admit) that host
+        memory lacks, and protect their keys from host eviction (policy ``scheduler``)."""
+        store = self.store
+        if not store.has_disk and store.policy != "scheduler":
+            return
+        if not store.has_disk and store.num_free_slots * 8 > store.host_pages:
+            store.protect(set())      # host memory far from full: no eviction to steer, skip the scan
+            return
+        chains: list[tuple[list[bytes], int, int]] = []
+        for req in window:
+            limit = req.reusable_prefix // self.page_size
+            if limit <= 0 or req.modules:     # a modular request's spans are prefetched by their own
+                continue
+            keys = self.page_keys(req, limit)
+            req.tree_hint, cached = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                                           length=limit * self.page_size)
+            chains.append((keys, cached // self.page_size, limit))
+            if req.shifted_prefix:      # a truncated prompt: its previous sequence's pages too
+                off = len(req.shifted_prefix) // self.page_size
+                chains.append((self.shifted_keys(req, off + limit), off + cached // self.page_size, off + limit))
+        window_keys = {k for keys, first, _ in chains for k in keys[first:]}
+        store.protect(window_keys if store.policy == "scheduler" else set())   # this window's, not the last one's
+        if store.has_disk:
+            for keys, first, limit in chains:       # never evict one window request's pages for another's
+                store.prefetch(keys, first, limit, spare=window_keys)
+
+    # -- saves and the worker's acknowledgements ----------------------------------------------------------
+
+    def save(self, req: Request, node: RadixNode, pages: list[int]) -> None:
+        """Save the path's pages that host memory lacks; ``node`` (the path's end) stays locked
+        until the copy is acknowledged.
+
+        O(new pages) for requests under a long shared prefix: a path node whose keys this step found all
+        in host memory (``_on_host``: nothing left host memory since, ``KVTiers.epoch``) is neither looked
+        up nor touched again by the step's later saves; ``take_transfers`` touches it once, after them,
+        so the shared head stays more recent than every tail saved under it (as a touch per save left it).
+        Without this, 256 questions about a 16K-token document cost 256 x 1,024 lookups and LRU moves."""
+        store = self.store
+        if not pages:
+            return
+        path = self.tree.path(node)
+        keys = self._node_keys(req, node, path)
+        if len(keys) != len(pages):       # never expected: the path is the pages being saved
+            raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
+        known = 0
+        for nd in path:
+            if self._on_host.get(nd.node_id) != store.epoch:
+                break
+            self._retouch[nd.node_id] = nd
+            known += len(nd.pages)
+        skipped = store.counters.save_skipped
+        if store.save(keys, pages, known):
+            self.tree.lock(node)
+            self._save_locks.append(node)
+        if store.counters.save_skipped == skipped:          # every key of the path is in host memory now
+            for nd in path:
+                self._on_host[nd.node_id] = store.epoch
+
+    def take_transfers(self, step_id: int) -> KVTransfers | None:
+        """The tier copies to send with plan ``step_id``; the nodes locked for its saves stay
+        locked until ``on_acks`` sees them done."""
+        self._touch_known()
+        transfers = self.store.take(step_id)
+        if transfers is not None and transfers.saves:
+            self._locks_by_step[step_id] = self._save_locks
+            self._save_locks = []
+        return transfers
+
+    def _touch_known(self) -> None:
+        """The step's saves skipped the path nodes known in host memory: mark them used once now, deepest
+        first (a chain's head ends most recent), and start the next step's bookkeeping afresh."""
+        for nd in reversed(list(self._retouch.values())):
+            if nd.page_keys is not None:
+                self.store.touch(nd.page_keys)
+        self._retouch.clear()
+        self._on_host.clear()
+
+    def on_acks(self, acks: KVAcks | None) -> None:
+        if acks is None:
+            return
+        for step in self.store.on_acks(acks):
+            for node in self._locks_by_step.pop(step, []):
+                self.tree.unlock(node)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Copies to send or to hear back about."""
+        return self.store.busy()
+
+    def has_outgoing(self) -> bool:
+        return self.store.has_outgoing()
+
+    def stats(self) -> dict[str, int | float]:
+        """``SchedulerStats`` tier fields."""
+        store = self.store
+        c, size = store.counters, self.config.kv_page_bytes
+        return dict(tier_host_pages=store.host_pages, tier_host_used_pages=store.num_host_entries,
+                    tier_disk_pages=store.disk_pages, tier_disk_used_pages=store.num_disk_entries,
+                    tier_host_hit_tokens=self.tier_hit_tokens, tier_disk_hit_tokens=self.disk_hit_tokens,
+                    tier_repositioned_tokens=self.repositioned_tokens,
+                    tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
+                    tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
+                    tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
+                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s)
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
