@@ -1,9 +1,8 @@
 """Host-to-device copies of small host arrays through a reused ring of pinned memory.
 
 A step uploads a handful of small arrays (positions, slots, page-table writes, indices). Pinning each
-one (``Tensor.pin_memory()``: a caching host allocation, a copy and a stream record) costs ~30 us of
-host time on an H100 machine, on top of the copy's own launch; a step of a changed batch made six of
-them. Here every upload is written into a ring of pinned memory that is allocated once and copied
+one (``Tensor.pin_memory()``: a caching host allocation, a copy and a stream record) costs tens of
+microseconds of host time on top of the copy's own launch, and a step of a changed batch made several. Here every upload is written into a ring of pinned memory that is allocated once and copied
 with one non-blocking ``copy_``.
 
 Reuse rule (why no copy reads overwritten bytes): the ring is cut into ``SEGMENTS`` segments. When

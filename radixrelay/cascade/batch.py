@@ -33,8 +33,8 @@ PagesOf = Callable[[int], Sequence[int]]   # rid -> its page list
 
 # A group is split at its page-id breaks only into pieces of at least MIN_PIECE_PAGES pages, at most
 # MAX_PIECES of them: each piece adds a partial tail tile (gathered) and one merge part per row
-# (16 KB per row at 32 heads x 128 dims), small next to the TMA path's gain on a long node (256 x 16K,
-# H100: 0.26 -> 0.18 ms) but not on many short pieces.
+# (heads x head_dim fp32 values per row), small next to the TMA path's gain on a long node but not on
+# many short pieces.
 MIN_PIECE_PAGES = 32
 MAX_PIECES = 8
 

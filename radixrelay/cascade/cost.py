@@ -11,16 +11,13 @@ A run of ``tokens`` KV positions shared by ``n`` decode requests is read once in
   is cheaper to read twice"). A run below it is not lost: its tokens fold into the next deeper group
   that pays, or into each request's own suffix.
 
-Calibration (benchmarks/results/engine/throughput_h200.md, end to end, Llama-3-8B shapes, CUDA graphs, cascade
-forced on over the grid of one shared prefix x batch, one group per step): saving 32K-130K tokens gave
-0.91x-1.05x flat (2K x 64 lost 9%), 254K and more always won (1.15x-3.69x): ``min_saved_tokens`` = 2^17,
-four times the kernel-only rule
-(``radixrelay.kernels.cascade.worth_cascading``: attention alone, no per-step cost); the default
-model is never less strict than that rule per step (tests/cascade/test_planner.py). Two levels (2K
-prefix -> 32 problems of 512 tokens -> 16 samples): the 32 problem groups, 7,680 saved tokens each,
-took the step from 1.38x to 1.44x flat. The serving benchmark's tree (256-token problems x 16 samples,
-3,840 saved tokens a group) gets its second level with ``min_group_saved`` = 2,048
-(benchmarks/results/HISTORY.md); 16 samples under 128-token problems (1,920) stay in the suffixes.
+Calibration: end to end with CUDA graphs, cascade forced on over a grid of one shared prefix x batch
+(benchmarks/results/engine/throughput_h200.md): steps saving fewer than ``min_saved_tokens`` tie or
+lose against flat decode, steps saving more always win; that threshold is stricter than the
+kernel-only rule (``radixrelay.kernels.cascade.worth_cascading``: attention alone, no per-step cost),
+and the default model is never less strict than that rule per step (tests/cascade/test_planner.py).
+``min_group_saved`` is set so that the serving benchmark's tree (problems x samples) gets its second
+level while groups of short problems stay in the suffixes (benchmarks/results/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -23,11 +23,10 @@ plan (split counts and the merge index; one device-to-host copy of the small ind
 every layer of the step. ``worth_cascading`` is the measured rule for when a node earns its level.
 Where every node's pages are consecutive page ids (``kv_contiguous``: the caller knows, else one more
 device sync) and the groups have >= 128 folded query rows, on Hopper, the plan has the shared-node
-kernel load K/V by TMA (``plan.kv_tma``; H100, 256 x 16K x 256: 0.258 -> 0.181 ms with the launch
-options below; shared_node.py).
+kernel load K/V by TMA (``plan.kv_tma``, with the launch options below; shared_node.py).
 
-A version that interleaved both kinds of programs in ONE kernel measured 1.5x slower at batch 256 x 16K
-on an H200 (255 registers for every program) and was dropped; see benchmarks/results/kernels/attention.md.
+Both kinds of programs stay in separate kernels: one kernel interleaving them gives every program the
+larger register budget and runs slower (benchmarks/results/kernels/attention.md).
 """
 
 from __future__ import annotations
@@ -50,25 +49,21 @@ from radixrelay.kernels.shared_node import shared_node_attention_reference
 
 
 # A node shared by n requests saves (n - 1) * node_tokens KV reads; below this the extra launches and
-# partial states may cost more than they save (Llama-3-8B shapes, H100 / H200: at batch 16 x 1-2K the
-# cascade ties flat within 2%; 16 x 8K and 64 x 1K win clearly; benchmarks/results/kernels/attention.md).
+# partial states may cost more than they save (small batches over short nodes tie flat decode;
+# benchmarks/results/kernels/attention.md).
 MIN_SAVED_TOKENS = 32768
 
 # Own-KV decode launch options: alone it has the GPU and takes 128-token tiles; beside the shared node
 # (side stream) it takes 64-token tiles, 2 stages and at most 96 registers (38 KB of shared memory), so
 # that its programs fit on a multiprocessor next to the node's: one beside two gathered-node programs
-# of 4 warps (v5, H200: 0.314 -> 0.252 ms at batch 256 x 16K), two beside one TMA-node program of 8
-# warps at 152 registers (v7, H100: 0.209 -> 0.181 ms).
+# of 4 warps, two beside one TMA-node program of 8 warps at ``shared_node.TMA_MAXNREG`` registers.
 OWN_ALIGN = 128
 OWN_ALONE = dict(block_n=128)
 OWN_BESIDE = dict(block_n=64, num_stages=2, maxnreg=96)
 # Beside a light node (every shared run <= LIGHT_NODE_TOKENS: a 2K system prompt, a few-shot prefix) the node's
 # programs finish early and the own-KV decode has the GPU most of the time; short own ranges (a chat's
-# question and answer) then do better in 32-token tiles of 2 warps: production cascade, H100, ms per layer,
-# 256 requests x 2K shared x own 64 / 160 / 256 / 512 / 1024 tokens: 0.065 / 0.116 / 0.138 / 0.228 / 0.405
-# with OWN_BESIDE, 0.062 / 0.100 / 0.132 / 0.219 / 0.388 with this; 128 x 4K x 256: 0.090 -> 0.084. Beside a
-# 16K node OWN_BESIDE stays ahead (256 x 16K x 256: 0.182 vs 0.198):
-# benchmarks/results/HISTORY.md (own-KV tiles, 2026-11-24).
+# question and answer) then do better in 32-token tiles of 2 warps; beside a long node OWN_BESIDE stays
+# ahead (benchmarks/results/HISTORY.md, own-KV tiles).
 OWN_BESIDE_LIGHT = dict(block_n=32, num_warps=2, num_stages=2)
 LIGHT_NODE_TOKENS = 4096
 

@@ -17,7 +17,7 @@ API::
                size the launch grid. Left out, they are read from the tensors (one device sync).
     kv_contiguous: the caller promises that each group's pages are consecutive page ids (check with
                ``pages_contiguous``); with >= TMA_MIN_ROWS folded rows (max_q_rows x GQA group) on Hopper
-               (sm_90+, 16-bit, head dim 128), K/V tiles then come by TMA, 1.6x faster at 256 x 16K on an H100.
+               (sm_90+, 16-bit, head dim 128), K/V tiles then come by TMA (faster on long nodes).
                Ignored where TMA does not apply (CPU interpreter, older GPUs, fewer rows).
     out:       optional preallocated (o [R, Hq, D] dtype of q, contiguous D; lse [R, Hq] float32)
     returns    o [R, Hq, D] dtype of q and lse [R, Hq] float32 natural log, row i for q_rows[i]; a group
@@ -32,9 +32,8 @@ merged by ``merge_splits``.
 
 The K/V tiles are gathered slot by slot (16-byte loads through the page list). Where a group's pages
 are consecutive ids the node is one strided block of the cache and, on Hopper, the full tiles come by
-TMA instead (``KV_TMA``): at 256 x 16K on an H100 the kernel goes from about 300 to 500 TFLOP/s, the
-gather being bound by the L2-to-SM traffic of 16 query tiles re-reading each KV tile
-(benchmarks/results/kernels/attention.md, v6).
+TMA instead (``KV_TMA``): the gather is bound by the L2-to-SM traffic of many query tiles re-reading
+each KV tile, which TMA relieves (benchmarks/results/kernels/attention.md).
 """
 
 from __future__ import annotations
@@ -150,17 +149,15 @@ def _shared_node_kernel(
 
 
 # Fewest folded query rows per group (max_q_rows x GQA group) for which consecutive node pages are loaded
-# by TMA: at 64 rows (batch 16, GQA 4) it tied or lost up to 3% on the H100 (attention.md, v6).
+# by TMA: below it TMA does not win (attention.md).
 TMA_MIN_ROWS = 128
 
 
 def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group.
 
-    Gathered K/V: BLOCK_M <= 64, 4 warps (H200 sweep). K/V by TMA (used only with >= TMA_MIN_ROWS rows):
-    128 x 64 tiles, 8 warps (H100 sweep, benchmarks/results/kernels/attention.md v6: at 256 x 16K x 256 the
-    cascade takes 0.208 ms with it, 0.236 with 64 x 64 tiles by TMA, 0.258 gathered; it won at all 9
-    grid points measured with >= 128 rows; v7, with ``TMA_MAXNREG`` and the decode beside it capped: 0.181)."""
+    Gathered K/V: BLOCK_M <= 64, 4 warps. K/V by TMA (used only with >= TMA_MIN_ROWS rows): 128 x 64 tiles,
+    8 warps. Both chosen by sweeps over the grid of batch x node length (benchmarks/results/kernels/attention.md)."""
     if kv_tma:
         return 128, 64, 8, 3
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
@@ -181,9 +178,8 @@ def tile_configs(group: int, head_dim: int, device: torch.device) -> list[tuple[
     return configs
 
 
-# Register cap of the TMA config's programs: 152 (not the 188 it takes unbounded) is faster alone (H100,
-# 256 x 16K: 0.141 -> 0.134 ms) and leaves room for two own-KV decode programs of 4 warps at 96 registers
-# on the same multiprocessor (cascade 0.209 -> 0.181 ms; attention.md v7).
+# Register cap of the TMA config's programs (below what they take unbounded): faster alone, and it leaves
+# room for two own-KV decode programs of 4 warps at 96 registers on the same multiprocessor (attention.md).
 TMA_MAXNREG = 152
 
 

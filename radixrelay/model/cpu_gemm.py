@@ -1,12 +1,11 @@
 """The model's matrix products on the CPU: oneDNN's float32 matmul, or torch's default (BLAS).
 
-On the CPU the projections and the LM head are most of a step (SmolLM2-135M at 8 rows: ~40 of ~50 ms
-through ``F.linear``). torch's float32 ``F.linear`` calls MKL's sgemm; oneDNN's float32 matmul (the op
-torch's own compiler emits for CPU linears, ``torch.ops.mkldnn._linear_pointwise``, here with plain
-[out, in] weights, no packing) took 1.3-4.4x less time for every shape of the default model from 1 to
-2,048 rows on a 2-core AMD EPYC (``benchmarks/results/engine/cpu_engine.md``). Both are IEEE float32
-arithmetic: only the order of the sums differs, so the results agree to float32 rounding (~1e-4 of
-the float64 product for SmolLM2's 576- and 1536-long sums), not bit for bit.
+On the CPU the projections and the LM head are most of a step. torch's float32 ``F.linear`` calls
+MKL's sgemm; oneDNN's float32 matmul (the op torch's own compiler emits for CPU linears,
+``torch.ops.mkldnn._linear_pointwise``, here with plain [out, in] weights, no packing) is faster for
+every shape of the default model measured (``benchmarks/results/engine/cpu_engine.md``). Both are IEEE
+float32 arithmetic: only the order of the sums differs, so the results agree to float32 rounding (a
+relative error growing with the length of the sums), not bit for bit.
 
 Modes (``set_cpu_gemm``; ``RADIXRELAY_CPU_GEMM`` sets the default, see ``radixrelay.env``):
 - ``auto``: oneDNN for float32 CPU tensors when this torch has it (and it passes a check on first

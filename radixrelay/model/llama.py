@@ -85,7 +85,7 @@ class MLP(nn.Module):
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         if x.device.type == "cpu" and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
-            # faster for a few rows (SmolLM2, 8 rows: 0.47 ms against 0.64 ms a layer).
+            # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
             w = self.gate_up_proj.weight
             gate, up = F.linear(x, w[:self.intermediate_size]), F.linear(x, w[self.intermediate_size:])
         else:
@@ -166,10 +166,9 @@ class LlamaForCausalLM(nn.Module):
     def _cpu_head_t(self, head: torch.Tensor) -> torch.Tensor:
         """BLAS on the CPU (``cpu_gemm`` mode blas, or activations oneDNN does not take):
         ``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
-        copy of the head in memory: 113 MB for SmolLM2-135M in float32). On the CPU the LM head is the
-        largest matrix (SmolLM2-135M: 28M of 135M weights) and BLAS streams it ~1.6x faster in this layout
-        for one row, ~1.08x for 32 (``benchmarks/results/engine/cpu_engine.md``); the tied embedding keeps its row
-        layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
+        copy of the head in memory: V x hidden floats). On the CPU the LM head is the largest matrix of
+        a small model and BLAS streams it faster in this layout, most for few rows
+        (``benchmarks/results/engine/cpu_engine.md``); the tied embedding keeps its row layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
         not bit for bit."""
         key = (head.data_ptr(), head._version, tuple(head.shape))
         cached = self._head_t_cache

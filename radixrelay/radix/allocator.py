@@ -3,8 +3,8 @@
 A page holds ``page_size`` consecutive token slots (docs/kv_layout.md). The allocator only tracks
 which page ids are free, as runs of consecutive ids, and hands a request's prompt pages out as ONE
 run where a long enough run is free: a shared radix node laid out on consecutive pages is one strided
-block of the KV cache, which the shared-node kernel loads by TMA on Hopper (1.7x faster than
-gathering page by page; benchmarks/results/kernels/attention.md).
+block of the KV cache, which the shared-node kernel loads by TMA on Hopper (faster than gathering
+page by page; benchmarks/results/kernels/attention.md).
 
 Policy (deterministic, so tests can assert exact page ids):
 - ``alloc(n)``: the shortest free run of at least ``n`` pages (lowest first id among equals), its

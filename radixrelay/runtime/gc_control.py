@@ -22,10 +22,9 @@ launched waits for it: a stall of tens of milliseconds with the device idle.
   live heap (every queued and running request) would come more often, not less.
 - ``python``: the interpreter's own policy (for comparison); pauses are still timed.
 
-Measured at saturation (3,000 requests at 200 req/s, H100, the interpreter's policy, two servers):
-full collections paused the frontend about 16 times a run (118-474 ms each, 4-7 s of a 28 s run),
-the scheduler 4-6 times (52-83 ms) and the worker about once (90-114 ms); managed, 3 pauses of
-50 ms or more in all (benchmarks/results/HISTORY.md).
+Under the interpreter's policy, a server at saturation pauses its frontend, scheduler and worker
+for full collections of their live heaps many times a run; managed, a few pauses remain
+(benchmarks/results/HISTORY.md has the measurements).
 
 Either way each collection is timed (``gc.callbacks``): total seconds, full collections and the
 longest pause, reported as ``GcStats`` and exported by ``/metrics``; a pause longer than

@@ -1,7 +1,7 @@
 """Prompt token ids on the frontend -> scheduler channel, packed.
 
 A long prompt as a msgpack array costs a Python int object per token on both sides (the Engine's
-``tolist``, the scheduler's decode): ~1 ms per 16K-token prompt, 0.25 s for 256 of them. Packed,
+``tolist``, the scheduler's decode), O(prompt) allocations on every arrival. Packed,
 ``GenerateRequest.token_ids`` is int32 little-endian bytes (4 bytes a token; msgpack ``bin``), made
 from the array the Engine already validated with numpy. The scheduler unpacks them through a
 ``TokenTable``: the ids become references to one shared int object per vocabulary entry, so no int

@@ -1,7 +1,7 @@
 """KV audit: who holds the KV pages and radix locks right now, and whether the cache's invariants hold.
 
 The holder counts are cheap enough to run on every /metrics scrape: O(tree nodes + running requests).
-``check_integrity`` walks every page and every host-tier entry (memory-bound: ~7 ms at 25K host pages),
+``check_integrity`` walks every page and every host-tier entry (memory-bound: O(pages)),
 so while requests are live a caller runs it at most every so often and reports the last verdict with
 its age (``integrity_age_s``); at idle it runs on every call (``radixrelay.runtime.audit``).
 

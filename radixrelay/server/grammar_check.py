@@ -31,7 +31,7 @@ class GrammarCheck:
                                           "simplify the constraint") from None
 
     async def _get_engine(self) -> GrammarEngine:
-        async with self._lock:       # the first structured request builds it (imports xgrammar: ~2 s)
+        async with self._lock:       # the first structured request builds it (imports xgrammar: seconds)
             if self._engine is None:
                 self._engine = await asyncio.to_thread(GrammarEngine, self._tokenizer)
             return self._engine

@@ -1,7 +1,7 @@
 """Chunked, cached encoding of long texts for ``tokenizers`` BPE tokenizers.
 
 Tokenizing is the one step of a request that costs O(prompt) on every arrival, even when the
-prompt's KV is all cached (~1.5 us per token: 30 ms for a 20K-token prompt on one core). A prompt
+prompt's KV is all cached (tens of milliseconds for a prompt of tens of thousands of tokens). A prompt
 usually extends one seen before (the next turn of a chat, a document asked another question), so
 long texts are cut into chunks of about ``chunk_chars`` characters and each chunk's ids are cached
 by its text: a text that extends an earlier one encodes only its last chunks. Chunks that miss the

@@ -1,11 +1,10 @@
 """Large page-locked host buffers (the host KV tier's pool), allocated in seconds rather than minutes.
 
 ``torch.empty(..., pin_memory=True)`` goes through ``cudaHostAlloc``, which faults in and locks the
-buffer one 4 KiB page at a time on one thread: 3.8 s per 8 GiB on a lent H100 host, so ~30 s of a
-server's start-up for the 64 GiB tier. Here the buffer is an anonymous mapping advised for transparent
-huge pages (2 MiB pages where the kernel allows them), faulted in by several threads at once, then
-registered with CUDA (``cudaHostRegister``): 0.35 s per 8 GiB on the same host (0.73 s without huge
-pages). Any step that fails (no huge pages, registration refused) falls back to the plain allocation.
+buffer one 4 KiB page at a time on one thread: tens of seconds of a server's start-up for a tier of
+tens of GiB. Here the buffer is an anonymous mapping advised for transparent huge pages (2 MiB pages
+where the kernel allows them), faulted in by several threads at once, then registered with CUDA
+(``cudaHostRegister``): an order of magnitude faster (benchmarks/results/HISTORY.md). Any step that fails (no huge pages, registration refused) falls back to the plain allocation.
 
 The mapping lives as long as the tensor (the tensor's storage references it); ``release`` unregisters
 it before the mapping can go, as CUDA requires.
