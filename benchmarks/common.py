@@ -48,9 +48,13 @@ def llama3_8b_dir(path: Path, layers: int, vocab: int) -> Path:
     return path
 
 
-def model_dir(path: str, layers: int) -> str:
-    """Llama-3-8B shapes with Llama-3's vocabulary (``VOCAB``) and a word-level tokenizer (``w<i>`` is id
-    i + 2, ``</s>`` EOS) written into ``path``: dummy weights, no model files."""
+LLAMA3_8B_SHAPES = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "head_dim": 128}
+
+
+def model_dir(path: str, layers: int, **shapes: Any) -> str:
+    """Llama-3-8B shapes (``shapes`` overrides them) with Llama-3's vocabulary (``VOCAB``) and a word-level
+    tokenizer (``w<i>`` is id i + 2, ``</s>`` EOS) written into ``path``: dummy weights, no model files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
@@ -62,10 +66,9 @@ def model_dir(path: str, layers: int) -> str:
         json.dump({"eos_token": "</s>", "bos_token": None}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-                   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
-                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                   **LLAMA3_8B_SHAPES, "num_hidden_layers": layers, "rms_norm_eps": 1e-5,
                    "rope_theta": 500000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-                   "eos_token_id": 1}, f)
+                   "eos_token_id": 1, **shapes}, f)
     return path
 
 

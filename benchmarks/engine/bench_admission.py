@@ -17,36 +17,19 @@ each question's pages are saved when it finishes, the document's through keys ke
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import tempfile
 import time
 
+from benchmarks.common import VOCAB, model_dir
 from radixrelay import Engine, SamplingParams
-
-VOCAB = 128256
 
 
 def tiny_model_dir(path: str) -> str:
     """Llama config with tiny shapes and Llama-3's vocabulary, and a word-level tokenizer ``w<i>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "</s>", "bos_token": None}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-                   "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                   "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-5,
-                   "rope_theta": 500000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-                   "eos_token_id": 1, "torch_dtype": "float32"}, f)
-    return path
+    return model_dir(path, 1, hidden_size=32, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
+                     head_dim=8, torch_dtype="float32")
 
 
 def main() -> None:

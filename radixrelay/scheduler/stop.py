@@ -2,7 +2,7 @@
 
 Stop strings are matched on the request's output text, decoded incrementally from the injected
 ``detokenize`` (two decodes of a few tokens per step, never of the whole output: the scheme of
-``server.detokenizer.IncrementalDetokenizer``, with the last few prompt tokens as context so the
+``text.detokenizer.IncrementalDetokenizer``, with the last few prompt tokens as context so the
 first output token keeps its leading space). The text runs through an Aho-Corasick automaton of
 the request's stop strings, built once per distinct list and cached, so a token costs O(characters
 it adds) whatever the number and length of the stop strings (both bounded by ``SamplingParams``).

@@ -20,14 +20,12 @@ keeps its leading space after a prompt). For byte-level BPE this holds for any i
 sentencepiece byte fallback it holds whenever the text is valid UTF-8 (on invalid runs the
 library's replacement count depends on where a run starts).
 
-``StopStringMatcher`` sits after the detokenizer: it holds back any tail that could still become a
-stop string, so no partial stop string is ever emitted, and truncates before the first one found.
+Stop strings are matched by the scheduler on the same incremental text (``radixrelay.scheduler.stop``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from radixrelay.text.tokenizer import Tokenizer
 
@@ -77,58 +75,3 @@ class IncrementalDetokenizer:
         del self._window[: self._read]
         self._read = len(self._window)
         return full_text[len(prefix_text) :]
-
-
-@dataclass(frozen=True)
-class StopResult:
-    text: str      # safe to emit now
-    stopped: bool  # a stop string was found; ``text`` ends right before it
-    stop: str | None = None
-
-
-class StopStringMatcher:
-    """Filters a stream of text deltas against stop strings (the stop string itself is dropped)."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        self._stops = tuple(stops)
-        self._held = ""
-        self.stopped = False
-
-    def feed(self, delta: str) -> StopResult:
-        if self.stopped:
-            raise RuntimeError("StopStringMatcher.feed after a stop string was found")
-        text = self._held + delta
-        found = self._first_stop(text)
-        if found is not None:
-            index, stop = found
-            self.stopped = True
-            self._held = ""
-            return StopResult(text[:index], True, stop)
-        keep = self._longest_partial_suffix(text)
-        self._held = text[len(text) - keep:]
-        return StopResult(text[: len(text) - keep], False)
-
-    def flush(self) -> str:
-        """At the end of generation (no stop string): the held tail is ordinary text."""
-        held, self._held = self._held, ""
-        return held
-
-    def _first_stop(self, text: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            index = text.find(stop)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _longest_partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrelay.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixrelay.text.detokenizer import IncrementalDetokenizer
 from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 from tests.text.test_tokenizer import CORPUS, default_gguf
 from tests.text.test_tokenizer_formats import SAMPLES, TRAINING_TEXT, sp_model  # noqa: F401 (fixture)
@@ -81,65 +81,3 @@ def test_random_token_sequences(tok: Tokenizer, seed: int, length: int, chunk: i
     ids = [rng.randrange(tok.vocab_size) if rng.random() < 0.7 else rng.randrange(100, 400) for _ in range(length)]
     for skip in (True, False):
         assert "".join(stream(tok, ids, chunk=chunk, skip=skip)) == tok.decode(ids, skip_special_tokens=skip)
-
-
-def run_matcher(stops: list[str], deltas: list[str]) -> tuple[list[str], bool]:
-    matcher = StopStringMatcher(stops)
-    out: list[str] = []
-    for delta in deltas:
-        result = matcher.feed(delta)
-        out.append(result.text)
-        if result.stopped:
-            return out, True
-    return [*out, matcher.flush()], False
-
-
-def test_stop_string_split_across_deltas() -> None:
-    out, stopped = run_matcher(["STOP"], ["Hello S", "T", "OP and more"])
-    assert out == ["Hello ", "", "", ] and stopped
-
-
-def test_false_start_is_released() -> None:
-    out, stopped = run_matcher(["</end>"], ["a </e", "x> b"])
-    assert out == ["a ", "</ex> b", ""] and not stopped
-
-
-def test_earliest_stop_wins() -> None:
-    out, stopped = run_matcher(["world", "lo w"], ["hello world"])
-    assert out == ["hel"] and stopped
-
-
-def first_stop(text: str, stops: list[str]) -> int | None:
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-
-
-def test_stop_completed_first_wins_over_a_longer_one_in_progress() -> None:
-    """Generation ends when a stop string is completed; a longer one that might still complete
-    from an earlier start does not matter, because the model stops generating there."""
-    out, stopped = run_matcher(["a", "baa"], ["ba", "a"])
-    assert out == ["b"] and stopped
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    stops=st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=3),
-    text=st.text("abc", max_size=30),
-    cuts=st.lists(st.integers(0, 30), max_size=8),
-)
-def test_matcher_never_leaks_a_partial_stop(stops: list[str], text: str, cuts: list[int]) -> None:
-    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    out, stopped = run_matcher(stops, deltas)
-    # Reference: the stream ends at the first delta whose arrival completes a stop string, and the
-    # text is cut at the earliest stop string in what had arrived by then.
-    expected, expect_stop = text, False
-    for end in bounds[1:]:
-        index = first_stop(text[:end], stops)
-        if index is not None:
-            expected, expect_stop = text[:index], True
-            break
-    assert "".join(out) == expected and stopped == expect_stop
-    emitted = ""
-    for piece in out:  # at no point does what was emitted contain a stop string
-        emitted += piece
-        assert first_stop(emitted, stops) is None
