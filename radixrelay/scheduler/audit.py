@@ -44,7 +44,7 @@ def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: i
         error = str(exc) or "AssertionError"
     return KVAudit(
         total_pages=cache.allocator.num_pages, free_pages=cache.allocator.num_free,
-        cached_pages=cached_pages, request_pages=sum(len(r.own_pages) for r in running),
+        cached_pages=cached_pages, request_pages=sum(len(r.hold.own_pages) for r in running),
         locked_nodes=locked_nodes, lock_refs=lock_refs,
-        lock_holders=sum(r.holds_locks for r in running), live_requests=live_requests,
+        lock_holders=sum(r.hold.holds_locks for r in running), live_requests=live_requests,
         integrity_error=error)

@@ -1,9 +1,11 @@
-"""Cache manager: the page allocator plus the radix tree, seen from requests.
+"""Cache manager: the page allocator plus the radix tree, seen from requests. It is the only writer of
+a request's KV hold (``Request.hold``, ``KVHold``: its pages, shared count, locked nodes, ``kv_len`` and
+``kv_committed``); the scheduler and its managers ask it (``tests/scheduler/test_kv_owner.py``).
 
 Page ownership (checked by ``check_integrity``): every page is in exactly one of
-  the free list | a tree node | the private tail ``pages[num_shared_pages:]`` of one running
+  the free list | a tree node | the private tail ``hold.pages[num_shared_pages:]`` of one running
   request;
-a running request's ``pages[:num_shared_pages]`` are the pages of its locked tree path. So
+a running request's ``hold.pages[:num_shared_pages]`` are the pages of its locked tree path. So
 ``free + cached + in use == capacity``.
 
 A request leaves (finish, retraction) by inserting its computed whole pages into the tree (the next
@@ -25,7 +27,7 @@ from radixrelay.radix.allocator import PageAllocator
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
-from radixrelay.scheduler.request import Request
+from radixrelay.scheduler.request import KVHold, Request
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
 
 
@@ -57,15 +59,16 @@ class CacheManager:
             matched = self.tree.match_prefix_below(req.token_ids, near, req.salt, length=req.reusable_prefix)
         else:
             matched = self.tree.match_prefix(req.token_ids, req.salt, length=req.reusable_prefix)
+        hold = req.hold
         if matched is None or matched.node is None:
-            req.pages, req.num_shared_pages, req.lock_node = [], 0, None
-            req.kv_len = req.kv_committed = 0
+            hold.pages, hold.num_shared_pages, hold.lock_node = [], 0, None
+            hold.kv_len = hold.kv_committed = 0
         else:
             self.tree.lock(matched.node)
-            req.pages = list(matched.pages)
-            req.num_shared_pages = len(matched.pages)
-            req.lock_node = matched.node
-            req.kv_len = req.kv_committed = matched.num_tokens
+            hold.pages = list(matched.pages)
+            hold.num_shared_pages = len(matched.pages)
+            hold.lock_node = matched.node
+            hold.kv_len = hold.kv_committed = matched.num_tokens
 
     def missing_modules(self, req: Request) -> list[ModuleSpan]:
         """The spans of a modular request that the tree does not hold whole."""
@@ -79,23 +82,25 @@ class CacheManager:
         missing = [span for span, m in zip(req.modules, found) if m.num_tokens < len(span.token_ids)]
         if missing:
             return missing
-        req.pages, req.module_nodes = [], []
+        hold = req.hold
+        hold.pages, hold.module_nodes = [], []
         for m in found:
             self.tree.lock(m.node)
-            req.module_nodes.append(m.node)
-            req.pages.extend(m.pages)
-        req.num_shared_pages = len(req.pages)
-        req.kv_len = req.kv_committed = len(req.pages) * self.page_size
+            hold.module_nodes.append(m.node)
+            hold.pages.extend(m.pages)
+        hold.num_shared_pages = len(hold.pages)
+        hold.kv_len = hold.kv_committed = len(hold.pages) * self.page_size
         return []
 
     def unlock(self, req: Request) -> None:
         """Undo ``match_and_lock`` / ``lock_modules`` for a request that was not admitted after all."""
-        if req.lock_node is not None:
-            self.tree.unlock(req.lock_node)
-        for node in req.module_nodes:
+        hold = req.hold
+        if hold.lock_node is not None:
+            self.tree.unlock(hold.lock_node)
+        for node in hold.module_nodes:
             self.tree.unlock(node)
-        req.pages, req.num_shared_pages, req.lock_node, req.module_nodes = [], 0, None, []
-        req.kv_len = req.kv_committed = 0
+        hold.pages, hold.num_shared_pages, hold.lock_node, hold.module_nodes = [], 0, None, []
+        hold.kv_len = hold.kv_committed = 0
 
     def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
@@ -107,37 +112,76 @@ class CacheManager:
             self.allocator.free(self.tree.evict(short))
         return self.allocator.alloc(n, one_run=one_run)
 
+    def add_pages(self, req: Request, n: int) -> bool:
+        """Append ``n`` fresh pages to ``req``'s hold (admission: its uncached tokens); False (nothing
+        changed) when even eviction cannot supply them."""
+        pages = self.alloc(n)
+        if pages is None:
+            return False
+        req.hold.pages.extend(pages)
+        return True
+
+    def add_decode_pages(self, reqs: list[Request]) -> list[int] | None:
+        """One fresh page appended to each of ``reqs``' holds (for the position a decode feeds next), in
+        one eviction pass; the pages in ``reqs`` order, or None (nothing changed) when they cannot all
+        be supplied."""
+        pages = self.alloc(len(reqs), one_run=False)
+        if pages is None:
+            return None
+        for req, page in zip(reqs, pages, strict=True):
+            req.hold.pages.append(page)
+        return pages
+
+    # -- step accounting: [kv_committed, kv_len) is in flight ----------------------------------------
+
+    def advance(self, extends: list[tuple[Request, int]], decodes: list[Request]) -> None:
+        """A planned step computes ``n`` positions for each ``(req, n)`` of ``extends`` and one for each
+        of ``decodes``: in flight from now on (``kv_len``)."""
+        for req, n in extends:
+            req.hold.kv_len += n
+        for req in decodes:
+            req.hold.kv_len += 1
+
+    def commit(self, req: Request, num_tokens: int) -> None:
+        """The output of a step that computed ``num_tokens`` positions of ``req`` was processed."""
+        req.hold.kv_committed += num_tokens
+
+    def commit_decodes(self, decodes: list[Request]) -> None:
+        """``commit(req, 1)`` for each of a processed step's decodes."""
+        for req in decodes:
+            req.hold.kv_committed += 1
+
     def share_computed_prefix(self, req: Request) -> None:
         """After ``req``'s prefill: hand its computed whole pages to the tree and lock the deeper
         path, so that requests arriving while it decodes reuse them (and the cascade planner sees
         them share its node). Skipped when the tree already holds other pages past ``req``'s
         match (a copy computed concurrently): ``req`` then keeps its pages private until it leaves.
         """
-        ps = self.page_size
-        num_full = req.kv_committed // ps
-        if self.config.disable_radix_cache or num_full <= req.num_shared_pages or req.modules:
+        ps, hold = self.page_size, req.hold
+        num_full = hold.kv_committed // ps
+        if self.config.disable_radix_cache or num_full <= hold.num_shared_pages or req.modules:
             return
         tokens, n = req.token_ids, num_full * ps
-        start = self._locked_start(req)          # walks cover only the pages below the lock
+        start = self._locked_start(hold)         # walks cover only the pages below the lock
         _, cached = self.tree.peek_prefix(tokens, req.salt, start, length=n)
-        if cached != req.num_shared_pages * ps:
+        if cached != hold.num_shared_pages * ps:
             return
-        self.tree.insert(tokens, req.pages[:num_full], req.salt, start, length=n)
+        self.tree.insert(tokens, hold.pages[:num_full], req.salt, start, length=n)
         node = self.tree.match_prefix(tokens, req.salt, start, length=n).node
         self.tree.lock(node)                    # the new path contains the old one: lock first
-        if req.lock_node is not None:
-            self.tree.unlock(req.lock_node)
-        req.lock_node = node
-        req.num_shared_pages = num_full
+        if hold.lock_node is not None:
+            self.tree.unlock(hold.lock_node)
+        hold.lock_node = node
+        hold.num_shared_pages = num_full
         if self.tiers is not None:
-            self.tiers.save(req, node, req.pages[:num_full])
+            self.tiers.save(req, node, hold.pages[:num_full])
 
-    def _locked_start(self, req: Request):
-        """Where a walk for ``req``'s tokens may begin: its locked node (which the lock keeps, ending
+    def _locked_start(self, hold: KVHold):
+        """Where a walk for the holder's tokens may begin: its locked node (which the lock keeps, ending
         at the same position even if the tree splits it), or None (from the root)."""
-        if req.lock_node is None:
+        if hold.lock_node is None:
             return None
-        return req.lock_node, req.num_shared_pages * self.page_size
+        return hold.lock_node, hold.num_shared_pages * self.page_size
 
     def release(self, req: Request, keep_cache: bool) -> None:
         """Give back everything ``req`` holds; with ``keep_cache`` its computed whole pages stay
@@ -146,24 +190,25 @@ class CacheManager:
         Only committed KV enters the tree: a step still in flight may write past it (a request found
         finished one step late computes one extra position), into pages freed here; any later user
         of such a page is a later step, which the device runs after the one in flight."""
-        ps = self.page_size
-        own_from = req.num_shared_pages
+        ps, hold = self.page_size, req.hold
+        own_from = hold.num_shared_pages
         if keep_cache and not self.config.disable_radix_cache and not req.modules:
-            num_full = req.kv_committed // ps
-            existing = self.tree.insert(req.token_ids, req.pages[:num_full], req.salt,
-                                        self._locked_start(req), length=num_full * ps)
+            num_full = hold.kv_committed // ps
+            existing = self.tree.insert(req.token_ids, hold.pages[:num_full], req.salt,
+                                        self._locked_start(hold), length=num_full * ps)
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
             # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
             # pages[existing // ps:num_full] now belong to the tree.
-            self.allocator.free(req.pages[own_from: existing // ps])
-            self.allocator.free(req.pages[num_full:])
+            self.allocator.free(hold.pages[own_from: existing // ps])
+            self.allocator.free(hold.pages[num_full:])
             if self.tiers is not None and num_full:
-                found = self.tree.match_prefix_below(req.token_ids, req.lock_node, req.salt, length=num_full * ps) \
-                    if req.lock_node is not None else self.tree.match_prefix(req.token_ids, req.salt, length=num_full * ps)
-                if found.num_tokens == num_full * ps:
+                n = num_full * ps
+                found = (self.tree.match_prefix_below(req.token_ids, hold.lock_node, req.salt, length=n)
+                         if hold.lock_node is not None else self.tree.match_prefix(req.token_ids, req.salt, length=n))
+                if found.num_tokens == n:
                     self.tiers.save(req, found.node, found.pages)
         else:
-            self.allocator.free(req.pages[own_from:])
+            self.allocator.free(hold.pages[own_from:])
         self.unlock(req)
 
     # -- promotion from host memory (``TierCoordinator``) -------------------------------------------
@@ -175,12 +220,12 @@ class CacheManager:
         keys rotated to the new positions. Returns the pages promoted (0 without tiers, hits or
         free device pages)."""
         tiers, ps = self.tiers, self.page_size
-        if tiers is None or req.modules or req.reusable_prefix // ps <= req.num_shared_pages:
+        if tiers is None or req.modules or req.reusable_prefix // ps <= req.hold.num_shared_pages:
             return 0
         limit = req.reusable_prefix // ps
         promoted = self._promote_run(req, tiers.page_keys(req, limit), 0, limit)
         # pages before shifted_at are the previous sequence's own (same keys): promoted above
-        if req.shifted_prefix and req.shifted_at // ps <= req.num_shared_pages < limit:
+        if req.shifted_prefix and req.shifted_at // ps <= req.hold.num_shared_pages < limit:
             off = len(req.shifted_prefix) // ps
             promoted += self._promote_run(req, tiers.shifted_keys(req, off + limit), off, limit)
         return promoted
@@ -189,8 +234,8 @@ class CacheManager:
         """Promote the host pages ``keys[off + have : off + limit]`` as ``req``'s pages
         ``have .. limit - 1`` (``have``: its shared pages); ``off`` pages of offset are loaded with
         their keys rotated by ``-off * page_size`` positions."""
-        tiers, ps = self.tiers, self.page_size
-        have = req.num_shared_pages
+        tiers, ps, hold = self.tiers, self.page_size, req.hold
+        have = hold.num_shared_pages
         slots = tiers.host_run(keys, off + have, off + limit)
         if not slots:
             return 0
@@ -198,21 +243,21 @@ class CacheManager:
         if pages is None:
             return 0
         n = (have + len(slots)) * ps
-        start = self._locked_start(req)
-        existing = self.tree.insert(req.token_ids, req.pages[:have] + pages, req.salt, start, length=n)
+        start = self._locked_start(hold)
+        existing = self.tree.insert(req.token_ids, hold.pages[:have] + pages, req.salt, start, length=n)
         if existing != have * ps:        # never expected: the match was the longest; keep it simple
             self.allocator.free(pages)
             raise AssertionError(f"request {req.rid}: promotion found {existing} tokens cached, "
                                  f"expected {have * ps}")
         node = self.tree.match_prefix(req.token_ids, req.salt, start, length=n).node
         self.tree.lock(node)
-        if req.lock_node is not None:
-            self.tree.unlock(req.lock_node)
+        if hold.lock_node is not None:
+            self.tree.unlock(hold.lock_node)
         tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps)
-        req.pages = req.pages[:have] + pages
-        req.lock_node = node
-        req.num_shared_pages = have + len(slots)
-        req.kv_len = req.kv_committed = n
+        hold.pages = hold.pages[:have] + pages
+        hold.lock_node = node
+        hold.num_shared_pages = have + len(slots)
+        hold.kv_len = hold.kv_committed = n
         return len(slots)
 
     def check_integrity(self, running: Iterable[Request]) -> None:
@@ -225,9 +270,10 @@ class CacheManager:
         in_use: list[int] = []
         tree_pages = set(cached)
         for req in running:
-            in_use.extend(req.own_pages)
-            shared = req.pages[: req.num_shared_pages]
-            ends = [req.lock_node] if req.lock_node is not None else req.module_nodes
+            hold = req.hold
+            in_use.extend(hold.own_pages)
+            shared = hold.pages[: hold.num_shared_pages]
+            ends = [hold.lock_node] if hold.lock_node is not None else hold.module_nodes
             path_pages = [p for end in ends for node in self.tree.path(end) for p in node.pages]
             if shared != path_pages or not tree_pages.issuperset(shared):
                 raise AssertionError(f"request {req.rid}: shared pages != its locked tree path")

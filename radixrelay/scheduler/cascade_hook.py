@@ -40,11 +40,12 @@ def decode_rows(tree: RadixTree, decodes: list[Request], paths: PathCache | None
         paths = {}
     rows = []
     for req in decodes:
-        key = (req.lock_node if not req.modules else tuple(req.module_nodes), tree.splits)
+        hold = req.hold
+        key = (hold.lock_node if not req.modules else tuple(hold.module_nodes), tree.splits)
         cached = paths.get(req.rid)
         if cached is None or cached[0] != key:
             cached = paths[req.rid] = (key, _path(tree, req))
-        rows.append(DecodeRow(req.rid, cached[1], req.kv_len + 1))   # kv_len: the position fed now
+        rows.append(DecodeRow(req.rid, cached[1], hold.kv_len + 1))   # kv_len: the position fed now
     return rows
 
 
@@ -53,7 +54,8 @@ def _path(tree: RadixTree, req: Request) -> list[PathSegment]:
     it after the same spans is a shared node for them)."""
     path: list[PathSegment] = []
     start = 0
-    for end in [req.lock_node] if req.lock_node is not None else req.module_nodes:
+    hold = req.hold
+    for end in [hold.lock_node] if hold.lock_node is not None else hold.module_nodes:
         for node in tree.path(end):
             path.append(PathSegment(node.node_id, start, len(node.key)))
             start += len(node.key)

@@ -49,13 +49,12 @@ class DecodeManager:
             self._retract(victim)
             out.retracted.append(victim)
             grow = [r for r in grow if r is not victim]
-        pages = self.cache.alloc(len(grow), one_run=False)    # one eviction pass; one page per request
+        pages = self.cache.add_decode_pages(grow)      # one eviction pass; one page per request
         assert pages is not None  # len(grow) <= available_pages
-        for req, page in zip(grow, pages, strict=True):
-            req.pages.append(page)
-            out.page_appends.append((req, [page]))
+        out.page_appends = [(req, [page]) for req, page in zip(grow, pages)]
         out.decodes = [r for r in running if r.can_decode]
         return out
 
     def _needs_page(self, req: Request) -> bool:
-        return req.can_decode and len(req.pages) < self.config.pages_for(req.kv_len + 1)
+        hold = req.hold
+        return req.can_decode and len(hold.pages) < self.config.pages_for(hold.kv_len + 1)

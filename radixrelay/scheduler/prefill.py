@@ -45,7 +45,7 @@ class PrefillManager:
         remaining = req.sampling.max_tokens - req.num_outputs - req.num_pending
         growth = math.ceil(remaining * self.config.decode_reservation_ratio)
         known_tokens = len(req.token_ids) + req.num_pending
-        known = max(len(req.pages), self.config.pages_for(known_tokens))
+        known = max(len(req.hold.pages), self.config.pages_for(known_tokens))
         return max(0, self.config.pages_for(known_tokens + growth) - known)
 
     def schedule(self, running: list[Request], waiting: deque[Request],
@@ -59,7 +59,7 @@ class PrefillManager:
         if budget <= 0 or not waiting or len(running) >= self.config.max_running_requests:
             return out
         reserved = sum(self.reserve_pages(r) for r in running)
-        computing = {self._next_page_key(r, r.num_shared_pages * self.config.page_size)
+        computing = {self._next_page_key(r, r.hold.num_shared_pages * self.config.page_size)
                      for r in running if not r.prefill_committed}
         tiers = self.cache.tiers
         extend = tiers.host_extension if tiers is not None else None
@@ -79,7 +79,7 @@ class PrefillManager:
             if not self._admit(req, reserved if running or out.admitted else None):
                 break
             out.admitted.append(req)
-            computing.add(self._next_page_key(req, req.kv_len))
+            computing.add(self._next_page_key(req, req.hold.kv_len))
             reserved += self.reserve_pages(req)
             budget -= self._extend(out, req, budget)
         self._remove(waiting, out.admitted)
@@ -125,26 +125,26 @@ class PrefillManager:
         """Allocate for ``req`` (its cached prefix matched and locked); False (holding nothing) when it
         does not fit."""
         cache = self.cache
-        need = self.config.pages_for(len(req.token_ids)) - len(req.pages)
+        need = self.config.pages_for(len(req.token_ids)) - len(req.hold.pages)
         margin = 0 if reserved is None else reserved + self.reserve_pages(req)
         if need + margin > cache.available_pages:
             cache.unlock(req)
             return False
         need -= cache.promote(req)             # pages host memory holds: loaded, not computed
-        pages = cache.alloc(need)
-        assert pages is not None  # need <= available_pages
-        req.pages.extend(pages)
+        added = cache.add_pages(req, need)
+        assert added  # need <= available_pages
         req.phase = Phase.RUNNING
         req.prefill_len = len(req.token_ids)
         if req.cached_tokens is None:
-            req.cached_tokens = req.kv_len
-            req.module_tokens = req.kv_len if req.modules else 0
-            self.hit_tokens += req.kv_len
+            cached = req.hold.kv_len
+            req.cached_tokens = cached
+            req.module_tokens = cached if req.modules else 0
+            self.hit_tokens += cached
             self.prompt_tokens += req.num_prompt
         return True
 
     @staticmethod
     def _extend(out: PrefillSchedule, req: Request, budget: int) -> int:
-        n = min(req.prefill_len - req.kv_len, budget)
+        n = min(req.prefill_len - req.hold.kv_len, budget)
         out.extends.append((req, n))
         return n

@@ -1,25 +1,26 @@
 """Scheduler-side request state (what it hands out, ``RequestUpdate`` and ``SchedulerStats``, is in
 ``radixrelay.protocol``).
 
+A ``Request`` is identity (rid, tokens, sampling, salt, arrival, modular spans), phase and progress;
+the KV it holds while running is its ``hold`` (``KVHold``), written only by the cache manager
+(``radixrelay.scheduler.cache``; ``tests/scheduler/test_kv_owner.py`` checks it).
+
 Index ranges of one request (``L = len(token_ids)``):
 - ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs;
-- KV: ``[0, kv_committed)`` computed by steps whose output the scheduler has seen, ``[0, kv_len)``
-  computed or in flight (the two are equal when no step is in flight);
-  ``[0, num_shared_pages * page_size)`` is the tree's (the locked matched prefix), the rest of
-  ``pages`` belongs to the request alone;
+- KV: ``hold.kv_committed`` and ``hold.kv_len`` (``KVHold`` states their ranges and the pages');
 - sampled tokens: ``token_ids`` holds those the host knows; ``num_pending`` more are sampled by
   steps in flight (overlap scheduling: the device feeds them to the next step itself);
-- prefill phase: ``kv_len < prefill_len`` (= L at admission: prompt, plus outputs after a
-  retraction); decode phase afterwards, with ``kv_len == L - 1 + num_pending`` (the newest token,
-  known or pending, is fed next);
+- prefill phase: ``hold.kv_len < prefill_len`` (= L at admission: prompt, plus outputs after a
+  retraction); decode phase afterwards, with ``hold.kv_len == L - 1 + num_pending`` (the newest
+  token, known or pending, is fed next);
 - output: ``[num_prompt, num_prompt + num_emitted)`` already sent to the caller; later tokens are
   held back while they might begin a stop string;
 - modular prompt (``modules`` non-empty, ``radixrelay.modules.compose``): ``token_ids`` starts with the
   spans' tokens (whole pages each); their KV is the spans' own cached paths (each locked, ends in
-  ``module_nodes``), so ``pages[:num_shared_pages]`` is those paths' pages in span order and the rest
-  (new text, outputs) is private; nothing of it enters the tree. ``rope_runs`` gives the RoPE
-  position of each KV index (``compose.positions_of``). A span missing from the tree is computed by
-  an internal request (``internal``: negative rid, never reported) keyed by the span's ``key``;
+  ``hold.module_nodes``), so ``hold.pages[:num_shared_pages]`` is those paths' pages in span order and
+  the rest (new text, outputs) is private; nothing of it enters the tree. ``rope_runs`` gives the
+  RoPE position of each KV index (``compose.positions_of``). A span missing from the tree is computed
+  by an internal request (``internal``: negative rid, never reported) keyed by the span's ``key``;
 - prompt logprobs (when asked): the logits of positions ``[0, prompt_logprob_pos)`` have given
   theirs (position t: prompt token t + 1), ``[prompt_logprob_pos, num_prompt - 1)`` still owe
   them. A cache match never covers an owing position, so a resumed request recomputes none twice.
@@ -33,6 +34,39 @@ from dataclasses import dataclass, field
 from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.sampling_params import SamplingParams
+
+
+@dataclass(eq=False, slots=True)
+class KVHold:
+    """The KV pages and radix locks one request holds. Written only by the cache manager
+    (``CacheManager``: match and lock, admission and decode pages, step accounting, promotion,
+    release); everyone else reads. A WAITING request holds nothing: no pages, no locks,
+    ``kv_len == kv_committed == 0``.
+
+    Index ranges (KV positions; ``ps`` the page size):
+    - ``[0, kv_committed)``: computed by steps whose output the scheduler has processed;
+      ``[kv_committed, kv_len)``: planned by steps still in flight (empty when none is);
+    - ``pages[i]`` holds positions ``[i * ps, (i + 1) * ps)``; ``len(pages) * ps >= kv_len``;
+    - ``pages[:num_shared_pages]`` are the tree's: the pages of the locked path root -> ``lock_node``
+      (or of each ``module_nodes`` path, in span order), computed (``num_shared_pages * ps <=
+      kv_committed``) and valid while the locks hold; ``pages[num_shared_pages:]`` belong to the
+      request alone.
+    """
+
+    pages: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0                   # leading pages owned by the tree (locked path)
+    lock_node: RadixNode | None = None          # end of the locked path, None when none matched
+    module_nodes: list[RadixNode] = field(default_factory=list)   # locked span path ends (modular)
+    kv_len: int = 0                             # KV computed or in flight
+    kv_committed: int = 0                       # KV of steps whose output was processed
+
+    @property
+    def holds_locks(self) -> bool:
+        return self.lock_node is not None or bool(self.module_nodes)
+
+    @property
+    def own_pages(self) -> list[int]:
+        return self.pages[self.num_shared_pages:]
 
 
 class Phase(enum.Enum):
@@ -50,12 +84,8 @@ class Request:
     arrival: int                                # FCFS order key
     phase: Phase = Phase.WAITING
     on_worker: bool = False                     # the worker's table holds it (release needed)
-    # -- KV residency: meaningful while RUNNING ---------------------------------------------
-    pages: list[int] = field(default_factory=list)
-    num_shared_pages: int = 0                   # leading pages owned by the tree (locked path)
-    lock_node: RadixNode | None = None          # end of the locked path, None when none matched
-    kv_len: int = 0                             # KV computed or in flight
-    kv_committed: int = 0                       # KV of steps whose output was processed
+    hold: KVHold = field(default_factory=KVHold)    # the KV it holds (the cache manager writes it)
+    # -- progress ------------------------------------------------------------------------------
     num_pending: int = 0                        # tokens sampled by steps in flight
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
@@ -76,7 +106,6 @@ class Request:
     # -- modular prompt (see the module docstring) ----------------------------------------------
     modules: list[ModuleSpan] = field(default_factory=list)
     rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)
-    module_nodes: list[RadixNode] = field(default_factory=list)      # locked span path ends (RUNNING)
     internal: bool = False                      # computes a module span for modular requests
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
@@ -90,25 +119,17 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         """Prefill work is left to schedule (chunks in flight count as done)."""
-        return self.kv_len < self.prefill_len
+        return self.hold.kv_len < self.prefill_len
 
     @property
     def prefill_committed(self) -> bool:
         """Every prefill chunk's output has been processed."""
-        return self.kv_committed >= self.prefill_len
+        return self.hold.kv_committed >= self.prefill_len
 
     @property
     def can_decode(self) -> bool:
         """Past prefill and not yet at max_tokens counting the tokens in flight."""
         return not self.in_prefill and self.num_outputs + self.num_pending < self.sampling.max_tokens
-
-    @property
-    def holds_locks(self) -> bool:
-        return self.lock_node is not None or bool(self.module_nodes)
-
-    @property
-    def own_pages(self) -> list[int]:
-        return self.pages[self.num_shared_pages:]
 
     @property
     def reusable_prefix(self) -> int:
@@ -120,8 +141,9 @@ class Request:
 
     def owed_prompt_logprobs(self, num_tokens: int) -> tuple[int, int]:
         """(first position, count) of the prompt logprobs that the next ``num_tokens`` positions
-        from ``kv_len`` owe; count 0 when none."""
+        from ``hold.kv_len`` owe; count 0 when none."""
         if self.sampling.prompt_logprobs is None:
             return 0, 0
-        first = max(self.kv_len, self.prompt_logprob_pos)
-        return first, max(0, min(self.kv_len + num_tokens, self.num_prompt - 1) - first)
+        kv_len = self.hold.kv_len
+        first = max(kv_len, self.prompt_logprob_pos)
+        return first, max(0, min(kv_len + num_tokens, self.num_prompt - 1) - first)

@@ -207,7 +207,7 @@ class Scheduler:
         (with its decode reservation) and ``max_running_requests`` allow; each admission reuses
         the longest cached prefix and locks it. (3) The plan is a diff for the worker: released
         rids, admissions with their page lists, page appends, extend chunks and decode rids.
-        Planned work counts as done for the next plan (``Request.kv_len``, ``num_pending``).
+        Planned work counts as done for the next plan (``KVHold.kv_len``, ``Request.num_pending``).
         """
         running = list(self._running.values())
         dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
@@ -230,9 +230,9 @@ class Scheduler:
         admitted = [self._admission(r) for r in pre.admitted]
         for req in pre.admitted:
             req.on_worker = True
-        extends = [_Extend(r, n, r.kv_len + n == r.prefill_len, r.owed_prompt_logprobs(n))
+        extends = [_Extend(r, n, r.hold.kv_len + n == r.prefill_len, r.owed_prompt_logprobs(n))
                    for r, n in pre.extends]
-        items = [ExtendItem(e.req.rid, e.req.kv_len, e.num_tokens, e.ends_prefill, *e.prompt_logprobs)
+        items = [ExtendItem(e.req.rid, e.req.hold.kv_len, e.num_tokens, e.ends_prefill, *e.prompt_logprobs)
                  for e in extends]
         samplers = {r.rid: r for r in dec.decodes}
         samplers.update((e.req.rid, e.req) for e in extends if e.ends_prefill)
@@ -249,10 +249,7 @@ class Scheduler:
             cascade=cascade,
             transfers=self._take_transfers(),
         )
-        for e in extends:
-            e.req.kv_len += e.num_tokens
-        for req in dec.decodes:
-            req.kv_len += 1
+        self.cache.advance(pre.extends, dec.decodes)
         for req in samplers.values():
             req.num_pending += 1
         self._released = []
@@ -300,11 +297,10 @@ class Scheduler:
                 continue                       # aborted while in flight
             first, owed = ext.prompt_logprobs
             req.prompt_logprob_pos = max(req.prompt_logprob_pos, first + owed)
-            req.kv_committed += ext.num_tokens
+            self.cache.commit(req, ext.num_tokens)
             if ext.ends_prefill:
                 self.cache.share_computed_prefix(req)
-        for decoded in step.decodes:
-            decoded.kv_committed += 1
+        self.cache.commit_decodes(step.decodes)
         updates = []
         for rid, why in out.failed:            # failed alone (e.g. a grammar over its time budget)
             req = step.samplers.get(rid)
@@ -351,11 +347,12 @@ class Scheduler:
         """Raise AssertionError unless KV accounting and request state agree."""
         self.cache.check_integrity(self._running.values())
         for req in self._running.values():
-            if (req.phase is not Phase.RUNNING or len(req.pages) < self.config.pages_for(req.kv_len)
-                    or req.kv_committed > req.kv_len or req.num_pending < 0):
+            hold = req.hold
+            if (req.phase is not Phase.RUNNING or len(hold.pages) < self.config.pages_for(hold.kv_len)
+                    or hold.kv_committed > hold.kv_len or req.num_pending < 0):
                 raise AssertionError(f"running request {req.rid} is inconsistent")
         for req in self._waiting:
-            if req.phase is not Phase.WAITING or req.pages or req.holds_locks:
+            if req.phase is not Phase.WAITING or req.hold.pages or req.hold.holds_locks:
                 raise AssertionError(f"queued request {req.rid} holds KV")
         if len(self._running) + len(self._waiting) != len(self._requests):
             raise AssertionError("request table disagrees with the queue and the running set")
@@ -383,10 +380,10 @@ class Scheduler:
     @staticmethod
     def _admission(req: Request) -> AdmittedRequest:
         """The worker needs the tokens it will compute, not the cached prefix (O(new tokens))."""
-        offset = 0 if needs_all_tokens(req.sampling) else req.kv_len
+        offset = 0 if needs_all_tokens(req.sampling) else req.hold.kv_len
         if needs_outputs(req.sampling):
             offset = min(offset, req.num_prompt)
-        return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.pages), req.sampling,
+        return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.hold.pages), req.sampling,
                                offset, req.rope_runs)
 
     def _retract(self, req: Request) -> None:

@@ -450,8 +450,8 @@ class TiersMachine(RuleBasedStateMachine):
         sched.check_integrity()
         # every running request's committed KV (its cached prefix included) is its own
         for req in sched._running.values():
-            for t in range(req.kv_committed):
-                page = req.pages[t // ps]
+            for t in range(req.hold.kv_committed):
+                page = req.hold.pages[t // ps]
                 got, want = worker.device.get(page * ps + t % ps), label(req.salt, req.token_ids, t)
                 assert got == want, f"request {req.rid}: position {t} on page {page} holds {got}, not {want}"
         # every cached page holds the KV of its radix path
