@@ -1,7 +1,9 @@
 """Scheduler: continuous batching over a radix prefix cache (CPU only, no GPU imports).
 
 What belongs here: the public API and the step loop glue. Policy lives in the managers
-(``prefill``, ``decode``, ``policy``), KV ownership in ``cache``, stop rules in ``stop``.
+(``prefill``, ``decode``, ``policy``), KV ownership in ``cache`` (the only writer of a request's
+``KVHold``), the lower tiers in ``tier_coordinator``, cascade paths in ``cascade_hook``, stop rules in
+``stop``.
 
 Usage contract: steps are answered in order. The plain loop is
 ``plan = schedule(); out = worker(plan); updates = process_output(out)``. Overlap scheduling calls
