@@ -29,6 +29,7 @@ from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.registry import SchemaInfo, SchemaRegistry
 from radixrelay.outputs import RequestOutput
 from radixrelay.protocol.messages import RequestRejected, UpdateBatch
+from radixrelay.protocol.stats import stats_values
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.client import QueueFullError
 from radixrelay.runtime.sync_client import SyncRuntimeClient
@@ -127,38 +128,22 @@ class Engine:
             self._client.abort(rid)
 
     def stats(self) -> dict[str, Any]:
+        """The engine's configuration and every counter and gauge of the runtime
+        (``radixrelay.protocol.stats``: one key per field, the same values as ``/metrics``), with a few
+        derived ones."""
         stats = self._client.stats()
-        sched = stats.scheduler
-        return {**dataclasses.asdict(self.config),
-                **{f: getattr(sched, f) for f in sched.__struct_fields__},
-                "steps": stats.steps, "computed_tokens": stats.computed_tokens,
-                "decode_steps": stats.decode_steps, "cascade_steps": stats.cascade_steps,
-                "cascade_groups": stats.cascade_groups, "cascade_levels": stats.cascade_levels,
-                "cascade_tokens_read_once": stats.cascade_tokens_read_once,
-                "worker_busy_s": stats.worker_busy_s, "worker_launch_s": stats.worker_launch_s,
-                "scheduler_busy_s": stats.scheduler_busy_s, "worker_device_s": stats.worker_device_s,
-                "jit_after_ready": stats.jit_after_ready, "graph_captures": stats.graph_captures,
-                "graph_replays": stats.graph_replays, "eager_steps": stats.eager_steps,
-                "decode_steps_advanced": stats.decode_steps_advanced,
-                "decode_steps_covered": stats.decode_steps_covered,
-                "decode_steps_patched": stats.decode_steps_patched,
-                "decode_steps_deferred": stats.decode_steps_deferred,
-                "decode_only_steps": stats.decode_only_steps, "decode_only_rows": stats.decode_only_rows,
-                "decode_only_launch_s": stats.decode_only_launch_s, "graph_capture_s": stats.graph_capture_s,
-                "prefill_cascade_steps": stats.prefill_cascade_steps,
-                "prefill_cascade_runs": stats.prefill_cascade_runs,
-                "prefill_cascade_tokens_read_once": stats.prefill_cascade_tokens_read_once,
-                "prefill_long_prefix_runs": stats.prefill_long_prefix_runs,
-                "worker_gc_s": stats.worker_gc.seconds, "scheduler_gc_s": stats.scheduler_gc.seconds,
-                "gc_full_collections": stats.worker_gc.full_collections + stats.scheduler_gc.full_collections,
-                "gc_longest_pause_s": max(stats.worker_gc.longest_s, stats.scheduler_gc.longest_s),
+        worker_gc, scheduler_gc = stats.worker.gc, stats.loop.gc
+        return {**dataclasses.asdict(self.config), **stats_values(stats),
+                "worker_gc_s": worker_gc.seconds, "scheduler_gc_s": scheduler_gc.seconds,
+                "gc_full_collections": worker_gc.full_collections + scheduler_gc.full_collections,
+                "gc_longest_pause_s": max(worker_gc.longest_s, scheduler_gc.longest_s),
                 # no live request and nothing held for one (``radixrelay.scheduler.audit``)
                 "kv_idle_baseline": stats.kv_audit is not None and stats.kv_audit.at_idle_baseline}
 
     @property
     def computed_tokens(self) -> int:
         """Tokens run through the model so far (prefix-cache hits excluded)."""
-        return self._client.stats().computed_tokens
+        return self._client.stats().loop.computed_tokens
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing done) while requests are live."""

@@ -335,7 +335,7 @@ def main() -> None:
     print(f"launch(): median {statistics.median(launch_ms):.3f} ms/step  (p10 {sorted(launch_ms)[len(launch_ms) // 10]:.3f}, "
           f"p90 {sorted(launch_ms)[9 * len(launch_ms) // 10]:.3f}); until the forward was queued "
           f"(LaunchedStep.launch_s): {statistics.median(launch_s_ms):.3f} ms")
-    print(f"graph replays {runner.graph_replays}, eager steps {runner.eager_steps}")
+    print(f"graph replays {runner.counters.graph_replays}, eager steps {runner.counters.eager_steps}")
     if args.count_ops:
         ops = count_ops(runner, plans[len(plans) - args.count_ops:])
         top = ", ".join(f"{name} {n:g}" for name, n in ops.most_common(8))

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixrelay.cascade.cost import CostModel, cost_model
-from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.protocol.cascade import CascadeGroup, CascadePlan, DecodeRow
+from radixrelay.protocol.stats import CascadeCounters
 
 _Signature = tuple[tuple[int, int, int], ...]    # (rid, last node id or -1, depth) per row
 logger = logging.getLogger("radixrelay.cascade")

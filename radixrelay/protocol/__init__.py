@@ -5,7 +5,8 @@ Imports no torch, so every process (and every CPU test) can use it.
 - ``kv``: KV tier transfers planned with a step and their acknowledgements;
 - ``cascade``: the decode rows the cascade planner sees and the plan it sends the worker;
 - ``messages``: the ZMQ envelopes of each channel, request updates, the child processes' arguments;
-- ``stats``: the counters structs (scheduler, KV audit, garbage collection, runtime totals).
+- ``stats``: each process's counters struct, the KV audit, and ``RuntimeStats`` nesting them; every
+  field's annotation says what it is (``/metrics`` and ``Engine.stats()`` are derived from them).
 
 ``SamplingParams`` (``radixrelay.sampling_params``) and ``StructuredOutput`` (``radixrelay.structured.spec``)
 cross the boundary too; they are public API types and live where the API names them.

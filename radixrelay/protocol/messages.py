@@ -8,8 +8,8 @@ Channels (one ZMQ PUSH -> PULL socket pair each, see ``Endpoints``):
 Nothing is pickled: each receiver decodes with a ``msgspec.msgpack.Decoder`` typed to its channel's
 union, so a malformed or unexpected message fails to decode instead of executing anything. Such a
 frame (garbage bytes, a truncated message, another channel's message) is logged and dropped by the
-receiver (``radixrelay.runtime.child.FrameDecoder``), which keeps serving;
-``RuntimeStats.malformed_frames`` counts them.
+receiver (``radixrelay.runtime.child.FrameDecoder``), which keeps serving; each process's counters
+count them (``malformed_frames``, summed in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Literal
 import msgspec
 
 from radixrelay.config import EngineConfig
-from radixrelay.protocol.stats import GcStats, RuntimeStats
+from radixrelay.protocol.stats import RuntimeStats, WorkerCounters
 from radixrelay.protocol.step import ModuleSpan, StepOutput, StepPlan, TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
 
@@ -157,17 +157,8 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
     busy_s: float = 0.0               # worker host time on the step: launch, then waiting for and reading results
     launch_s: float = 0.0             # of which: host work until the model's kernels were launched
     device_s: float = 0.0             # the step's time on the device (CUDA events; on the CPU: busy_s)
-    jit_after_ready: int = 0          # Triton kernel variants the worker compiled (or loaded) since ready
-    graph_captures: int = 0           # cumulative since start: CUDA graphs captured ...
-    graph_replays: int = 0            # ... steps that replayed one ...
-    eager_steps: int = 0              # ... and steps run eagerly
-    prefill_cascade: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: steps, runs, tokens read once,
-                                                                # long-prefix runs (PrefillCascadeCounters)
-    malformed_frames: int = 0         # cumulative: frames the worker dropped (see RuntimeStats)
-    decode_graph_steps: tuple[int, int, int, int] = (0, 0, 0, 0)   # cumulative: decode steps advanced,
-                                                                   # covered, patched, deferred (RuntimeStats)
-    gc: GcStats = GcStats()           # cumulative: the worker's garbage collections
     capture_s: float = 0.0            # of launch_s: capturing CUDA graphs during this step's launch
+    counters: WorkerCounters = msgspec.field(default_factory=WorkerCounters)   # the worker's, cumulative
 
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed

@@ -133,7 +133,8 @@ class AsyncRuntimeClient:
         reply = await self._call(StatsRequest)
         assert isinstance(reply, StatsReply)
         stats = reply.stats
-        return msgspec.structs.replace(stats, malformed_frames=stats.malformed_frames + self._frames.dropped)
+        frontend = msgspec.structs.replace(stats.frontend, malformed_frames=self._frames.dropped)
+        return msgspec.structs.replace(stats, frontend=frontend)
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Refuse new requests, give in-flight ones ``drain_timeout`` seconds, fail the rest, stop

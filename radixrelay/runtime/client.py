@@ -7,8 +7,8 @@ implements it over ZMQ (the server), ``radixrelay.runtime.sync_client.SyncRuntim
 blocking counterpart for the Engine. Differences from the first sketch, and why:
 - ``generate`` yields ``TokenUpdate`` (a ``RequestUpdate`` plus the logprobs of its tokens): the
   logprobs come from the worker's ``StepOutput`` and must travel with the tokens they belong to;
-- ``stats`` returns ``RuntimeStats`` (the scheduler's stats plus step counters: computed tokens,
-  cascade steps) so that /metrics and tests see what the scheduler loop did;
+- ``stats`` returns ``RuntimeStats`` (every process's counters struct, nested) so that /metrics and
+  tests see what the scheduler loop and the worker did;
 - a full queue raises ``QueueFullError`` (HTTP 429), distinct from invalid requests (ValueError);
 - ``info`` exposes what the runtime reported at start-up (KV capacity, context length).
 """

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from radixrelay.cascade.counters import CascadeCounters
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, overlap_depth
@@ -44,7 +43,7 @@ from radixrelay.protocol.messages import (
     RequestRejected, RequestUpdate, RuntimeFailed, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest,
     TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone, WorkerStop, encoder,
 )
-from radixrelay.protocol.stats import GcStats, RuntimeStats
+from radixrelay.protocol.stats import CascadeCounters, GcStats, LoopCounters, RuntimeStats, WorkerCounters
 from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
 from radixrelay.radix.disk_store import DiskKVStore
 from radixrelay.radix.tiers import KVTiers
@@ -80,24 +79,14 @@ class SchedulerLoop:
         self._tokens = TokenTable(vocab_size)   # packed prompt ids -> lists of shared int objects
         self.depth = 1 if args.config.disable_overlap else overlap_depth()
         self._stopping = False
-        self._steps = self._computed_tokens = self._decode_steps = self._cascade_steps = 0
-        self._worker_busy_s = self._worker_launch_s = self._scheduler_busy_s = self._device_s = 0.0
-        self._jit_after_ready = 0
-        self._graphs = (0, 0, 0)          # worker's cumulative (captures, replays, eager steps)
-        # worker's cumulative decode-graph steps (advanced, covered, patched, deferred)
-        self._decode_graph_steps = (0, 0, 0, 0)
+        self.counters = LoopCounters()    # this loop's: written here only
+        self._worker = WorkerCounters(gc=worker_gc)   # the worker's, as of its latest step output (or ready)
         # Decode-only steps (decode rows, no extends): step id -> rows, while in flight; then counted with
         # their worker launch time (the launch the serving-loop target is about, apart from mixed steps)
         self._decode_only: dict[int, int] = {}
-        self._decode_only_steps = self._decode_only_rows = 0
-        self._decode_only_launch_s = 0.0
-        self._capture_s = 0.0             # worker launch time spent capturing graphs while serving
-        self._prefill_cascade = (0, 0, 0, 0)   # worker's cumulative prefill cascade counters
-        self._worker_dropped = 0          # worker's cumulative malformed frames
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
         self._audits = PacedAudit(INTEGRITY_EVERY_S)
         self.collector = collector        # garbage collection: full collections when idle (gc_control)
-        self._worker_gc = worker_gc       # the worker's, as of its latest step output (or ready)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -125,7 +114,7 @@ class SchedulerLoop:
         try:
             return self._schedule_step()
         finally:
-            self._scheduler_busy_s += time.perf_counter() - start
+            self.counters.scheduler_busy_s += time.perf_counter() - start
 
     def _schedule_step(self) -> bool:
         plan = self.scheduler.schedule()
@@ -135,11 +124,11 @@ class SchedulerLoop:
             if self.scheduler.has_work() and not self.scheduler.num_in_flight:
                 self._fail_all("scheduler made no progress: no request fits the KV cache")
             return False
-        self._steps += 1
-        self._computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
+        c = self.counters
+        c.steps += 1
+        c.computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
         if plan.decodes:
-            self._decode_steps += 1
-            self._cascade_steps += plan.cascade is not None
+            c.decode_steps += 1
             if not plan.extends:
                 self._decode_only[plan.step_id] = len(plan.decodes)
         self.worker_out.send(self._encode(WorkerStep(plan)))
@@ -152,24 +141,20 @@ class SchedulerLoop:
             # The worker sends WorkerReady / RuntimeFailed only before this loop starts.
             return self._worker_msgs.drop(f"unexpected {type(message).__name__} while serving")
         start = time.perf_counter()
-        self._worker_busy_s += message.busy_s
-        self._worker_launch_s += message.launch_s
-        self._capture_s += message.capture_s
+        c = self.counters
+        c.worker_busy_s += message.busy_s
+        c.worker_launch_s += message.launch_s
+        c.worker_device_s += message.device_s
+        c.graph_capture_s += message.capture_s
         if (rows := self._decode_only.pop(message.output.step_id, None)) is not None:
-            self._decode_only_steps += 1
-            self._decode_only_rows += rows
-            self._decode_only_launch_s += message.launch_s - message.capture_s
-        self._device_s += message.device_s
-        self._jit_after_ready = message.jit_after_ready
-        self._graphs = (message.graph_captures, message.graph_replays, message.eager_steps)
-        self._decode_graph_steps = message.decode_graph_steps
-        self._prefill_cascade = message.prefill_cascade
-        self._worker_dropped = message.malformed_frames
-        self._worker_gc = message.gc
+            c.decode_only_steps += 1
+            c.decode_only_rows += rows
+            c.decode_only_launch_s += message.launch_s - message.capture_s
+        self._worker = message.counters
         try:
             self._process(message.output)
         finally:
-            self._scheduler_busy_s += time.perf_counter() - start
+            c.scheduler_busy_s += time.perf_counter() - start
 
     def _drain_worker(self) -> None:
         """Every output that has arrived, oldest first, before the next plan."""
@@ -228,29 +213,15 @@ class SchedulerLoop:
             self._stopping = True
 
     def _stats(self) -> RuntimeStats:
-        counters = self.planner.counters if self.planner is not None else CascadeCounters()
         audit = self._audits.audit(self.scheduler, time.monotonic())
         if audit.integrity_error is not None and audit.integrity_error != self._integrity_logged:
             logger.error("KV cache integrity check failed: %s", audit.integrity_error)
         self._integrity_logged = audit.integrity_error
-        return RuntimeStats(self.scheduler.stats(), self._steps, self._computed_tokens,
-                            self._decode_steps, self._cascade_steps, counters.groups,
-                            counters.levels, counters.tokens_read_once, self._worker_busy_s,
-                            self._worker_launch_s, self._scheduler_busy_s, self._device_s,
-                            self._jit_after_ready, *self._graphs, *self._prefill_cascade,
-                            kv_audit=audit,
-                            malformed_frames=self._frontend_msgs.dropped + self._worker_msgs.dropped
-                            + self._worker_dropped,
-                            decode_steps_advanced=self._decode_graph_steps[0],
-                            decode_steps_covered=self._decode_graph_steps[1],
-                            decode_steps_patched=self._decode_graph_steps[2],
-                            decode_steps_deferred=self._decode_graph_steps[3],
-                            decode_only_steps=self._decode_only_steps,
-                            decode_only_rows=self._decode_only_rows,
-                            decode_only_launch_s=self._decode_only_launch_s,
-                            graph_capture_s=self._capture_s,
-                            worker_gc=self._worker_gc,
-                            scheduler_gc=self.collector.stats())
+        c = self.counters
+        c.malformed_frames = self._frontend_msgs.dropped + self._worker_msgs.dropped
+        c.gc = self.collector.stats()
+        cascade = self.planner.counters if self.planner is not None else CascadeCounters()
+        return RuntimeStats(self.scheduler.stats(), c, self._worker, cascade, kv_audit=audit)
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:

@@ -11,7 +11,6 @@ oldest step in flight. A frame that is not a ``WorkerCommand`` is logged and dro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -32,6 +31,7 @@ from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
+from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
 from radixrelay.structured.grammar import GrammarEngine
@@ -69,6 +69,7 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
             logger.warning("kernel warm-up incomplete: skipped %s, errors %s", report.skipped, report.errors)
     extend_rows = small_extend_rows()
     extend_rows = SMALL_EXTEND_ROWS if extend_rows is None else extend_rows
+    counters = WorkerCounters()           # the worker's: the runner and its graphs increment it in place
     graphs = None
     if device.type == "cuda" and backend_name == "triton" and not cfg.disable_cuda_graphs:
         from radixrelay.worker.cuda_graphs import DecodeGraphs   # imports the Triton kernels
@@ -76,14 +77,15 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
         # rows: every running request's decode plus a step's small extends (``ModelRunner._forward_rows``)
         graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests + extend_rows,
                               max_pages=-(-mc.max_position_embeddings // cfg.page_size),
-                              scratch_slot=num_pages * cfg.page_size)
+                              scratch_slot=num_pages * cfg.page_size, counters=counters)
     piecewise = None
     if graphs is not None:
         from radixrelay.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 
         # Steps with extend rows: everything but attention replays per token bucket (captured now).
         piecewise = PiecewiseGraphs(model, kv_cache, backend, scratch_slot=num_pages * cfg.page_size,
-                                    token_buckets=token_buckets(cfg.chunked_prefill_tokens + cfg.max_running_requests))
+                                    token_buckets=token_buckets(cfg.chunked_prefill_tokens + cfg.max_running_requests),
+                                    counters=counters)
         piecewise.capture_all()
         # Decode graphs covering flat decode and up to four shared groups at a few batch buckets: a fresh
         # server's first decode steps replay these instead of running piecewise until their class recurs.
@@ -99,7 +101,7 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     tiers, host_pages, disk_pages, namespace = build_tiers(cfg, mc, kv_cache)
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device, _mask_budget()),
-                         tiers=tiers)
+                         tiers=tiers, counters=counters)
     runner.small_extend_rows = extend_rows
     if device.type == "cpu":
         from radixrelay.worker.warmup import warm_up_steps
@@ -188,10 +190,12 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             logger.warning("%d Triton kernel variant(s) compiled while serving (%d since ready)",
                            jit - jit_seen, jit)
             jit_seen = jit
-        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, jit,
-                                          runner.graph_captures, runner.graph_replays, runner.eager_steps,
-                                          dataclasses.astuple(runner.prefill_cascade), commands.dropped,
-                                          runner.decode_graph_steps, collector.stats(), step.capture_s)))
+        counters = runner.counters        # the runner's own; the values it does not count are set here
+        counters.jit_after_ready = jit
+        counters.malformed_frames = commands.dropped
+        counters.gc = collector.stats()
+        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, step.capture_s,
+                                          counters)))
         if trace is not None:
             trace.finished(step.step_id)
 

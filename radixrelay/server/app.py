@@ -369,7 +369,8 @@ def build_app(state: ServerState) -> FastAPI:
         stats = None
         if state.client is not None and state.client.alive and not state.draining:
             stats = await state.client.stats()
-            stats = msgspec.structs.replace(stats, frontend_gc=state.collector.stats())
+            frontend = msgspec.structs.replace(stats.frontend, gc=state.collector.stats())
+            stats = msgspec.structs.replace(stats, frontend=frontend)
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")

@@ -51,6 +51,7 @@ from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, CascadeLaunch, ca
 from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
 from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.protocol.stats import WorkerCounters
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
 # A step whose size class has no graph runs on a captured graph that covers it (a larger bucket, larger
@@ -115,9 +116,11 @@ class _Repeat:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TritonBackend, *,
-                 max_batch: int, max_pages: int, scratch_slot: int, max_graphs: int = 64) -> None:
+                 max_batch: int, max_pages: int, scratch_slot: int, max_graphs: int = 64,
+                 counters: WorkerCounters | None = None) -> None:
         """``max_pages``: page-table width (pages of the longest request); ``scratch_slot``: a KV slot
-        outside every request's pages, written by padded rows."""
+        outside every request's pages, written by padded rows; ``counters``: the worker's, incremented in
+        place (graph captures, decode graph steps; None: new ones)."""
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.max_batch, self.max_pages, self.scratch_slot = max_batch, max_pages, scratch_slot
         self.buckets = batch_buckets(max_batch)
@@ -133,12 +136,12 @@ class DecodeGraphs:
         self._max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._side: torch.cuda.Stream | None = None         # warm-up and capture stream (``_capture``)
-        self.captures = 0
+        self.captures = 0               # graphs captured here; the worker's total: counters.graph_captures
         self.capture_s = 0.0            # host seconds spent capturing (``_capture``)
-        self.advances = 0               # steps advanced on the device (``advance``)
-        self.fallbacks = 0              # steps run on a larger graph that covers their size class
-        self.patches = 0                # advanced steps whose changed rows were patched (of ``advances``)
-        self.deferred = 0               # steps of an uncovered size class handed back (``run(defer=True)``)
+        # Decode graph steps: advanced on the device (``advance``), run on a larger graph that covers their
+        # size class, advanced with changed rows patched (of the advanced), of an uncovered size class handed
+        # back (``run(defer=True)``): counters.decode_steps_{advanced, covered, patched, deferred}
+        self.counters = counters if counters is not None else WorkerCounters()
         # int64 [num] newest-token rows of the last decode step run here (its ids were gathered by them),
         # valid until the next step; None after a step whose ids came from the caller
         self.token_rows: torch.Tensor | None = None
@@ -302,13 +305,13 @@ class DecodeGraphs:
             if g.runs is not runs:
                 self._fill_groups(g, runs, num)
                 g.runs = r.runs = runs
-            self.patches += 1
+            self.counters.decode_steps_patched += 1
         self.token_rows = g.rows64[4, :num]
         g.advance(num, tokens)
         self._replay(g)
         r.rids, r.own_len, r.arranged, r.changed = rids, own_len, None, []
         g.num = num                                       # the merge index does not depend on it
-        self.advances += 1
+        self.counters.decode_steps_advanced += 1
         return g.logits[:num]
 
     def _holds(self, g: _Graph, runs: SharedRuns | None, own_len: int) -> bool:
@@ -414,7 +417,7 @@ class DecodeGraphs:
             need = _Need(runs is not None, max_rows * self._group, max_kv, own_len, contiguous)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
             if g is None and defer and seen < CAPTURE_UNCOVERED_AFTER:
-                self.deferred += 1
+                self.counters.decode_steps_deferred += 1
                 return None
             if g is None:
                 fresh = True
@@ -424,7 +427,7 @@ class DecodeGraphs:
                 if len(self._misses) > 1024:
                     self._misses.clear()
             else:
-                self.fallbacks += 1
+                self.counters.decode_steps_covered += 1
         self._fill_rows(g, step)
         if g.runs is not runs or g.num != num or fresh:
             self._fill_groups(g, runs, num)
@@ -583,6 +586,7 @@ class DecodeGraphs:
 
     def _capture_graph(self, g: _Graph) -> None:
         self.captures += 1
+        self.counters.graph_captures += 1
         if self.device.type != "cuda":
             g.logits = self._forward(g)
             return

@@ -56,6 +56,7 @@ from radixrelay.cascade.batch import (
 )
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepOutput, StepPlan, positions_of
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.graph_step import GraphStep, RowPatch
@@ -88,24 +89,6 @@ class _Resident:
     pages: list[int]
     sampling: SamplingParams
     rope_runs: list[tuple[int, int]]    # RoPE position deltas (``AdmittedRequest.rope_runs``)
-
-
-@dataclass
-class PrefillCascadeCounters:
-    """Prefill cascade, cumulative (the worker decides it per step; reported with every step's output)."""
-
-    steps: int = 0               # steps whose extend rows read a cached run shared between requests once
-    runs: int = 0                # such shared runs, summed over steps
-    tokens_read_once: int = 0    # KV token reads saved: (members - 1) x run tokens, summed
-    long_prefix_runs: int = 0    # long cached prefixes of short extends read split along their length
-
-    def record(self, runs: list, extend_start: list[int]) -> None:
-        """``runs``/``extend_start`` from ``cascade.batch.prefill_runs``: a member reads its run's tokens
-        (its ``extend_start``) that the run reads once."""
-        if runs:
-            self.steps += 1
-            self.runs += len(runs)
-            self.tokens_read_once += sum(extend_start) - sum(r.num_tokens for r in runs)
 
 
 class LaunchedStep:
@@ -157,12 +140,13 @@ class ModelRunner:
                  *, seed: int = 0, prefill_cost: CostModel | None = None,
                  graphs: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None,
                  split_long_prefixes: bool | None = None, constraints: Constraints | None = None,
-                 tiers: TierStore | None = None) -> None:
+                 tiers: TierStore | None = None, counters: WorkerCounters | None = None) -> None:
         """``prefill_cost``: share cached runs of KV between extend rows when it says so (None: never);
         ``graphs``: run the decode-only steps that fit it as CUDA graphs (same model, cache, backend);
         ``piecewise``: run other steps that fit it as piecewise graphs (attention launched between them);
         ``constraints``: structured-output grammars (None: such requests are refused at admission);
-        ``tiers``: host-memory / disk KV tiers (None: plans carrying transfers fail)."""
+        ``tiers``: host-memory / disk KV tiers (None: plans carrying transfers fail); ``counters``: the
+        worker's, incremented in place here and by the graphs (None: the decode graphs', else new ones)."""
         self.tiers = tiers
         if tiers is not None:
             tiers.rotary = model.rotary          # shifted loads rotate keys like the model does
@@ -191,31 +175,17 @@ class ModelRunner:
                                      else split_long_prefixes)
         self.long_prefix_tokens = LONG_PREFIX_TOKENS
         self.small_extend_rows = SMALL_EXTEND_ROWS
-        self.extend_row_steps = 0    # steps whose extends ran as decode-graph rows
         self._cuda = self.device.type == "cuda"
-        self.graph_replays = 0       # steps that replayed a captured graph
-        self.eager_steps = 0         # steps whose forward ran eagerly (always, without graphs)
-        self.prefill_cascade = PrefillCascadeCounters()
+        self.counters = (counters if counters is not None else graphs.counters if graphs is not None
+                         else WorkerCounters())
         self._appends: list[tuple[int, int, list[int]]] = []   # this step's (rid, first column, pages)
         self.constraints = constraints
-
-    @property
-    def graph_captures(self) -> int:
-        return ((self.graphs.captures if self.graphs is not None else 0)
-                + (self.piecewise.captures if self.piecewise is not None else 0))
 
     @property
     def graph_capture_s(self) -> float:
         """Host seconds spent capturing CUDA graphs (cumulative, start-up included)."""
         return ((self.graphs.capture_s if self.graphs is not None else 0.0)
                 + (self.piecewise.capture_s if self.piecewise is not None else 0.0))
-
-    @property
-    def decode_graph_steps(self) -> tuple[int, int, int, int]:
-        """Decode-graph steps advanced on the device, run on a covering graph, advanced with changed rows
-        patched, and decode steps deferred to the piecewise graphs (uncovered size class; cumulative)."""
-        g = self.graphs
-        return (g.advances, g.fallbacks, g.patches, g.deferred) if g is not None else (0, 0, 0, 0)
 
     @property
     def num_resident(self) -> int:
@@ -313,7 +283,7 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         logits = self._advance(plan, decoding, events) if not extends and self.graphs is not None else None
         if logits is not None:                            # the last graph step, one token further
-            self.graph_replays += 1
+            self.counters.graph_replays += 1
         else:
             logits = self._forward(plan, extends, decoding, input_ids, events)
         launch_s = time.perf_counter() - start                               # the device may still be busy
@@ -412,9 +382,9 @@ class ModelRunner:
         if events is not None:
             events[0].record()
         if self.piecewise is not None and self.piecewise.fits(batch):
-            self.graph_replays += 1
+            self.counters.graph_replays += 1
             return self.piecewise.run(ids, batch)
-        self.eager_steps += 1
+        self.counters.eager_steps += 1
         return self.model(ids, batch, self.kv_cache, self.backend)
 
     def _forward_decode_graph(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
@@ -435,7 +405,7 @@ class ModelRunner:
             events[0].record()
         logits = self.graphs.run(step, rids=plan.decodes, defer=self._piecewise_fits(step.num))  # [num_rows, V]
         if logits is not None:
-            self.graph_replays += 1
+            self.counters.graph_replays += 1
         return logits
 
     def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
@@ -503,8 +473,8 @@ class ModelRunner:
         logits = self.graphs.run(step, defer=self._piecewise_fits(step.num))
         if logits is None:
             return None
-        self.graph_replays += 1
-        self.extend_row_steps += 1
+        self.counters.graph_replays += 1
+        self.counters.extend_row_steps += 1
         return logits.index_select(0, to_device(picks, torch.int64, self.device))
 
     def _piecewise_fits(self, tokens: int) -> bool:
@@ -555,10 +525,14 @@ class ModelRunner:
         runs = []
         if self.prefill_cost is not None and num_extends > 1:
             runs, extend_start = prefill_runs(extends, self.prefill_cost, self.page_size)
-            self.prefill_cascade.record(runs, extend_start)
+            if runs:               # a member reads its run's tokens (its extend_start) that the run reads once
+                c = self.counters
+                c.prefill_cascade_steps += 1
+                c.prefill_cascade_runs += len(runs)
+                c.prefill_cascade_tokens_read_once += sum(extend_start) - sum(r.num_tokens for r in runs)
         if self._split_long_prefixes and num_extends:
             long_runs = long_prefix_runs(extends, extend_start, self.page_size, min_prefix=self.long_prefix_tokens)
-            self.prefill_cascade.long_prefix_runs += len(long_runs)
+            self.counters.prefill_long_prefix_runs += len(long_runs)
             runs = runs + long_runs
         if runs:
             prefill_shared = build_shared_runs(runs, self.device)

@@ -45,6 +45,7 @@ import torch
 
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.protocol.stats import WorkerCounters
 
 logger = logging.getLogger("radixrelay.worker")
 
@@ -77,10 +78,11 @@ class CaptureReport:
 class PiecewiseGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, *,
                  token_buckets: list[int] | tuple[int, ...], scratch_slot: int,
-                 use_graphs: bool | None = None) -> None:
+                 use_graphs: bool | None = None, counters: WorkerCounters | None = None) -> None:
         """``token_buckets``: padded step sizes (e.g. ``token_buckets(max_tokens)``); ``scratch_slot``:
         a KV slot outside every request's pages, written by padded rows; ``use_graphs``: capture CUDA
-        graphs (default: on CUDA). With graphs, a step runs only once ``capture_all()`` captured a bucket
+        graphs (default: on CUDA); ``counters``: the worker's, whose ``graph_captures`` count the buckets
+        captured here (None: new ones). With graphs, a step runs only once ``capture_all()`` captured a bucket
         that holds it (``fits``); without, every bucket runs its pieces eagerly."""
         buckets = sorted(set(token_buckets))
         if not buckets or buckets[0] < 1:
@@ -115,7 +117,8 @@ class PiecewiseGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side: torch.cuda.Stream | None = None
         self.replays = 0       # steps run through the pieces (graph replays; eager pieces without graphs)
-        self.captures = 0      # buckets captured (L + 1 graphs each)
+        self.captures = 0      # buckets captured (L + 1 graphs each); the worker's total: counters.graph_captures
+        self.counters = counters if counters is not None else WorkerCounters()
         self.capture_s = 0.0   # host seconds spent capturing them (warm-up included)
 
     @property
@@ -243,4 +246,5 @@ class PiecewiseGraphs:
         self._graphs[n] = graphs
         self._ready = sorted(self._graphs)
         self.captures += 1
+        self.counters.graph_captures += 1
         self.capture_s += time.perf_counter() - start

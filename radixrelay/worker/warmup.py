@@ -34,6 +34,7 @@ from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from radixrelay.attention.kv_cache import KVCache
@@ -251,13 +252,13 @@ def warm_up_steps(runner, *, prompt_tokens: int = 40, decode_steps: int = 4) -> 
 
     Invariant: nothing of it is left behind. The request is released, no page is held (the scheduler
     has handed out none yet; whatever the warm-up wrote there is overwritten before it is read), the
-    runner's step counters are restored, and greedy sampling draws nothing from the shared generator.
+    runner's counters are restored, and greedy sampling draws nothing from the shared generator.
     Returns the seconds it took."""
     from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepPlan
     from radixrelay.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    counters = (runner.eager_steps, runner.graph_replays, runner.extend_row_steps)
+    counters = msgspec.structs.replace(runner.counters)    # a copy, put back in place below
     rid = -1                                          # never a scheduler rid (those count from 0)
     capacity = runner.kv_cache.num_pages * runner.page_size
     prompt_tokens = max(1, min(prompt_tokens, capacity - decode_steps))
@@ -272,5 +273,6 @@ def warm_up_steps(runner, *, prompt_tokens: int = 40, decode_steps: int = 4) -> 
         out = runner.step(plan)
         if out.error is not None:
             raise RuntimeError(f"start-up warm-up step failed: {out.error}")
-    runner.eager_steps, runner.graph_replays, runner.extend_row_steps = counters
+    for name in counters.__struct_fields__:
+        setattr(runner.counters, name, getattr(counters, name))
     return time.perf_counter() - start

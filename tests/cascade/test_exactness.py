@@ -101,7 +101,7 @@ def test_decode_graph_buffers(llama32):
         got = run_workload(llama32, waves, mode=mode, max_tokens=7, backend=make_backend("triton", "cpu"),
                            graph_max_batch=8, small_extend_rows=0)
         assert got.graphs.captures >= 3
-        assert got.graphs.advances >= 3
+        assert got.graphs.counters.decode_steps_advanced >= 3
         assert_same(off, got, atol=2e-3)
 
 
@@ -121,7 +121,7 @@ def test_changing_batches_on_decode_graphs(llama32):
         changed = [b for a, b in zip(got.plans, got.plans[1:]) if a.decodes and b.decodes and a.decodes != b.decodes
                    and not b.extends]
         assert len(changed) >= 2                   # decode-only steps after another set of rows
-        assert got.runner.graph_replays >= len(changed)
+        assert got.runner.counters.graph_replays >= len(changed)
         if mode == "on":
             assert got.planner.counters.cascade_steps > 0
         assert_same(off, got, atol=2e-3)
@@ -138,7 +138,7 @@ def test_shrinking_batch_runs_on_a_covering_graph(llama32):
     for mode in ("off", "on"):
         got = run_workload(llama32, waves, mode=mode, max_tokens=limits, backend=make_backend("triton", "cpu"),
                            graph_max_batch=8, small_extend_rows=0)
-        assert got.graphs.fallbacks >= 1 and got.graphs.patches >= 2
+        assert got.graphs.counters.decode_steps_covered >= 1 and got.graphs.counters.decode_steps_patched >= 2
         assert_same(off, got, atol=2e-3)
 
 
@@ -184,7 +184,7 @@ def test_modular_rows_run_on_decode_graphs(llama32):
     for mode in ("off", "on"):
         got = run_workload(llama32, [wave], mode=mode, max_tokens=7, backend=make_backend("triton", "cpu"),
                            graph_max_batch=8, modular=modular)
-        assert got.graphs.captures >= 1 and got.graphs.advances >= 3
+        assert got.graphs.captures >= 1 and got.graphs.counters.decode_steps_advanced >= 3
         assert_same(eager, got, atol=2e-3)
     assert got.planner.counters.cascade_steps > 0
     flat = {rid: (spans, [(0, 0)]) for rid, (spans, _) in modular.items()}   # no delta on the new text
@@ -206,7 +206,8 @@ def test_small_extends_run_as_decode_graph_rows(llama32, page_size, modes):
         got = run_workload(llama32, waves, mode=mode, backend=make_backend("triton", "cpu"), graph_max_batch=16,
                            long_prefix_tokens=8, **options)
         assert_same(off, got, atol=2e-3)
-        assert got.runner.extend_row_steps == sum(1 for p in got.plans if p.extends) >= 4   # every one of them
+        # every one of them
+        assert got.runner.counters.extend_row_steps == sum(1 for p in got.plans if p.extends) >= 4
         if mode == "on":
             assert any(p.extends and p.decodes and p.cascade is not None for p in got.plans)
     assert any(p.extends and p.decodes and p.cascade is None for p in got.plans)

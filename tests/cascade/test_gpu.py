@@ -85,7 +85,7 @@ def test_small_extends_beside_cascade_decodes_on_cuda_graphs(llama_fp32):
     eager = run_workload(llama_fp32, waves, backend=make_backend("triton", "cuda"), **opts)
     graphed = run_workload(llama_fp32, waves, backend=make_backend("triton", "cuda"), graph_max_batch=32,
                            long_prefix_tokens=16, **opts)
-    assert graphed.runner.extend_row_steps == sum(1 for p in graphed.plans if p.extends) >= 4
+    assert graphed.runner.counters.extend_row_steps == sum(1 for p in graphed.plans if p.extends) >= 4
     assert any(p.extends and p.decodes and p.cascade is not None for p in graphed.plans)
     assert graphed.tokens == eager.tokens
     for a, b in zip(eager.logits, graphed.logits):

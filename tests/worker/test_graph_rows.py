@@ -184,8 +184,9 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
         step_both(eager, fast, work.plan(leave, join))
     changed = sum(1 for leave, join in script[1:] if leave or join)
 
-    assert graphs.patches >= changed - 1          # one may need another bucket or launch shape: full path
-    assert graphs.advances >= graphs.patches + 2   # and the steady steps advanced as before
+    steps = graphs.counters
+    assert steps.decode_steps_patched >= changed - 1          # one may need another bucket or launch shape: full path
+    assert steps.decode_steps_advanced >= steps.decode_steps_patched + 2   # and the steady steps advanced as before
 
 
 def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch):
@@ -208,9 +209,10 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
     for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0), (0, 0)]):
         step_both(eager, fast, work.plan(leave, join))
         if i < 2:           # seen once, twice: piecewise, no capture
-            assert graphs.captures == 0 and graphs.deferred == i + 1 and piecewise.replays == i + 1
-    assert graphs.captures == 1 and graphs.deferred == 2 and piecewise.replays == 2
-    assert graphs.advances == 2                    # the captured class then continues on the device
+            assert (graphs.captures == 0 and graphs.counters.decode_steps_deferred == i + 1
+                    and piecewise.replays == i + 1)
+    assert graphs.captures == 1 and graphs.counters.decode_steps_deferred == 2 and piecewise.replays == 2
+    assert graphs.counters.decode_steps_advanced == 2     # the captured class then continues on the device
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -234,9 +236,9 @@ def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, d
     work = Churn(cascade=cascade, seed=5)
     for leave, join in [(0, 6), (0, 0), (1, 2), (0, 0), (2, 1), (0, 0)]:
         step_both(eager, fast, work.plan(leave, join))
-    assert graphs.deferred == 0 and piecewise.replays == 0 and graphs.captures == 4
+    assert graphs.counters.decode_steps_deferred == 0 and piecewise.replays == 0 and graphs.captures == 4
     if cascade:         # a light node's launch shape is not the cover's: its steps ran covered (flat rows
-        assert graphs.fallbacks >= 1          # may have the cover's own shape: one split, then it is theirs)
+        assert graphs.counters.decode_steps_covered >= 1   # may have the cover's own shape: one split, then it is theirs)
     assert {g.key[0] for g in graphs._graphs.values()} == {8, 16}
     assert graphs._repeat is not None and graphs._repeat.graph.key[0] == 8   # <= 8 rows: the 8-row cover
 
@@ -257,9 +259,9 @@ def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
               (9, 0, 40, 64, True), (0, 0, 40, 64, True), (12, 0, 28, 64, False)]
     for leave, join, rows, graph_rows, advanced in script:
         plan = work.plan(leave, join)
-        before = graphs.advances
+        before = graphs.counters.decode_steps_advanced
         step_both(eager, fast, plan)
         assert len(plan.decodes) == rows
         assert len(graphs._repeat.graph.ids) == graph_rows
-        assert (graphs.advances > before) == advanced, (leave, join)
-    assert graphs.captures == 1 and graphs.fallbacks == 1
+        assert (graphs.counters.decode_steps_advanced > before) == advanced, (leave, join)
+    assert graphs.captures == 1 and graphs.counters.decode_steps_covered == 1

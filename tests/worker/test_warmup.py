@@ -180,6 +180,7 @@ def test_start_up_warm_up_step_leaves_nothing_behind():
     seconds = warm_up_steps(warmed, prompt_tokens=40, decode_steps=4)   # clamped to the 8 pages' 32 slots
     assert seconds > 0
     assert warmed.num_resident == 0
-    assert (warmed.eager_steps, warmed.graph_replays, warmed.extend_row_steps) == (0, 0, 0)
+    assert (warmed.counters.eager_steps, warmed.counters.graph_replays, warmed.counters.extend_row_steps) == (0, 0, 0)
     assert _sampled_tokens(warmed) == _sampled_tokens(fresh)
-    assert (warmed.eager_steps, warmed.graph_replays) == (fresh.eager_steps, fresh.graph_replays)
+    assert ((warmed.counters.eager_steps, warmed.counters.graph_replays)
+            == (fresh.counters.eager_steps, fresh.counters.graph_replays))
