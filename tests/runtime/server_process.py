@@ -44,22 +44,32 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, tmp_dir: Path, *args: str) -> None:
-        self.port = free_port()
         self.tmp_dir = tmp_dir
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "TMPDIR": str(tmp_dir)}
+        self.args = args
         self.log = open(tmp_dir / "server.log", "wb")
+        self.child_pids: list[int] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "TMPDIR": str(self.tmp_dir)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "radixrelay.cli", "serve", "--port", str(self.port),
-             "--log-level", "warning", *args],
+             "--log-level", "warning", *self.args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.child_pids: list[int] = []
 
     def wait_ready(self) -> ServerProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT
+        retries = 3          # the free port may be taken by a parallel test process before the server binds it
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+                log = self.read_log()
+                if retries and "address already in use" in log.lower():
+                    retries -= 1
+                    self._start()
+                    continue
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     self.child_pids = children_of(self.proc.pid)
