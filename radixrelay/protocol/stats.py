@@ -210,6 +210,9 @@ class WorkerCounters(msgspec.Struct):
         "KV token reads saved by the prefill cascade: (members - 1) x tokens per run and step.")] = 0
     prefill_long_prefix_runs: Annotated[int, counter("Long cached prefixes of short extends read split along "
                                                      "their length.")] = 0
+    grammar_budget_failures: Annotated[int, counter(
+        "Requests failed because their grammar took more host time than its budget (RADIXRELAY_GRAMMAR_BUDGET_MS; "
+        "over HTTP a 400 request_too_costly); their batch mates went on.")] = 0
     malformed_frames: Annotated[int, _MALFORMED_FRAMES] = 0
     gc: Annotated[GcStats, part("the worker process's garbage collection", "worker_gc_", "Worker process")] = GcStats()
 

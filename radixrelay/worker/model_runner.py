@@ -313,6 +313,8 @@ class ModelRunner:
         if events is not None:
             events[1].record()
         failed = self.constraints.take_failed() if self.constraints is not None else None
+        if failed:
+            self.counters.grammar_budget_failures += len(failed)
         launched = LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
                                 num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events,
                                 failed=failed)

@@ -162,10 +162,12 @@ def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch):
     with Engine(model="default", kv_cache_tokens=2048) as engine:
         hot, mate = engine.generate([PROMPTS[0], PROMPTS[6]], [constrained, MATE])
         alone = engine.generate([PROMPTS[6]], MATE)[0]
+        failures = engine.stats()["grammar_budget_failures"]
     assert hot.finish_reason == "abort"
     assert hot.error is not None and "structured output too costly" in hot.error and "per token" in hot.error
     assert 15 <= hot.completion_tokens < 64        # the 16th mask is charged before its token is sampled
     assert (mate.finish_reason, mate.token_ids) == ("length", alone.token_ids)
+    assert failures == 1                           # counted once, by the worker
 
 
 def test_grammar_budget_setting_is_checked(monkeypatch):
