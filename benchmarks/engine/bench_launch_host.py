@@ -184,8 +184,10 @@ def instrument(timers: Timers, graphs: bool) -> None:
     if hasattr(ModelRunner, "_advance"):
         timers.wrap(ModelRunner, "_advance", "ModelRunner._advance")
     timers.wrap(ModelRunner, "_batch", "ModelRunner._batch")
-    if hasattr(ModelRunner, "_forward_decode_graph"):       # a changed batch onto a decode graph
-        timers.wrap(ModelRunner, "_forward_decode_graph", "ModelRunner._forward_decode_graph")
+    decode_graph = next((name for name in ("_decode_graph", "_forward_decode_graph") if hasattr(ModelRunner, name)),
+                        None)
+    if decode_graph is not None:                             # a changed batch onto a decode graph
+        timers.wrap(ModelRunner, decode_graph, f"ModelRunner.{decode_graph}")
         timers.wrap(ModelRunner, "_decode_rows", "  ModelRunner._decode_rows")
         timers.wrap(metadata.DevicePageTable, "rows", "  DevicePageTable.rows")
         timers.wrap(step_state.ResidentTokens, "rows", "  ResidentTokens.rows")
@@ -205,7 +207,12 @@ def instrument(timers: Timers, graphs: bool) -> None:
         if hasattr(cuda_graphs.DecodeGraphs, "advance"):
             timers.wrap(cuda_graphs.DecodeGraphs, "advance", "  DecodeGraphs.advance")
         timers.wrap(cuda_graphs.DecodeGraphs, "_replay", "    DecodeGraphs._replay (graph launch)")
-        timers.wrap(cuda_graphs.DecodeGraphs, "_page_writes", "    DecodeGraphs._page_writes")
+        if hasattr(cuda_graphs.DecodeGraphs, "_page_writes"):
+            timers.wrap(cuda_graphs.DecodeGraphs, "_page_writes", "    DecodeGraphs._page_writes")
+        else:                                                  # the persistent batch's page writes
+            from radixrelay.worker import device_batch
+
+            timers.wrap(device_batch.DeviceBatch, "page_writes", "    DeviceBatch.page_writes")
         timers.wrap(cuda_graphs, "to_device", "    to_device (page writes, patched rows)")
         for name in ("RowAdvance", "PageScatter", "RowPatcher"):      # the per-step kernels' launches
             if hasattr(cuda_graphs, name):

@@ -17,7 +17,8 @@ API::
                  in the same launch); tokens int64 [T], token_rows int64 [>= num], both contiguous
 
     RowAdvance(positions, prefix_lens, seq_lens, out_slots, page_table, page_size, ids, token_rows)
-        the same bound to one set of row buffers (a decode graph's), checked once; each step calls
+        the same bound to one set of row buffers (a decode graph's: views of its row blocks, whose fields
+        ``radixrelay.worker.device_batch.ROWS`` defines), checked once; each step calls
         ``advance(num, tokens)``: one launch, no per-call argument binding (``KernelLaunch``)
 
 Rows ``num`` and beyond are not touched (padded rows keep their values). The caller guarantees that

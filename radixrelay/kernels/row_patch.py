@@ -9,14 +9,14 @@ API::
                 table[rows[i], columns[i]] = values[i]
 
     patch_rows(rows64, rows32, page_table, source, patch, width)
-        rows64:     int64 [5, S] per-row blocks of a decode graph (positions, slots, RoPE deltas,
-                    page-table rows, newest-token rows), unit column stride
-        rows32:     int32 [3, S] (prefix lengths, sequence lengths, own-KV starts), unit column stride
+        rows64:     int64 [5, S] } per-row blocks of a decode graph, unit column stride: which field each
+        rows32:     int32 [3, S] } row holds is ``radixrelay.worker.device_batch.ROWS`` (defined there only)
         page_table: int32 [B, W] the graph's page table, unit column stride
         source:     int32 [R, C] page lists of resident requests (``DevicePageTable``), unit column stride
         patch:      int64 [9, n] (any row stride, unit column stride): per patched row its graph row,
-                    then its 5 rows64 values and its 3 rows32 values
-        width:      columns copied: page_table[row, :width] = source[rows64 page-table row value, :width]
+                    then its 5 rows64 values and its 3 rows32 values (``device_batch.patch_values``)
+        width:      columns copied: page_table[row, :width] = source[its ``ROWS.page_rows`` value, :width]
+                    (rows64 row 3: patch row 4)
 
     PageScatter(table), RowPatcher(rows64, rows32, page_table)
         the same bound to one table (a decode graph's, ``DevicePageTable``'s), checked once: a step pays

@@ -13,15 +13,17 @@ class seen ``CAPTURE_AFTER`` times gets a graph of its own. In steady decode a s
 replay, without a device sync (the shared runs and merge index are refilled only when the plan changes).
 Padded rows write their K/V to a scratch slot that no request owns and attend nothing.
 
-Rows are stable (a persistent batch): a request keeps its graph row from one decode step to the next
-(``arrange``: a newcomer takes a row freed by one that left, a freed row left over takes the last row's
-request). A decode step whose batch changed by up to ``MAX_PATCH_ROWS`` rows then writes only those rows'
-values from the host (one upload, ``scatter_pages`` + ``patch_rows``) before the same advance, on the
-same graph (and, if the cascade plan's rows changed, its groups refilled); the decode runs' rows are
-ascending, so a newcomer in a departed member's row leaves the plan's tensors as they were. A batch that
-shrinks into a smaller bucket stays on its graph while it fills more than half of it (rows given up
-become padding), so a batch going back and forth across a bucket boundary at saturation keeps
-advancing instead of refilling every row on each crossing.
+Rows are stable: a request keeps its graph row from one decode step to the next. The persistent batch
+(``radixrelay.worker.device_batch.DeviceBatch``, the model runner's) owns the last graph step's rows and
+orders the next step's (``arrange``: a newcomer takes a row freed by one that left, a freed row left over
+takes the last row's request); ``device_batch.ROWS`` defines the row buffers' layout. A decode step whose
+batch changed by up to ``MAX_PATCH_ROWS`` rows then writes only those rows' values from the host (one
+upload, ``scatter_pages`` + ``patch_rows``) before the same advance, on the same graph (and, if the
+cascade plan's rows changed, its groups refilled); the decode runs' rows are ascending, so a newcomer in a
+departed member's row leaves the plan's tensors as they were. A batch that shrinks into a smaller bucket
+stays on its graph while it fills more than half of it (rows given up become padding), so a batch going
+back and forth across a bucket boundary at saturation keeps advancing instead of refilling every row on
+each crossing. This module writes the device buffers; which request a row holds is the batch's alone.
 
 On the CPU the same buffers and plans run eagerly (no capture): the padding logic is tested there
 with the Triton interpreter.
@@ -33,7 +35,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import sub
 from typing import NamedTuple
 
@@ -44,7 +46,6 @@ import triton
 from radixrelay.attention.host_staging import upload
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
-from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, CascadeLaunch, cascade_launch, merge_index
@@ -52,6 +53,10 @@ from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
 from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.protocol.stats import WorkerCounters
+from radixrelay.worker.device_batch import (
+    ROWS, ROWS32, ROWS64, DeviceBatch, GraphRun, RowFields, fill_values, patch_values, row_blocks, row_view,
+)
+from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 
 _LaunchShape = tuple   # the plan's host-side launch parameters
 # A step whose size class has no graph runs on a captured graph that covers it (a larger bucket, larger
@@ -67,10 +72,6 @@ CAPTURE_UNCOVERED_AFTER = 8
 # groups (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
 COVER_BUCKETS = (16, 64, 128, 256, 384)
 COVER_GROUPS = 4
-# A decode step whose rows differ from the last graph step's in at most this many rows (requests that
-# joined, left, or moved into a freed row) patches those rows on the device (``arrange``, ``advance``);
-# past it, the step's rows are filled from the host like any other step.
-MAX_PATCH_ROWS = 64
 logger = logging.getLogger("radixrelay.worker")
 
 
@@ -86,9 +87,8 @@ class _Graph:
     batch: ForwardBatch                  # fixed tensors, bs decode rows
     kv_start: torch.Tensor               # int32 [bs]
     plan: CascadePlan                    # over fixed tensors
-    rows64: torch.Tensor                 # int64 [5, stride]: positions, out_slots, rope_delta, page-table rows,
-                                         #   newest-token rows (``ResidentTokens``: ids[i] = tokens[row i])
-    rows32: torch.Tensor                 # int32 [3, stride]: prefix_lens, seq_lens, kv_start
+    rows64: torch.Tensor                 # int64 [ROWS64, stride] } per-row inputs, fields as in
+    rows32: torch.Tensor                 # int32 [ROWS32, stride] } ``device_batch.ROWS``
     groups32: torch.Tensor               # int32: every index tensor of ``plan``, one upload (``_GroupLayout``)
     layout: _GroupLayout
     advance: RowAdvance                  # the per-step kernels bound to these buffers (one launch each)
@@ -99,19 +99,6 @@ class _Graph:
     cascade: bool = False                # captured with shared runs (else flat decode)
     runs: SharedRuns | None = None       # the decode runs the group buffers hold (identity) ...
     num: int = -1                        # ... for this many real rows
-
-
-@dataclass
-class _Repeat:
-    """The last step run on a graph, for ``advance``: its rows (request ids, in order), shared runs and
-    the own-KV length its launch shape was chosen for; after ``arrange``, the next step's rows."""
-    graph: _Graph
-    rids: list[int]
-    runs: SharedRuns | None
-    own_len: int
-    row_of: dict[int, int] | None = None   # rid -> row, built on first use (``arrange``'s order once it ran)
-    arranged: list[int] | None = None      # ``arrange``'s order for the next step ...
-    changed: list[int] = field(default_factory=list)   # ... its rows holding another request, ascending
 
 
 class DecodeGraphs:
@@ -142,12 +129,8 @@ class DecodeGraphs:
         # size class, advanced with changed rows patched (of the advanced), of an uncovered size class handed
         # back (``run(defer=True)``): counters.decode_steps_{advanced, covered, patched, deferred}
         self.counters = counters if counters is not None else WorkerCounters()
-        # int64 [num] newest-token rows of the last decode step run here (its ids were gathered by them),
-        # valid until the next step; None after a step whose ids came from the caller
-        self.token_rows: torch.Tensor | None = None
         self._misses: dict[tuple, int] = {}     # size class without a graph -> steps seen
         self._group = cfg.num_heads // cfg.num_kv_heads
-        self._repeat: _Repeat | None = None
         self._warm_advance()
 
     def capture_covers(self, buckets: tuple[int, ...] = COVER_BUCKETS) -> int:
@@ -191,88 +174,27 @@ class DecodeGraphs:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
         return num <= self.max_batch and width <= self.max_pages
 
-    def forget(self) -> None:
-        """The next step does not repeat the last one run here (another step ran, or a launch failed)."""
-        self._repeat = None
-        self.token_rows = None
-
-    def arrange(self, rids: list[int]) -> list[int]:
-        """The row order of a decode-only step (a permutation of ``rids``): a request of the last graph
-        step keeps its row; a newcomer takes a row freed by one that left, else a row past the end; a
-        row left empty takes the last row's request (rows stay dense). The changed rows are kept for
-        ``changed_rows`` / ``advance``, which patch them instead of refilling the whole batch. Returns
-        ``rids`` itself when there is no last step or more than ``MAX_PATCH_ROWS`` rows would change.
-        O(len(rids)) in C-level set operations, O(changes) in Python."""
-        r = self._repeat
-        if r is None or r.rids == rids:
-            return rids
-        if r.row_of is None:
-            r.row_of = {rid: i for i, rid in enumerate(r.rids)}
-        row_of = r.row_of
-        now = set(rids)
-        left = row_of.keys() - now
-        joined = sorted(now - row_of.keys())
-        if not left and not joined:
-            r.arranged, r.changed = r.rids, []
-            return r.rids
-        if len(left) + len(joined) > MAX_PATCH_ROWS or len(now) != len(rids):
-            return rids
-        freed = sorted(map(row_of.pop, left))
-        order = r.rids.copy()
-        changed = []
-        for row, rid in zip(freed, joined):
-            order[row] = rid
-            changed.append(row)
-        for rid in joined[len(freed):]:
-            changed.append(len(order))
-            order.append(rid)
-        holes = freed[len(joined):]               # ascending; filled from the end of the batch
-        lo, hi = 0, len(holes)
-        while lo < hi:
-            if holes[hi - 1] == len(order) - 1:
-                order.pop()
-                hi -= 1
-            else:
-                order[holes[lo]] = order.pop()
-                changed.append(holes[lo])
-                lo += 1
-        changed = sorted(row for row in changed if row < len(order))
-        for row in changed:
-            row_of[order[row]] = row
-        r.arranged, r.changed = order, changed
-        return order
-
-    def changed_rows(self, rids: list[int]) -> list[int] | None:
-        """Rows of ``rids`` (the next step's rows) that hold another request than in the last graph step
-        (``arrange``); None when the step does not continue that step (then ``run`` it)."""
-        r = self._repeat
-        if r is None:
-            return None
-        if r.arranged is rids:
-            return r.changed
-        return [] if r.rids == rids else None
-
-    def advance(self, rids: list[int], runs: SharedRuns | None, tokens: torch.Tensor,
-                appends: list[tuple[int, int, list[int]]], patch: RowPatch | None = None) -> torch.Tensor | None:
-        """logits [B, V] of a decode step that continues the last ``run`` or ``advance``: rows ``rids`` (the
-        last step's, or ``arrange``'s order for this step), each the same request one token further except
-        the rows in ``patch`` (values from the host), with the same shared runs (``runs``, identity); None
-        when the step does not continue it that way (then ``run`` it). ``tokens``: int64 [R] newest token
-        per ``ResidentTokens`` row, every write made; ``appends``: (rid, first column, pages) written to
-        page lists since that step."""
-        r = self._repeat
+    def advance(self, batch: DeviceBatch, rids: list[int], runs: SharedRuns | None, tokens: torch.Tensor,
+                appends: list[tuple[int, int, list[int]]], patch: RowPatch | None = None) -> GraphRun | None:
+        """The run of a decode step that continues ``batch``'s last graph step on the device: rows ``rids``
+        (the last step's, or ``batch.arrange``'s order for this step), each the same request one token
+        further except the rows in ``patch`` (values from the host), with the same shared runs (``runs``,
+        identity) unless the graph holds the new ones; None when the step does not continue it that way
+        (then ``run`` it). ``tokens``: int64 [R] newest token per ``ResidentTokens`` row, every write made;
+        ``appends``: (rid, first column, pages) written to page lists since that step."""
+        r = batch.last
         if r is None:
             return None
         g, num, before = r.graph, len(rids), len(r.rids)
         own_len = r.own_len + 1
-        arranged = r.arranged is rids and rids is not r.rids      # rows changed (``arrange``)
+        arranged = batch.arranged is rids and rids is not r.rids      # rows changed (``arrange``)
         if r.runs is not runs and not arranged:
             return None
         if not arranged:
             if patch is not None or r.rids != rids:
                 return None
         else:
-            if (list(patch.rows) if patch is not None else []) != r.changed:
+            if (list(patch.rows) if patch is not None else []) != batch.changed:
                 return None
             if num > len(g.ids) or (self._bucket_of[num] != self._bucket_of[before] and 2 * num <= len(g.ids)):
                 return None       # another graph (grown past this one, or half of it idle): the full path
@@ -289,30 +211,29 @@ class DecodeGraphs:
         if r.runs is not runs and not self._holds(g, runs, own_len):
             return None
         host = array("q")
-        writes = self._page_writes(r, appends, host) if appends else 0
+        writes = batch.page_writes(appends, self.max_pages, host) if appends else 0
         if writes < 0:
             return None
-        patched = self._row_values(patch, num, before, host) if arranged else 0
+        patched = patch_values(patch, num, before, host, self._zeros, self._scratch) if arranged else 0
         if writes or patched:                             # one upload: page writes, then patched rows
             dev = to_device(host, torch.int64, self.device)
             if writes:
                 g.scatter(dev[:3 * writes].view(3, writes))
             if patched:
-                at = 3 * writes
+                at, n = 3 * writes, 1 + len(ROWS)
                 g.patch(patch.table if patch is not None else g.batch.page_table,
-                        dev[at:at + 9 * patched].view(9, patched), patch.width if patch is not None else 0)
+                        dev[at:at + n * patched].view(n, patched), patch.width if patch is not None else 0)
         if arranged:
             if g.runs is not runs:
                 self._fill_groups(g, runs, num)
-                g.runs = r.runs = runs
+                g.runs = runs
             self.counters.decode_steps_patched += 1
-        self.token_rows = g.rows64[4, :num]
+        token_rows = row_view(g.rows64, g.rows32, ROWS.token_rows, num)
         g.advance(num, tokens)
         self._replay(g)
-        r.rids, r.own_len, r.arranged, r.changed = rids, own_len, None, []
         g.num = num                                       # the merge index does not depend on it
         self.counters.decode_steps_advanced += 1
-        return g.logits[:num]
+        return GraphRun(g.logits[:num], g, rids, runs, own_len, token_rows, True)
 
     def _holds(self, g: _Graph, runs: SharedRuns | None, own_len: int) -> bool:
         """Whether graph ``g``'s buffers and launch shape can run shared runs ``runs`` (its groups refilled)."""
@@ -323,56 +244,9 @@ class DecodeGraphs:
             return False
         return _covers(g.plan, _Need(True, runs.max_rows * self._group, runs.max_kv_len, own_len, runs.contiguous))
 
-    def _page_writes(self, r: _Repeat, appends: list[tuple[int, int, list[int]]], host: array) -> int:
-        """Append to ``host`` the graph page-table writes of pages appended to the rows' page lists (rows a
-        patch refills get theirs there whole) as rows, columns, pages; returns how many (padded to an even
-        count: the next block stays 16-byte aligned), or -1 when one would not fit."""
-        if r.row_of is None:
-            r.row_of = {rid: i for i, rid in enumerate(r.rids)}
-        rows: list[int] = []
-        cols: list[int] = []
-        pages: list[int] = []
-        for rid, start, new in appends:
-            row = r.row_of.get(rid)
-            if row is None:
-                continue
-            if start + len(new) > self.max_pages:
-                return -1
-            rows.extend([row] * len(new))
-            cols.extend(range(start, start + len(new)))
-            pages.extend(new)
-        if len(rows) % 2:                                 # a repeated write: the same value again
-            rows.append(rows[-1])
-            cols.append(cols[-1])
-            pages.append(pages[-1])
-        host.extend(rows)
-        host.extend(cols)
-        host.extend(pages)
-        return len(rows)
-
-    def _row_values(self, patch: RowPatch | None, num: int, before: int, host: array) -> int:
-        """Append to ``host`` the patched rows' values (``patch_rows`` layout: graph row, 5 rows64 values,
-        3 rows32 values), then padding values for rows [num, before) that the batch gave up; returns how
-        many rows. A patched row holds its position - 1: the advance that follows makes its position,
-        sequence lengths and slot from its new page row (rows past ``num`` do not advance)."""
-        vacated = before - num if num < before else 0
-        if patch is None:                                  # rows given up, none changed
-            patch = RowPatch((), (), (), torch.empty(0), (), 0, ())
-        n = len(patch.rows) + vacated
-        pad = self._zeros[:vacated]
-        positions = array("q", [p - 1 for p in patch.positions])
-        host.extend(patch.rows)
-        host.extend(range(num, num + vacated))
-        for values, padding in ((positions, pad), (patch.slots, self._scratch[:vacated]), (None, pad),
-                                (patch.page_rows, pad), (patch.token_rows, pad), (positions, pad),
-                                (patch.positions, pad), (patch.kv_start, pad)):
-            host.extend(self._zeros[:len(positions)] if values is None else values)
-            host.extend(padding)
-        return n
-
-    def run(self, step: GraphStep, rids: list[int] | None = None, defer: bool = False) -> torch.Tensor | None:
-        """logits [num, V] of a decode-graph step (a view of the graph's output: read it before the next
-        run). ``rids`` (the rows' request ids): the next step may ``advance`` this one. ``defer``: the
+    def run(self, step: GraphStep, rids: list[int] | None = None, defer: bool = False) -> GraphRun | None:
+        """The run of a decode-graph step (its logits [num, V] a view of the graph's output: read it before
+        the next run). ``rids`` (the rows' request ids): the next step may ``advance`` this one. ``defer``: the
         caller can run the step another way (piecewise graphs): a size class that no captured graph
         covers returns None until it has been seen ``CAPTURE_UNCOVERED_AFTER`` times, instead of being
         captured on its first step (a capture stalls the loop ~100 ms: at the start of a burst, on its
@@ -428,7 +302,7 @@ class DecodeGraphs:
                     self._misses.clear()
             else:
                 self.counters.decode_steps_covered += 1
-        self._fill_rows(g, step)
+        token_rows = self._fill_rows(g, step)
         if g.runs is not runs or g.num != num or fresh:
             self._fill_groups(g, runs, num)
             g.runs = runs
@@ -445,8 +319,7 @@ class DecodeGraphs:
         else:
             self._graphs.move_to_end(g.key)
             self._replay(g)
-        self._repeat = _Repeat(g, rids, runs, own_len) if rids is not None else None
-        return g.logits[:num]
+        return GraphRun(g.logits[:num], g, rids, runs, own_len, token_rows, False)
 
     def _warm_advance(self) -> None:
         """Compile (or load) the advance and patch kernels now, for this page table's width: not while
@@ -458,7 +331,8 @@ class DecodeGraphs:
                             torch.zeros(1, **i64), table, 1, self.kv_cache.page_size,
                             ids=torch.zeros(1, **i64), tokens=torch.zeros(1, **i64), token_rows=torch.zeros(1, **i64))
         scatter_pages(table, torch.zeros(3, 2, **i64))
-        patch_rows(torch.zeros(5, 4, **i64), torch.zeros(3, 4, **i32), table, table, torch.zeros(9, 2, **i64), 1)
+        patch_rows(torch.zeros(ROWS64, 4, **i64), torch.zeros(ROWS32, 4, **i32), table, table,
+                   torch.zeros(1 + len(ROWS), 2, **i64), 1)
 
     def _covering(self, num: int, caps: tuple[int, int, int], need: _Need) -> _Graph | None:
         """The smallest captured graph that can run a step of ``num`` rows with buffers of ``caps`` and the
@@ -492,19 +366,17 @@ class DecodeGraphs:
         i32 = dict(dtype=torch.int32, device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
         stride = -(-bs // 4) * 4                # every row of the blocks starts 16-byte aligned
-        rows64 = torch.zeros(5, stride, **i64)
-        rows64[1].fill_(self.scratch_slot)
-        rows32 = torch.zeros(3, stride, **i32)
-        positions, out_slots, rope_delta = rows64[0, :bs], rows64[1, :bs], rows64[2, :bs]
-        prefix_lens, seq_lens, kv_start = rows32[0, :bs], rows32[1, :bs], rows32[2, :bs]
+        rows64, rows32 = row_blocks(stride, self.scratch_slot, self.device)
+        v = RowFields(*(row_view(rows64, rows32, f, bs) for f in ROWS))      # [bs] views of each field
+        positions, prefix_lens, seq_lens, kv_start = v.positions, v.prefix_lens, v.seq_lens, v.kv_start
         page_table = torch.zeros(bs, self.max_pages, **i32)
         batch = ForwardBatch(
             page_size=self.kv_cache.page_size, q_indptr=torch.arange(bs + 1, **i32),
             prefix_lens=prefix_lens, seq_lens=seq_lens, page_table=page_table,
-            positions=positions, out_slots=out_slots,
+            positions=positions, out_slots=v.out_slots,
             logits_indices=torch.arange(bs, **i64), max_q_len=1,
             max_seq_len=self.max_pages * self.kv_cache.page_size, num_decodes=bs,
-            rope_delta=rope_delta)      # modular rows rotate by position + delta; others add 0
+            rope_delta=v.rope_delta)    # modular rows rotate by position + delta; others add 0
         nnz = num_rows * shape.shared_splits + bs * shape.own_splits
         layout = _GroupLayout.of(num_groups + 1, num_rows, num_groups + 1, num_pages, num_groups, bs + 1,
                                  max(nnz, 1))
@@ -516,34 +388,28 @@ class DecodeGraphs:
             merge_part_ids=merge_part_ids, page_size=self.kv_cache.page_size, head_dim=self.heads["head_dim"],
             group=self._group, **shape._asdict())
         ids = torch.zeros(bs, **i64)
-        advance = RowAdvance(positions, prefix_lens, seq_lens, out_slots, page_table, self.kv_cache.page_size, ids,
-                             rows64[4, :bs], bs)
+        advance = RowAdvance(positions, prefix_lens, seq_lens, v.out_slots, page_table, self.kv_cache.page_size, ids,
+                             v.token_rows, bs)
         return _Graph(None, ids, batch, kv_start, plan, rows64, rows32, groups32, layout, advance,
                       PageScatter(page_table), RowPatcher(rows64, rows32, page_table))
 
-    def _fill_rows(self, g: _Graph, step: GraphStep) -> None:
+    def _fill_rows(self, g: _Graph, step: GraphStep) -> torch.Tensor | None:
         """Per-row inputs, every step, in one upload (both blocks, padded rows included: they write the
-        scratch slot and attend nothing), then the rows' page lists gathered from ``step.table``."""
+        scratch slot and attend nothing), then the rows' page lists gathered from ``step.table``; returns
+        the rows' newest-token rows when their ids are gathered by them (``step.ids`` None), else None."""
         num, stride = step.num, g.rows64.shape[1]
-        zeros, pad = self._zeros, stride - num
-        positions = array("q", step.positions)
-        host = array("q")
-        for values, padding in ((positions, zeros), (step.slots, self._scratch), (step.rope_delta, zeros),
-                                (step.page_rows, zeros), (step.token_rows, zeros), (positions, zeros),
-                                (array("q", [p + 1 for p in positions]), zeros), (step.kv_start, zeros)):
-            host += zeros[:num] if values is None else values if isinstance(values, array) else array("q", values)
-            host += padding[:pad]
-        dev = to_device(host, torch.int64, self.device)            # [8 * stride]
-        g.rows64.view(-1).copy_(dev[:5 * stride])
-        g.rows32.view(-1).copy_(dev[5 * stride:])                   # int64 -> int32
+        dev = to_device(fill_values(step, stride, self._zeros, self._scratch), torch.int64, self.device)
+        g.rows64.view(-1).copy_(dev[:ROWS64 * stride])
+        g.rows32.view(-1).copy_(dev[ROWS64 * stride:])              # int64 -> int32
         width = step.width
-        g.batch.page_table[:num, :width].copy_(step.table[:, :width].index_select(0, g.rows64[3, :num]))
+        g.batch.page_table[:num, :width].copy_(
+            step.table[:, :width].index_select(0, row_view(g.rows64, g.rows32, ROWS.page_rows, num)))
         if step.ids is None:
-            self.token_rows = g.rows64[4, :num]
-            torch.index_select(step.tokens, 0, self.token_rows, out=g.ids[:num])
-        else:
-            self.token_rows = None
-            g.ids[:num].copy_(step.ids)
+            token_rows = row_view(g.rows64, g.rows32, ROWS.token_rows, num)
+            torch.index_select(step.tokens, 0, token_rows, out=g.ids[:num])
+            return token_rows
+        g.ids[:num].copy_(step.ids)
+        return None
 
     def _fill_groups(self, g: _Graph, runs: SharedRuns | None, num: int) -> None:
         """The shared runs and the merge index, in one upload: only when the step's runs or row count

@@ -20,7 +20,7 @@ Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the ex
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
 
 Forward paths, first that fits: a decode step continuing the last graph step, its rows one token
-further and any rows that changed (joins, leaves) patched (``DecodeGraphs.arrange`` / ``advance``); a step of
+further and any rows that changed (joins, leaves) patched (``DeviceBatch.arrange``, ``DecodeGraphs.advance``); a step of
 small extends (``SMALL_EXTEND_ROWS`` tokens) as decode-graph rows, one per token (``_forward_rows``);
 a decode-only step on a decode graph; piecewise graphs (attention launched between captured pieces);
 the eager model.
@@ -59,6 +59,7 @@ from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepOutput, StepPlan, positions_of
 from radixrelay.sampling_params import SamplingParams
+from radixrelay.worker.device_batch import DeviceBatch, GraphRun
 from radixrelay.worker.graph_step import GraphStep, RowPatch
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
@@ -169,6 +170,7 @@ class ModelRunner:
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
         self.piecewise = piecewise
+        self.device_batch = DeviceBatch()    # the decode graphs' rows from step to step
         # Long cached prefixes of short extends read split along their length (cascade.batch): by default
         # where the backend's kernels split them (Triton on CUDA); the torch reference gains nothing from it.
         self._split_long_prefixes = (backend.splits_long_prefixes(self.device) if split_long_prefixes is None
@@ -212,8 +214,7 @@ class ModelRunner:
                     self.tiers.after_forward()
             return self._launch(plan, start)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
-            if self.graphs is not None:
-                self.graphs.forget()
+            self.device_batch.ran_other()          # what the graph buffers hold is not known
             return LaunchedStep(plan.step_id, error=f"{type(exc).__name__}: {exc}")
 
     def _apply_diff(self, plan: StepPlan) -> None:
@@ -248,7 +249,7 @@ class ModelRunner:
 
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
         if self.graphs is not None and plan.decodes and not plan.extends:
-            order = self.graphs.arrange(plan.decodes)      # stable graph rows: a changed batch is patched
+            order = self.device_batch.arrange(plan.decodes)   # stable graph rows: a changed batch is patched
             if order is not plan.decodes:
                 plan = msgspec.structs.replace(plan, decodes=order)
         # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
@@ -281,9 +282,11 @@ class ModelRunner:
         events = None
         if self._cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        logits = self._advance(plan, decoding, events) if not extends and self.graphs is not None else None
-        if logits is not None:                            # the last graph step, one token further
+        run = self._advance(plan, decoding, events) if not extends and self.graphs is not None else None
+        if run is not None:                               # the last graph step, one token further
+            self.device_batch.ran_graph(run)
             self.counters.graph_replays += 1
+            logits = run.logits
         else:
             logits = self._forward(plan, extends, decoding, input_ids, events)
         launch_s = time.perf_counter() - start                               # the device may still be busy
@@ -303,8 +306,7 @@ class ModelRunner:
                 logits = self.constraints.mask(samplers, logits)
             out = self.sampler(logits, tensors)
             # rows of the newest-token table: the decode graph's own (kept by row) when it gathered them
-            rows = self.graphs.token_rows if not extends and self.graphs is not None else None
-            self._tokens.record(samplers, out.token_ids, rows)
+            self._tokens.record(samplers, out.token_ids, self.device_batch.token_rows)
             for res in residents:
                 res.num_tokens += 1
             tokens = out.token_ids.to("cpu", non_blocking=True)
@@ -330,11 +332,11 @@ class ModelRunner:
             raise ValueError(f"request {req.rid}: admitted without its output tokens (offset past the prompt)")
         self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
 
-    def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
-        """logits of a decode-only step that continues the last graph step one token further (``DecodeGraphs.
-        advance``: no batch packing on the host), its changed rows (``DecodeGraphs.arrange``) patched from
+    def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> GraphRun | None:
+        """The run of a decode-only step that continues the last graph step one token further (``DecodeGraphs.
+        advance``: no batch packing on the host), its changed rows (``DeviceBatch.arrange``) patched from
         host values computed for them alone; or None."""
-        changed = self.graphs.changed_rows(plan.decodes)
+        changed = self.device_batch.changed_rows(plan.decodes)
         if changed is None or (changed and self._num_rope):   # modular rows' RoPE deltas: the full path
             return None
         # (num_tokens - 1) // ps >= len(pages) <=> num_tokens > len(pages) * ps; C-level over the batch
@@ -354,7 +356,7 @@ class ModelRunner:
         tokens = self._tokens.table()
         if events is not None:
             events[0].record()
-        return self.graphs.advance(plan.decodes, runs, tokens, self._appends, patch)
+        return self.graphs.advance(self.device_batch, plan.decodes, runs, tokens, self._appends, patch)
 
     def _forward(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
                  input_ids: list[int], events) -> torch.Tensor:
@@ -368,8 +370,7 @@ class ModelRunner:
             logits = self._forward_decode_graph(plan, decoding, events)
             if logits is not None:
                 return logits
-        if self.graphs is not None:
-            self.graphs.forget()
+        self.device_batch.ran_other()
         decodes = self._decode_rows(plan.decodes, decoding)
         batch = self._batch(plan, extends, decodes)
         rope_delta = self._rope_delta(plan, decoding)
@@ -405,10 +406,12 @@ class ModelRunner:
                          rope_delta=self._rope_delta(plan, decoding), tokens=tokens, token_rows=token_rows)
         if events is not None:
             events[0].record()
-        logits = self.graphs.run(step, rids=plan.decodes, defer=self._piecewise_fits(step.num))  # [num_rows, V]
-        if logits is not None:
-            self.counters.graph_replays += 1
-        return logits
+        run = self.graphs.run(step, rids=plan.decodes, defer=self._piecewise_fits(step.num))
+        if run is None:
+            return None
+        self.device_batch.ran_graph(run)
+        self.counters.graph_replays += 1
+        return run.logits                                 # [num_rows, V]
 
     def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
         """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
@@ -471,13 +474,13 @@ class ModelRunner:
                          runs=shared, rope_delta=self._rope_delta(plan, decoding), round_runs=True)
         if events is not None:
             events[0].record()
-        # no rids: the next step cannot advance this one
-        logits = self.graphs.run(step, defer=self._piecewise_fits(step.num))
-        if logits is None:
+        run = self.graphs.run(step, defer=self._piecewise_fits(step.num))
+        if run is None:
             return None
+        self.device_batch.ran_graph(run)                  # no rids: the next step cannot advance this one
         self.counters.graph_replays += 1
         self.counters.extend_row_steps += 1
-        return logits.index_select(0, to_device(picks, torch.int64, self.device))
+        return run.logits.index_select(0, to_device(picks, torch.int64, self.device))
 
     def _piecewise_fits(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` rows can run on the piecewise graphs (a decode graph may defer to them)."""

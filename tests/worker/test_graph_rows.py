@@ -1,6 +1,6 @@
 """Stable decode-graph rows: a request keeps its graph row from step to step, so a decode step whose batch
-changed (requests joined, left) patches only the changed rows on the device (``DecodeGraphs.arrange`` /
-``advance``) instead of refilling every row from the host.
+changed (requests joined, left) patches only the changed rows on the device (``DeviceBatch.arrange`` /
+``DecodeGraphs.advance``) instead of refilling every row from the host.
 
 - ``arrange`` (host logic): the order is a permutation of the step's rids, requests that stay keep their
   rows unless moved into a freed row, rows stay dense, and the changed rows are exactly those holding
@@ -27,7 +27,8 @@ from radixrelay.model import ModelConfig, load_model
 from radixrelay.protocol.cascade import CascadeGroup, CascadePlan
 from radixrelay.protocol.step import AdmittedRequest, PageAppend, StepPlan
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.cuda_graphs import MAX_PATCH_ROWS, DecodeGraphs, _Repeat
+from radixrelay.worker.cuda_graphs import DecodeGraphs
+from radixrelay.worker.device_batch import MAX_PATCH_ROWS, DeviceBatch, GraphRows
 from radixrelay.worker.model_runner import ModelRunner
 from tests.cascade.harness import RecordingSampler
 
@@ -61,27 +62,23 @@ def graphs_of(model, kv: KVCache, max_batch: int = 16) -> DecodeGraphs:
 
 # -- arrange ------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def graphs(model) -> DecodeGraphs:
-    return graphs_of(model, kv_cache())
-
-
 @settings(max_examples=200, deadline=None)
 @given(before=st.lists(st.integers(0, 60), min_size=1, max_size=24, unique=True), data=st.data())
-def test_arrange_keeps_rows_of_staying_requests(graphs, before, data):
+def test_arrange_keeps_rows_of_staying_requests(before, data):
     stay = data.draw(st.lists(st.sampled_from(before), unique=True))
     joined = data.draw(st.lists(st.integers(100, 160), max_size=12, unique=True))
     rids = data.draw(st.permutations(stay + joined))
     if not rids:
         return
-    graphs._repeat = _Repeat(None, list(before), None, 1)
-    order = graphs.arrange(rids)
+    batch = DeviceBatch()
+    batch.last = GraphRows(None, list(before), None, 1)
+    order = batch.arrange(rids)
     left = len(before) - len(stay)
     if left + len(joined) > MAX_PATCH_ROWS:
         assert order is rids
         return
     assert sorted(order) == sorted(rids)                        # a permutation: every row holds a request
-    changed = graphs.changed_rows(order)
+    changed = batch.changed_rows(order)
     assert changed == [i for i, rid in enumerate(order) if i >= len(before) or before[i] != rid]
     # each change is a newcomer, or a staying request moved into a row freed by one that left
     assert len(changed) <= left + len(joined)
@@ -90,13 +87,13 @@ def test_arrange_keeps_rows_of_staying_requests(graphs, before, data):
         assert order == before
 
 
-def test_arrange_without_a_last_step_or_with_too_many_changes_keeps_the_plan_order(model):
-    graphs = graphs_of(model, kv_cache())
+def test_arrange_without_a_last_step_or_with_too_many_changes_keeps_the_plan_order():
+    batch = DeviceBatch()
     rids = [5, 3, 9]
-    assert graphs.arrange(rids) is rids and graphs.changed_rows(rids) is None
-    graphs._repeat = _Repeat(None, list(range(MAX_PATCH_ROWS + 1)), None, 1)
+    assert batch.arrange(rids) is rids and batch.changed_rows(rids) is None
+    batch.last = GraphRows(None, list(range(MAX_PATCH_ROWS + 1)), None, 1)
     fresh = list(range(1000, 1000 + MAX_PATCH_ROWS + 1))
-    assert graphs.arrange(fresh) is fresh
+    assert batch.arrange(fresh) is fresh
 
 
 # -- through the runner -------------------------------------------------------------------------------
@@ -240,7 +237,8 @@ def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, d
     if cascade:         # a light node's launch shape is not the cover's: its steps ran covered (flat rows
         assert graphs.counters.decode_steps_covered >= 1   # may have the cover's own shape: one split, then it is theirs)
     assert {g.key[0] for g in graphs._graphs.values()} == {8, 16}
-    assert graphs._repeat is not None and graphs._repeat.graph.key[0] == 8   # <= 8 rows: the 8-row cover
+    last = fast.device_batch.last
+    assert last is not None and last.graph.key[0] == 8   # <= 8 rows: the 8-row cover
 
 
 def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
@@ -262,6 +260,6 @@ def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
         before = graphs.counters.decode_steps_advanced
         step_both(eager, fast, plan)
         assert len(plan.decodes) == rows
-        assert len(graphs._repeat.graph.ids) == graph_rows
+        assert len(fast.device_batch.last.graph.ids) == graph_rows
         assert (graphs.counters.decode_steps_advanced > before) == advanced, (leave, join)
     assert graphs.captures == 1 and graphs.counters.decode_steps_covered == 1
