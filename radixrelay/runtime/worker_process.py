@@ -74,7 +74,7 @@ def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
     if device.type == "cuda" and backend_name == "triton" and not cfg.disable_cuda_graphs:
         from radixrelay.worker.cuda_graphs import DecodeGraphs   # imports the Triton kernels
 
-        # rows: every running request's decode plus a step's small extends (``ModelRunner._forward_rows``)
+        # rows: every running request's decode plus a step's small extends (``ModelRunner._extend_rows``)
         graphs = DecodeGraphs(model, kv_cache, backend, max_batch=cfg.max_running_requests + extend_rows,
                               max_pages=-(-mc.max_position_embeddings // cfg.page_size),
                               scratch_slot=num_pages * cfg.page_size, counters=counters)

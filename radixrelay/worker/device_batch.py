@@ -4,8 +4,9 @@ One owner (``DeviceBatch``, the model runner's): the rows of the last step run o
 ids in row order, rid -> row, the graph whose buffers hold them, their shared runs, the own-KV length
 class their launch shape was planned for), the next step's row order (``arrange``) and its changed rows,
 the device rows of the step's newest tokens, and the graph page-table writes of pages appended to those
-rows. The runner tells it what each step ran: ``ran_graph`` (a decode-graph step: run or advanced) or
-``ran_other`` (piecewise, eager, or a failed launch: the next step cannot advance).
+rows. The runner tells it what each step ran, in one place (``ModelRunner._forward``; a failed launch in
+``launch``): ``ran_graph`` (a decode-graph step: run or advanced) or ``ran_other`` (piecewise, eager, or a
+failed launch: the next step cannot advance).
 ``radixrelay.worker.cuda_graphs`` reads it and writes the device buffers.
 
 The row-buffer layout is defined here once (``ROWS``): a decode graph's per-row inputs live in two

@@ -3,7 +3,9 @@
 HOT FILE: only what runs every step belongs here (apply the plan diff, pack the batch, forward,
 sample). Loading lives in ``radixrelay.model.loader``, batch packing in
 ``radixrelay.attention.metadata``, sampling in ``radixrelay.worker.sampling``, prompt logprobs in
-``radixrelay.worker.prompt_logprobs``, device-resident token state in ``radixrelay.worker.step_state``.
+``radixrelay.worker.prompt_logprobs``, device-resident token state in ``radixrelay.worker.step_state``,
+the decode graphs' rows in ``radixrelay.worker.device_batch``, the choice of forward path in
+``radixrelay.worker.step_path``.
 
 A step is launched, then finished: ``launch(plan)`` applies the diff, queues the forward pass and the
 sampling on the device and starts copying the results to the host, without waiting for the device;
@@ -19,11 +21,14 @@ the device), and its page list. A decode computes the request's newest token, wh
 Cascade: ``StepPlan.cascade`` (decode groups) and, with ``prefill_cost``, the extend rows' shared
 cached pages become the batch's ``CascadeBatch`` (``radixrelay.cascade.batch``); the backend executes it.
 
-Forward paths, first that fits: a decode step continuing the last graph step, its rows one token
-further and any rows that changed (joins, leaves) patched (``DeviceBatch.arrange``, ``DecodeGraphs.advance``); a step of
-small extends (``SMALL_EXTEND_ROWS`` tokens) as decode-graph rows, one per token (``_forward_rows``);
-a decode-only step on a decode graph; piecewise graphs (attention launched between captured pieces);
-the eager model.
+Forward paths (``radixrelay.worker.step_path.choose_path`` picks them from facts of the plan and the
+persistent batch; ``_forward`` runs the first that takes the step, one method each): ADVANCE / PATCH_ROWS,
+a decode step continuing the last graph step, its rows one token further and any rows that changed
+(joins, leaves) patched (``_advance``); EXTEND_ROWS, a step of small extends (``SMALL_EXTEND_ROWS``
+tokens) as decode-graph rows, one per token (``_extend_rows``); DECODE_GRAPH, a decode-only step filled
+into a decode graph (``_decode_graph``); PIECEWISE, piecewise graphs (attention launched between captured
+pieces), or EAGER, the eager model (``_packed``). The persistent batch (``DeviceBatch``: the graph rows'
+order and requests) is the runner's; ``_forward`` tells it what ran.
 
 Host work per decode step is O(decode rows), never O(rows x pages), and most of it is kept while the
 batch repeats (steady decode): the decode runs of a repeated plan and order (``DecodeRunsCache``, told
@@ -63,10 +68,11 @@ from radixrelay.worker.device_batch import DeviceBatch, GraphRun
 from radixrelay.worker.graph_step import GraphStep, RowPatch
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
+from radixrelay.worker.step_path import Path, StepFacts, StepPath, choose_path
 from radixrelay.worker.step_state import ResidentTokens
 
 # A step whose extends compute at most this many tokens in all (and no prompt logprobs) runs on the
-# decode graphs, one row per extend token (``ModelRunner._forward_rows``): an idle server's cached
+# decode graphs, one row per extend token (``ModelRunner._extend_rows``): an idle server's cached
 # prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay,
 # and under load the step that admits them beside 256 decodes (cascade included) is one replay too,
 # instead of a piecewise step whose 32 layers of attention are launched from Python (H100, Llama-3-8B
@@ -170,7 +176,7 @@ class ModelRunner:
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
         self.piecewise = piecewise
-        self.device_batch = DeviceBatch()    # the decode graphs' rows from step to step
+        self.device_batch = DeviceBatch()    # the decode graphs' rows from step to step (told by ``_forward``)
         # Long cached prefixes of short extends read split along their length (cascade.batch): by default
         # where the backend's kernels split them (Triton on CUDA); the torch reference gains nothing from it.
         self._split_long_prefixes = (backend.splits_long_prefixes(self.device) if split_long_prefixes is None
@@ -247,11 +253,21 @@ class ModelRunner:
             pages.extend(append.pages)
             self._page_table.append(append.rid, append.pages)
 
+    def _admit_constrained(self, req: AdmittedRequest) -> None:
+        """Its grammar replays the outputs it has (a re-admission): they must have been sent."""
+        if self.constraints is None:
+            raise ValueError(f"request {req.rid}: structured outputs need a worker built with a grammar engine")
+        if req.token_offset > req.num_prompt_tokens:
+            raise ValueError(f"request {req.rid}: admitted without its output tokens (offset past the prompt)")
+        self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
+
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
+        changed = None
         if self.graphs is not None and plan.decodes and not plan.extends:
             order = self.device_batch.arrange(plan.decodes)   # stable graph rows: a changed batch is patched
             if order is not plan.decodes:
                 plan = msgspec.structs.replace(plan, decodes=order)
+            changed = self.device_batch.changed_rows(plan.decodes)
         # Rows of the flat batch: every extend chunk, then every decode (one token each). Logits
         # rows: per extend its prompt-logprobs run (if any), then its sampling row; one per decode.
         extends: list[BatchRequest] = []
@@ -259,7 +275,7 @@ class ModelRunner:
         samplers: list[int] = []
         sample_rows: list[int] = []                       # logits row of each sampler
         owed: list[tuple[ExtendItem, int]] = []           # (extend, its first logits row)
-        num_rows = 0
+        num_rows = most_logits = 0
         for item in plan.extends:
             res = self._table[item.rid]
             lo = item.start - res.token_offset
@@ -268,6 +284,7 @@ class ModelRunner:
                                  f"the tokens sent [{res.token_offset}, {res.token_offset + len(res.token_ids)})")
             input_ids.extend(res.token_ids[lo:lo + item.num_tokens])
             num_logits = num_logits_rows(item)
+            most_logits = max(most_logits, num_logits)
             extends.append(BatchRequest(res.pages, item.start, item.num_tokens, num_logits))
             if item.num_prompt_logprobs:
                 owed.append((item, num_rows))
@@ -282,22 +299,23 @@ class ModelRunner:
         events = None
         if self._cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        run = self._advance(plan, decoding, events) if not extends and self.graphs is not None else None
-        if run is not None:                               # the last graph step, one token further
-            self.device_batch.ran_graph(run)
-            self.counters.graph_replays += 1
-            logits = run.logits
-        else:
-            logits = self._forward(plan, extends, decoding, input_ids, events)
+        path = choose_path(self._facts(plan, len(input_ids), most_logits, changed, decoding))
+        logits = self._forward(path, plan, extends, decoding, input_ids, changed, events)
         launch_s = time.perf_counter() - start                               # the device may still be busy
         prompt = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs]).to_host()
                   for item, row in owed]
+        if samplers and owed:                                                # -> [len(samplers), V]
+            sample_rows.extend(range(num_rows, num_rows + len(plan.decodes)))
+            logits = logits.index_select(0, to_device(sample_rows, torch.int64, self.device))
+        return self._sample(plan.step_id, samplers, decoding, logits, prompt, launch_s, events)
+
+    def _sample(self, step_id: int, samplers: list[int], decoding: list[_Resident], logits: torch.Tensor,
+                prompt: list[PendingPromptLogprobs], launch_s: float, events) -> LaunchedStep:
+        """Queue the sampling of ``samplers`` (extends that sample, then every decode; ``logits``: one row
+        each) and the copies of the results to the host."""
         tokens = logprobs = None
         num_logprobs: tuple[int | None, ...] = ()
         if samplers:
-            if owed:                                                         # -> [len(samplers), V]
-                sample_rows.extend(range(num_rows, num_rows + len(plan.decodes)))
-                logits = logits.index_select(0, to_device(sample_rows, torch.int64, self.device))
             residents = [self._table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
             tensors = self._sampling.get(residents, _PARAMS_OF, _outputs_of, self._tokens.penalties(samplers),
                                          vocab_size=logits.shape[-1], device=self.device)
@@ -317,31 +335,53 @@ class ModelRunner:
         failed = self.constraints.take_failed() if self.constraints is not None else None
         if failed:
             self.counters.grammar_budget_failures += len(failed)
-        launched = LaunchedStep(plan.step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
+        launched = LaunchedStep(step_id, rids=samplers, tokens=tokens, logprobs=logprobs,
                                 num_logprobs=num_logprobs, prompt=prompt, launch_s=launch_s, events=events,
                                 failed=failed)
         if self.constraints and samplers:
             self.constraints.sampled(samplers, launched.host_tokens)
         return launched
 
-    def _admit_constrained(self, req: AdmittedRequest) -> None:
-        """Its grammar replays the outputs it has (a re-admission): they must have been sent."""
-        if self.constraints is None:
-            raise ValueError(f"request {req.rid}: structured outputs need a worker built with a grammar engine")
-        if req.token_offset > req.num_prompt_tokens:
-            raise ValueError(f"request {req.rid}: admitted without its output tokens (offset past the prompt)")
-        self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
+    def _facts(self, plan: StepPlan, extend_tokens: int, most_logits: int, changed: list[int] | None,
+               decoding: list[_Resident]) -> StepFacts:
+        """What ``choose_path`` reads of the step, the request table, the persistent batch and the graphs."""
+        graphs, piecewise = self.graphs, self.piecewise
+        return StepFacts(
+            decodes=len(plan.decodes), extends=len(plan.extends), extend_tokens=extend_tokens,
+            extend_logits=most_logits, tier_loads=self.kv_cache.layer_ready is not None,
+            changed=None if changed is None else len(changed), modular=self._num_rope > 0,
+            # (num_tokens - 1) // ps < len(pages) <=> num_tokens <= len(pages) * ps; C-level over the batch
+            pages_hold=changed is not None and not any(map(gt, map(_NUM_TOKENS, decoding), map(
+                mul, map(len, map(_PAGES, decoding)), repeat(self.page_size)))),
+            graph_rows=graphs.max_batch if graphs is not None else 0, small_extend_rows=self.small_extend_rows,
+            piecewise_tokens=piecewise.max_tokens if piecewise is not None else 0)
 
-    def _advance(self, plan: StepPlan, decoding: list[_Resident], events) -> GraphRun | None:
-        """The run of a decode-only step that continues the last graph step one token further (``DecodeGraphs.
-        advance``: no batch packing on the host), its changed rows (``DeviceBatch.arrange``) patched from
-        host values computed for them alone; or None."""
-        changed = self.device_batch.changed_rows(plan.decodes)
-        if changed is None or (changed and self._num_rope):   # modular rows' RoPE deltas: the full path
-            return None
-        # (num_tokens - 1) // ps >= len(pages) <=> num_tokens > len(pages) * ps; C-level over the batch
-        if any(map(gt, map(_NUM_TOKENS, decoding), map(mul, map(len, map(_PAGES, decoding)), repeat(self.page_size)))):
-            return None                                   # the full path raises the error
+    def _forward(self, path: StepPath, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+                 input_ids: list[int], changed: list[int] | None, events) -> torch.Tensor:
+        """logits of the step's rows, from the first of ``path``'s candidates that takes the step. The
+        persistent batch is told here, and only here, what ran: a graph step (the next step may advance
+        it) or another (piecewise, eager)."""
+        for candidate in path.candidates:
+            if candidate is Path.ADVANCE or candidate is Path.PATCH_ROWS:
+                run = self._advance(plan, decoding, changed, events)
+            elif candidate is Path.DECODE_GRAPH:
+                run = self._decode_graph(plan, decoding, path.defer, events)
+            elif candidate is Path.EXTEND_ROWS:
+                run = self._extend_rows(plan, extends, decoding, input_ids, path.defer, events)
+            else:
+                self.device_batch.ran_other()
+                return self._packed(candidate is Path.PIECEWISE, plan, extends, decoding, input_ids, events)
+            if run is not None:
+                self.device_batch.ran_graph(run)
+                self.counters.graph_replays += 1
+                return run.logits
+        raise AssertionError(f"{path}: the last path never declines")
+
+    def _advance(self, plan: StepPlan, decoding: list[_Resident], changed: list[int],
+                 events) -> GraphRun | None:
+        """ADVANCE / PATCH_ROWS: the last graph step's rows one token further (``DecodeGraphs.advance``: no
+        batch packing on the host), its ``changed`` rows (``DeviceBatch.arrange``) patched from host values
+        computed for them alone; None when the graph declines."""
         runs = (self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of) if plan.cascade is not None
                 else None)
         patch = None
@@ -358,41 +398,10 @@ class ModelRunner:
             events[0].record()
         return self.graphs.advance(self.device_batch, plan.decodes, runs, tokens, self._appends, patch)
 
-    def _forward(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
-                 input_ids: list[int], events) -> torch.Tensor:
-        """logits of the step's rows: a decode graph (small extends as its rows, or decodes), else the batch
-        packed on the host for piecewise graphs or the eager model."""
-        if self._small_extends(plan, extends, decoding):
-            logits = self._forward_rows(plan, extends, decoding, input_ids, events)
-            if logits is not None:
-                return logits
-        elif not extends and self.graphs is not None:
-            logits = self._forward_decode_graph(plan, decoding, events)
-            if logits is not None:
-                return logits
-        self.device_batch.ran_other()
-        decodes = self._decode_rows(plan.decodes, decoding)
-        batch = self._batch(plan, extends, decodes)
-        rope_delta = self._rope_delta(plan, decoding)
-        if rope_delta is not None:
-            batch = dataclasses.replace(batch, rope_delta=to_device(rope_delta, torch.int64, self.device))
-        if not plan.decodes:
-            ids = to_device(input_ids, torch.int64, self.device)
-        elif not input_ids:                               # decodes feed their newest token from the device
-            ids = self._tokens.newest(plan.decodes)
-        else:
-            ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
-        if events is not None:
-            events[0].record()
-        if self.piecewise is not None and self.piecewise.fits(batch):
-            self.counters.graph_replays += 1
-            return self.piecewise.run(ids, batch)
-        self.counters.eager_steps += 1
-        return self.model(ids, batch, self.kv_cache, self.backend)
-
-    def _forward_decode_graph(self, plan: StepPlan, decoding: list[_Resident], events) -> torch.Tensor | None:
-        """logits of a decode-only step on a decode graph (None when it does not fit one). Host work is
-        O(rows): positions, slots and page-table rows as flat lists, one upload (``DecodeGraphs.run``)."""
+    def _decode_graph(self, plan: StepPlan, decoding: list[_Resident], defer: bool, events) -> GraphRun | None:
+        """DECODE_GRAPH: a decode-only step filled into a decode graph (None when its page lists are wider
+        than the graphs, or an uncaptured size class is deferred). Host work is O(rows): positions, slots and
+        page-table rows as flat lists, one upload (``DecodeGraphs.run``)."""
         table, page_rows, width = self._page_table.rows(plan.decodes)
         if not self.graphs.fits(len(decoding), width):
             return None
@@ -406,27 +415,12 @@ class ModelRunner:
                          rope_delta=self._rope_delta(plan, decoding), tokens=tokens, token_rows=token_rows)
         if events is not None:
             events[0].record()
-        run = self.graphs.run(step, rids=plan.decodes, defer=self._piecewise_fits(step.num))
-        if run is None:
-            return None
-        self.device_batch.ran_graph(run)
-        self.counters.graph_replays += 1
-        return run.logits                                 # [num_rows, V]
+        return self.graphs.run(step, rids=plan.decodes, defer=defer)    # its logits: [num_rows, V]
 
-    def _small_extends(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident]) -> bool:
-        """Whether the step's extends may run as decode-graph rows: a few tokens, at most one logits row
-        each (no prompt logprobs), no KV tier loads in flight (a decode graph has no per-layer waits for
-        them). The decodes beside them keep their cascade plan (its runs, shifted past the extend rows)."""
-        if self.graphs is None or not extends or self.kv_cache.layer_ready is not None:
-            return False
-        rows = sum(e.num_new for e in extends)
-        return (rows <= self.small_extend_rows and rows + len(decoding) <= self.graphs.max_batch
-                and all(e.num_logits <= 1 for e in extends))
-
-    def _forward_rows(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
-                      input_ids: list[int], events) -> torch.Tensor | None:
-        """logits of a step of small extends run on the decode graphs (None when no graph fits it), in
-        ``_forward``'s row order: each sampling extend's row, then the decodes.
+    def _extend_rows(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+                     input_ids: list[int], defer: bool, events) -> GraphRun | None:
+        """EXTEND_ROWS: a step of small extends run on the decode graphs (None when no graph fits it), in
+        ``_launch``'s row order: each sampling extend's row, then the decodes.
 
         Each extend token is a decode row at its position, attending [0, position] of its request: every
         layer stores all rows' K/V before attention, so a token sees those before it in the same step
@@ -435,7 +429,7 @@ class ModelRunner:
         so that prompts of other lengths share the launch shape and the graph (a split past a run's end
         reads nothing). An extend of several tokens reads a shorter cached prefix as a run too, once its rows
         would read ``long_prefix_tokens`` in all on their own. Decodes with a cascade plan read its runs, their
-        rows shifted past the extend rows."""
+        rows shifted past the extend rows. The next step cannot advance this one (no rids)."""
         ps = self.page_size
         positions: list[int] = []
         slots: list[int] = []
@@ -474,17 +468,34 @@ class ModelRunner:
                          runs=shared, rope_delta=self._rope_delta(plan, decoding), round_runs=True)
         if events is not None:
             events[0].record()
-        run = self.graphs.run(step, defer=self._piecewise_fits(step.num))
+        run = self.graphs.run(step, defer=defer)
         if run is None:
             return None
-        self.device_batch.ran_graph(run)                  # no rids: the next step cannot advance this one
-        self.counters.graph_replays += 1
         self.counters.extend_row_steps += 1
-        return run.logits.index_select(0, to_device(picks, torch.int64, self.device))
+        return run._replace(logits=run.logits.index_select(0, to_device(picks, torch.int64, self.device)))
 
-    def _piecewise_fits(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` rows can run on the piecewise graphs (a decode graph may defer to them)."""
-        return self.piecewise is not None and tokens <= self.piecewise.max_tokens
+    def _packed(self, piecewise: bool, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+                input_ids: list[int], events) -> torch.Tensor:
+        """PIECEWISE / EAGER: logits of the step's rows packed on the host (``build_forward_batch``), run on
+        the piecewise graphs or by the eager model."""
+        decodes = self._decode_rows(plan.decodes, decoding)
+        batch = self._batch(plan, extends, decodes)
+        rope_delta = self._rope_delta(plan, decoding)
+        if rope_delta is not None:
+            batch = dataclasses.replace(batch, rope_delta=to_device(rope_delta, torch.int64, self.device))
+        if not plan.decodes:
+            ids = to_device(input_ids, torch.int64, self.device)
+        elif not input_ids:                               # decodes feed their newest token from the device
+            ids = self._tokens.newest(plan.decodes)
+        else:
+            ids = torch.cat([to_device(input_ids, torch.int64, self.device), self._tokens.newest(plan.decodes)])
+        if events is not None:
+            events[0].record()
+        if piecewise:
+            self.counters.graph_replays += 1
+            return self.piecewise.run(ids, batch)
+        self.counters.eager_steps += 1
+        return self.model(ids, batch, self.kv_cache, self.backend)
 
     def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
         """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""
