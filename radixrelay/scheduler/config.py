@@ -13,9 +13,9 @@ _POLICIES = ("lpm", "dfs-weight", "fcfs")
 class SchedulerConfig:
     kv_cache_tokens: int                      # KV capacity in token slots (rounded down to pages)
     # Tokens per KV page. 16 by measurement (benchmarks/engine/bench_radix_page_size.py, multi-turn
-    # chats over shared system prompts): scheduler CPU time per generated token 5.5 us at 1,
-    # 3.7 at 8, 3.5 at 16, 3.4 at 64 (flat past 16), while the prefix-hit rate, which loses the
-    # partial last page of every request, drops 0.4% at 16 and 1.8% at 64 (relative to 1).
+    # chats over shared system prompts): the scheduler's CPU time per generated token falls with the
+    # page size and is flat past 16, while the prefix-hit rate, which loses the partial last page of
+    # every request, falls as pages grow.
     page_size: int = 16
     max_running_requests: int = 256
     # Per-step token budget: decode rows are counted first (and never dropped), extend chunks

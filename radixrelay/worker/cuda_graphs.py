@@ -62,7 +62,7 @@ _LaunchShape = tuple   # the plan's host-side launch parameters
 # A step whose size class has no graph runs on a captured graph that covers it (a larger bucket, larger
 # caps, a launch shape whose tiles and splits reach its rows and lengths), if there is one, until the class
 # has been seen this many times: then its own graph is captured. Transient classes (a batch shrinking as
-# requests finish, a plan that lasts a few steps) never pay a capture (~100 ms at 32 layers).
+# requests finish, a plan that lasts a few steps) never pay a capture (a stall of the serving loop).
 CAPTURE_AFTER = 32
 # A size class that no captured graph covers, when the caller can run it on the piecewise graphs instead
 # (``run(defer=True)``), is captured once seen this many times: the first steps of a burst (a tree's
@@ -140,7 +140,7 @@ class DecodeGraphs:
         group of every row, no TMA (steps with or without consecutive pages); the cascade graph's caps
         hold ``COVER_GROUPS`` groups, rows in two levels (twice the bucket) and a run as long as the page
         table is wide. A fresh server's first decode steps then replay one of these (``_covering``)
-        instead of running on the piecewise graphs until their class recurs (~6 ms of host launch each)
+        instead of running on the piecewise graphs until their class recurs (a piecewise step's host launch each)
         or stalling on a capture; a class seen ``CAPTURE_AFTER`` times still gets its own graph, with the
         launch shape chosen for it. Trees of more groups are left to those. Returns the number of graphs
         captured."""
@@ -249,7 +249,7 @@ class DecodeGraphs:
         the next run). ``rids`` (the rows' request ids): the next step may ``advance`` this one. ``defer``: the
         caller can run the step another way (piecewise graphs): a size class that no captured graph
         covers returns None until it has been seen ``CAPTURE_UNCOVERED_AFTER`` times, instead of being
-        captured on its first step (a capture stalls the loop ~100 ms: at the start of a burst, on its
+        captured on its first step (a capture stalls the loop: at the start of a burst, on its
         first tokens)."""
         num = step.num
         if not self.fits(num, step.width):

@@ -4,7 +4,8 @@
 buffer one 4 KiB page at a time on one thread: tens of seconds of a server's start-up for a tier of
 tens of GiB. Here the buffer is an anonymous mapping advised for transparent huge pages (2 MiB pages
 where the kernel allows them), faulted in by several threads at once, then registered with CUDA
-(``cudaHostRegister``): an order of magnitude faster (benchmarks/results/HISTORY.md). Any step that fails (no huge pages, registration refused) falls back to the plain allocation.
+(``cudaHostRegister``): an order of magnitude faster (benchmarks/results/HISTORY.md). Any step that
+fails (no huge pages, registration refused) falls back to the plain allocation.
 
 The mapping lives as long as the tensor (the tensor's storage references it); ``release`` unregisters
 it before the mapping can go, as CUDA requires.

@@ -75,9 +75,9 @@ from radixrelay.worker.step_state import ResidentTokens
 # decode graphs, one row per extend token (``ModelRunner._extend_rows``): an idle server's cached
 # prompt, a chat's next turn, a modular prompt's question reach their first token in one graph replay,
 # and under load the step that admits them beside 256 decodes (cascade included) is one replay too,
-# instead of a piecewise step whose 32 layers of attention are launched from Python (H100, Llama-3-8B
-# shapes, shared-prefix at 48 req/s: host launch 7.2 -> 3.9 ms per step with 32 -> 256 here,
-# benchmarks/results/HISTORY.md). The worker's decode graphs take max_running_requests + this many rows.
+# instead of a piecewise step whose layers of attention are launched from Python (its host launch is
+# several times a replay's; benchmarks/results/HISTORY.md). The worker's decode graphs take
+# max_running_requests + this many rows.
 SMALL_EXTEND_ROWS = 256
 
 if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worker never loads them

@@ -26,9 +26,8 @@ cos and sin (float32, 4 * head_dim B), x, q, o (model dtype, (hidden + 2 * Hq * 
 for Llama-3-8B in bf16, 55 MiB at 2304 tokens. Graphs: one pool shared by every piece of every bucket,
 captured largest first so that the smaller buckets reuse its blocks: it holds the peak of one piece's
 temporaries at the largest bucket (the MLP's, with RMSNorm's float32 copies), linear in the largest
-bucket, plus a little per graph. Measured on an H100, Llama-3-8B shapes in bf16: the 2304-token bucket
-alone ~400 MiB, with 1024 and 2048 beside it ~400 MiB; all 30 default buckets up to 2304 (990 graphs)
-~760 MiB, captured in ~3 s. The KV cache must leave that room (the worker sizes it from free memory).
+bucket, plus a little per graph (hundreds of MiB for Llama-3-8B shapes with the default buckets;
+benchmarks/results/HISTORY.md). The KV cache must leave that room (the worker sizes it from free memory).
 Host per step: L + 1 replays, L eager attention calls and a copy each, 6 small copies of the inputs.
 
 On the CPU (or with ``use_graphs=False``) the same pieces run eagerly over the same padded buffers:
