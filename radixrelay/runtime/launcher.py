@@ -5,8 +5,8 @@ their arguments as msgspec JSON on the command line. (Not ``multiprocessing``: i
 pickles the process object and re-imports the parent's ``__main__``, which would break scripts
 that use ``Engine`` without an ``if __name__ == "__main__"`` guard.)
 
-Sockets are ``ipc://`` files in a private directory (mode 0700, from ``mkdtemp``) that ``stop``
-removes. Invariant: after ``stop`` returns, no child process and no socket file is left. Every child
+Sockets are ``ipc://`` files in a private directory (mode 0700, from ``mkdtemp``; ``socket_dir``) that
+``stop`` removes. Invariant: after ``stop`` returns, no child process and no socket file is left. Every child
 also gets a marker file in that directory, so that when this process dies without ``stop`` the
 children exit on their own and the last one out removes the directory (``runtime.child``).
 """
@@ -31,13 +31,33 @@ from radixrelay.runtime.child import marker
 
 logger = logging.getLogger("radixrelay.runtime")
 CHILD_KINDS = ("worker", "scheduler")
+# An ipc:// socket's path must fit ``sockaddr_un.sun_path``: 107 bytes and a NUL on Linux.
+IPC_PATH_MAX = 107
+_DIR_PREFIX = "radixrelay-"
+_DIR_NAME_LEN = len(_DIR_PREFIX) + 8                        # mkdtemp adds 8 random characters
+_LONGEST_SOCKET = max(map(len, Endpoints.__struct_fields__))   # the sockets are named after the channels
+
+
+def socket_dir() -> Path:
+    """A private directory for the sockets (mode 0700, from ``mkdtemp``): in the temporary directory
+    (``TMPDIR``) where the socket paths fit there, else in /tmp (a long ``TMPDIR`` would fail every
+    bind with an obscure ZMQ error)."""
+    bases = [tempfile.gettempdir(), "/tmp"]
+    for base in bases:
+        if len(os.fsencode(base)) + 1 + _DIR_NAME_LEN + 1 + _LONGEST_SOCKET <= IPC_PATH_MAX:
+            if base != bases[0]:
+                logger.info("socket directory in %s: the temporary directory's path (%s) is too long for "
+                            "socket paths", base, bases[0])
+            return Path(tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=base))
+    raise RuntimeError(f"no directory for the runtime's sockets: socket paths under {bases[0]!r} exceed "
+                       f"{IPC_PATH_MAX} bytes; set TMPDIR to a shorter path")
 
 
 class RuntimeProcesses:
     def __init__(self, config: EngineConfig) -> None:
         gc_mode()                      # a malformed RADIXRELAY_GC fails here, not in a child
         self.config = config
-        self.ipc_dir = Path(tempfile.mkdtemp(prefix="radixrelay-"))   # mode 0700
+        self.ipc_dir = socket_dir()
         def ipc(name: str) -> str:
             return f"ipc://{self.ipc_dir / name}"
         self.endpoints = Endpoints(ipc("frontend_to_scheduler"), ipc("scheduler_to_frontend"),
