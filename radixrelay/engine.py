@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -45,13 +46,21 @@ SchemaPrompt = str | dict | modules.Prompt
 class Engine:
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.tokenizer = load_tokenizer(tokenizer_path(self.config))
-        self._client = SyncRuntimeClient(self.config)
+        # The tokenizer loads on a thread while the runtime's processes start (seconds each).
+        with ThreadPoolExecutor(1, thread_name_prefix="radixrelay-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, tokenizer_path(self.config))
+            try:
+                self._client = SyncRuntimeClient(self.config)
+            except BaseException:
+                if (error := tokenizer.exception()) is not None:    # the runtime failed on it too: its own error
+                    raise error from None
+                raise
         # Stops the children even if the caller never closes the engine.
         self._finalizer = weakref.finalize(self, self._client.close)
         try:
+            self.tokenizer = tokenizer.result()
             check_tokenizer_vocab(self.config, self.tokenizer.vocab_size, self._client.info.vocab_size)
-        except ValueError:
+        except BaseException:
             self._finalizer()
             raise
         self.max_context = self._client.info.max_context

@@ -1,8 +1,8 @@
 """The scheduler process: request queue, radix cache and batching, between the frontend and the
 worker.
 
-Start-up: wait for the worker's ``WorkerReady`` (it knows how much KV memory it got), build the
-``Scheduler``, report ``RuntimeReady`` to the frontend.
+Start-up: load the tokenizer while the worker loads the model, wait for its ``WorkerReady`` (it knows
+how much KV memory it got), build the ``Scheduler``, report ``RuntimeReady`` to the frontend.
 
 Loop (``SchedulerLoop.run``), with up to ``depth`` steps in flight (2: overlap scheduling, the
 default; 1 with ``disable_overlap``):
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -310,15 +311,19 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     frontend_out = connect_push(ctx, ep.scheduler_to_frontend)
     worker_out = connect_push(ctx, ep.scheduler_to_worker)
     encode = encoder().encode
-    ready = _wait_for_worker(args, worker_in)
-    if ready is None:
-        return 1
-    if isinstance(ready, RuntimeFailed):
-        frontend_out.send(encode(ready))
-        return 1
     cfg = args.config
+    # The tokenizer loads on a thread while the worker loads the model (seconds each); this thread stays
+    # on the worker's socket, so a worker that fails to start is reported at once.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        loading = pool.submit(load_tokenizer, tokenizer_path(cfg))
+        ready = _wait_for_worker(args, worker_in)
+        if ready is None:
+            return 1
+        if isinstance(ready, RuntimeFailed):
+            frontend_out.send(encode(ready))
+            return 1
     try:
-        tokenizer = load_tokenizer(tokenizer_path(cfg))
+        tokenizer = loading.result()
         eos = tuple(sorted(tokenizer.eos_token_ids | set(ready.eos_token_ids)))
         scheduler = Scheduler(
             SchedulerConfig(kv_cache_tokens=ready.num_pages * cfg.page_size, page_size=cfg.page_size,
