@@ -11,6 +11,9 @@ torch ops elsewhere (the CPU matches HF transformers bit for bit). ``set_fused_k
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +38,36 @@ def fused(x: torch.Tensor) -> bool:
     return _fused_mode == "on" or (_fused_mode == "auto" and x.is_cuda)
 
 
+_skip_init: ContextVar[bool] = ContextVar("skip_init", default=False)
+
+
+@contextmanager
+def uninitialised_parameters() -> Iterator[None]:
+    """``Linear`` and ``Embedding`` made inside allocate their parameters without the default random
+    fill, for loaders that write every parameter next (the fill is most of building a model on the
+    host)."""
+    token = _skip_init.set(True)
+    try:
+        yield
+    finally:
+        _skip_init.reset(token)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose float32 CPU products run through ``radixrelay.model.cpu_gemm.linear``."""
 
+    def reset_parameters(self) -> None:
+        if not _skip_init.get():
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not _skip_init.get():
+            super().reset_parameters()
 
 
 class RMSNorm(nn.Module):

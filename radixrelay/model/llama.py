@@ -22,7 +22,7 @@ from torch import nn
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
-from radixrelay.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
+from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
 
 # HF projection name -> (our fused parameter, shard index within it).
 _FUSED_SHARDS = {
@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, **factory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, **factory)
         self.rotary = RotaryEmbedding(config, device=device)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+                        else Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._head_t_cache: tuple[tuple, torch.Tensor] | None = None     # ``_cpu_head_t``
 
     @torch.inference_mode()

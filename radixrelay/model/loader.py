@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from radixrelay.model.config import ModelConfig
+from radixrelay.model.layers import uninitialised_parameters
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.model.weights_gguf import open_gguf
@@ -56,7 +57,7 @@ def load_model(
         config, weights = open_gguf(_gguf_file(path))
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
-    net = LlamaForCausalLM(config, dtype=dtype, device=device)
+    net = _uninitialised(config, device, dtype)
     net.load_weights(weights)
     return net.eval().requires_grad_(False), config
 
@@ -86,7 +87,7 @@ def _gguf_file(path: Path) -> Path:
 @torch.no_grad()
 def _dummy(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     """Random weights created on the device: norms 1, biases 0, matrices N(0, DUMMY_STD)."""
-    net = LlamaForCausalLM(config, dtype=dtype, device=device)
+    net = _uninitialised(config, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in net.named_parameters():
         if "norm" in name:
@@ -96,3 +97,10 @@ def _dummy(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, 
         else:
             param.normal_(0.0, DUMMY_STD, generator=gen)
     return net.eval().requires_grad_(False)
+
+
+def _uninitialised(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model with its parameters allocated on ``device`` but not filled (the callers write every
+    one)."""
+    with uninitialised_parameters():
+        return LlamaForCausalLM(config, dtype=dtype, device=device)

@@ -1,6 +1,8 @@
-"""GGUF checkpoints (llama.cpp format) read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp format): the file is opened by ``radixrelay.gguf_file``.
 
-Every tensor is dequantised to float32 on the host by ``gguf.quants.dequantize`` (F32, F16, BF16,
+Every tensor is dequantised to float32 on the host: F32, F16, BF16, Q8_0, Q4_0 and Q4_1 here (in torch,
+bit-identical to the ``gguf`` package's numpy code and a few times faster), every other type by
+``gguf.quants.dequantize`` (F32, F16, BF16,
 Q8_0, Q4_0/1, Q5_0/1, K-quants, ... whatever the installed ``gguf`` supports) and renamed to HF
 names for ``LlamaForCausalLM.load_weights``.
 
@@ -13,13 +15,13 @@ rotate-half RoPE is correct. ``qwen2`` files use llama.cpp's NEOX rope and are n
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
+from radixrelay.gguf_file import GGUFFile, TensorInfo
 from radixrelay.model.config import ModelConfig
 
 _LAYER_NAMES = {
@@ -42,54 +44,74 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _open(path: Path) -> Any:
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise RuntimeError("reading GGUF files needs the `gguf` package: pip install gguf") from e
-    return GGUFReader(path)
-
-
-def _scalar_metadata(reader: Any) -> dict[str, Any]:
-    """Decoded metadata, skipping arrays (the tokenizer vocabulary is large and unused here)."""
-    from gguf import GGUFValueType
-
-    return {name: field.contents() for name, field in reader.fields.items()
-            if field.types and field.types[0] != GGUFValueType.ARRAY}
-
-
-def _torch_shape(tensor: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+def _torch_shape(tensor: TensorInfo) -> tuple[int, ...]:
+    return tuple(reversed(tensor.dims))  # GGUF lists dims innermost first
 
 
 def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """Parse the file once: its ``ModelConfig`` and a lazy iterator of (HF name, float32 CPU
     tensor), dequantising one tensor at a time."""
-    reader = _open(path)
-    config = ModelConfig.from_gguf(_scalar_metadata(reader),
-                                   {t.name: _torch_shape(t) for t in reader.tensors})
-    return config, _iter_weights(reader, config, path.name)
+    file = GGUFFile(path)
+    scalars = {k: v for k, v in file.metadata.items() if not isinstance(v, list)}  # not the vocabulary
+    config = ModelConfig.from_gguf(scalars, {t.name: _torch_shape(t) for t in file.tensors})
+    return config, _iter_weights(file, config)
 
 
-def _iter_weights(reader: Any, config: ModelConfig, file_name: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
+def _iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     unpermute = config.architecture == "llama"
-    for t in reader.tensors:
+    for t in file.tensors:
         name = _hf_name(t.name)
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise RuntimeError(
-                f"{file_name}: tensor {t.name} has type {t.tensor_type.name}, which the installed "
-                "gguf package cannot dequantize"
-            ) from e
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(_torch_shape(t))
+        weight = dequantize(file.tensor_bytes(t), t.ggml_type, f"{file.path.name}: tensor {t.name}")
+        weight = weight.reshape(_torch_shape(t))
         if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_rope(weight, config.num_heads)
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute_rope(weight, config.num_kv_heads)
         yield name, weight
+
+
+# ggml type -> bytes per block of 32 values (the block-quantised types done here)
+_Q8_0, _Q4_0, _Q4_1 = 8, 2, 3
+_F32, _F16, _BF16 = 0, 1, 30
+_BLOCK_BYTES = {_Q8_0: 34, _Q4_0: 18, _Q4_1: 20}
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, what: str = "tensor") -> torch.Tensor:
+    """raw: a tensor's bytes (uint8) -> its values as a flat float32 CPU tensor."""
+    with warnings.catch_warnings():      # read-only (memory-mapped) bytes: only read, every result is a copy
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(memoryview(raw), dtype=torch.uint8) if raw.size else torch.empty(0, dtype=torch.uint8)
+    if ggml_type == _F32:
+        return data.view(torch.float32).clone()
+    if ggml_type in (_F16, _BF16):
+        return data.view(torch.float16 if ggml_type == _F16 else torch.bfloat16).float()
+    if ggml_type in _BLOCK_BYTES:
+        blocks = data.view(-1, _BLOCK_BYTES[ggml_type])
+        scale = blocks[:, 0:2].contiguous().view(torch.float16).float()              # [blocks, 1]
+        if ggml_type == _Q8_0:                                                        # x = d * q (int8)
+            return (blocks[:, 2:].contiguous().view(torch.int8).float() * scale).reshape(-1)
+        nibbles = blocks[:, 4:] if ggml_type == _Q4_1 else blocks[:, 2:]
+        q = torch.cat((nibbles & 15, nibbles >> 4), dim=1).float()                  # low halves first
+        if ggml_type == _Q4_0:                                                        # x = d * (q - 8)
+            return ((q - 8) * scale).reshape(-1)
+        minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()              # x = d * q + m
+        return (q * scale + minimum).reshape(-1)
+    return _dequantize_with_gguf(raw, ggml_type, what)
+
+
+def _dequantize_with_gguf(raw: np.ndarray, ggml_type: int, what: str) -> torch.Tensor:
+    try:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+    except ImportError as e:
+        raise RuntimeError("dequantising GGUF tensors needs the `gguf` package: pip install gguf") from e
+    qtype = GGMLQuantizationType(ggml_type)
+    try:
+        array = gguf_dequantize(raw, qtype)
+    except NotImplementedError as e:
+        raise RuntimeError(f"{what} has type {qtype.name}, which the installed gguf package cannot "
+                           "dequantize") from e
+    return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(-1)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -34,6 +34,7 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from radixrelay.gguf_file import read_metadata
 from radixrelay.text.encode_cache import ChunkedEncoder
 
 logger = logging.getLogger(__name__)
@@ -403,14 +404,8 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader  # heavy import, only when a GGUF file is actually loaded
-
-    reader = GGUFReader(str(path), "r")
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.") or key == "general.name"
-    }
+    meta = read_metadata(path)
+    return {key: value for key, value in meta.items() if key.startswith("tokenizer.") or key == "general.name"}
 
 
 def _load_gguf(path: Path) -> Tokenizer:
