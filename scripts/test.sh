@@ -2,6 +2,10 @@
 # Sets up .venv with the test dependencies and runs the whole CPU test suite (or the pytest
 # arguments given: `bash scripts/test.sh tests/server -x`).
 # Triton kernels run under TRITON_INTERPRET=1 on machines without a GPU (tests/conftest.py).
+# Tests run on RADIXRELAY_TEST_WORKERS pytest-xdist workers (default 2; 0 runs them in this process),
+# whole files per worker (a module's server starts once), every process with one torch thread unless
+# OMP_NUM_THREADS says otherwise: two workers' engines on two cores would otherwise oversubscribe the
+# CPU, and OpenMP's spinning barriers then make steps many times slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev
@@ -10,4 +14,10 @@ quiet=(-q)
 for arg in "$@"; do
     case "$arg" in -q|-qq|--quiet|-v|-vv|--verbose) quiet=() ;; esac
 done
-exec .venv/bin/python -m pytest "${quiet[@]}" -p no:cacheprovider "$@"
+workers="${RADIXRELAY_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    parallel=(-n "$workers" --dist loadfile)
+fi
+exec .venv/bin/python -m pytest "${quiet[@]}" -p no:cacheprovider "${parallel[@]}" "$@"

@@ -1,8 +1,13 @@
 """Suite-wide settings: CPU machines run Triton kernels in the interpreter and skip GPU tests."""
 
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.runtime.server_process import short_temp_dir
 
 
 def _cuda_available() -> bool:
@@ -20,9 +25,22 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Files with a slow test run first (the order is otherwise kept): spread over pytest-xdist
+    # workers (scripts/test.sh), the long files then start early instead of ending the run alone.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; run with -m gpu on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private temporary directory with a short path, for tests that give it to the runtime as its
+    temporary directory and check the socket directory there (``short_temp_dir``)."""
+    path = short_temp_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -17,6 +17,8 @@ from radixrelay.protocol.step import ModuleSpan
 from radixrelay.worker import model_runner
 from tests.cascade.harness import Wave, run_workload
 
+pytestmark = pytest.mark.slow
+
 CFG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
 

@@ -12,6 +12,8 @@ import pytest
 
 from radixrelay import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [
     "The capital of France is",

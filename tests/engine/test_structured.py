@@ -17,6 +17,8 @@ from radixrelay import Engine, SamplingParams
 from radixrelay.structured import StructuredOutput
 from radixrelay.structured.grammar import GrammarEngine
 
+pytestmark = pytest.mark.slow
+
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -12,7 +12,7 @@ from radixrelay.text.chat_template import ChatTemplate
 from tests.lang import reference
 from tests.lang.test_select import CASES as SELECT_CASES
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 PAGE_SIZE = 16         # the server's default: the radix cache shares whole pages
 SHARED = ("A short story. Mia lives in a small house by the sea with her old grey cat, "
           "and every morning she walks along the beach to look for shells. ")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.model.paged import PagedSession
+
+pytestmark = pytest.mark.slow
 
 GREEDY_TOKENS = 64
 

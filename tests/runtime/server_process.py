@@ -1,19 +1,28 @@
 """Test helper: run ``radixrelay serve`` as a real process on a free port, with its own TMPDIR
-(so the test can check that the private socket directory is gone afterwards)."""
+(``runtime_tmp``, so the test can check that the private socket directory is gone afterwards)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 STARTUP_TIMEOUT = 180.0
+
+
+def short_temp_dir() -> Path:
+    """A private directory with a short path under /tmp. The runtime's socket paths must fit 107 bytes;
+    under pytest-xdist a test's ``tmp_path`` can be too deep for them (the runtime then falls back to
+    /tmp, and a test looking for the socket directory in its TMPDIR would check nothing)."""
+    return Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
 
 
 def free_port() -> int:
@@ -44,7 +53,8 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, tmp_dir: Path, *args: str) -> None:
-        self.tmp_dir = tmp_dir
+        self.tmp_dir = tmp_dir                     # the server's log
+        self.runtime_tmp = short_temp_dir()        # the server's TMPDIR: its socket directory goes here
         self.args = args
         self.log = open(tmp_dir / "server.log", "wb")
         self.child_pids: list[int] = []
@@ -53,7 +63,7 @@ class ServerProcess:
     def _start(self) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "TMPDIR": str(self.tmp_dir)}
+        env = {**os.environ, "TMPDIR": str(self.runtime_tmp)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "radixrelay.cli", "serve", "--port", str(self.port),
              "--log-level", "warning", *self.args],
@@ -102,3 +112,4 @@ class ServerProcess:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.log.close()
+        shutil.rmtree(self.runtime_tmp, ignore_errors=True)

@@ -69,7 +69,7 @@ def metric(base_url: str, name: str) -> float:
 
 
 def socket_dirs(srv: ServerProcess) -> list[Path]:
-    return [p for p in srv.tmp_dir.iterdir() if p.name.startswith("radixrelay-")]
+    return [p for p in srv.runtime_tmp.iterdir() if p.name.startswith("radixrelay-")]
 
 
 # -- load ----------------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_async_client_end_to_end(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    asyncio.run(_end_to_end(tmp_path))
+def test_async_client_end_to_end(short_tmp, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
+    asyncio.run(_end_to_end(short_tmp))
 
 
 async def _end_to_end(tmp_path: Path) -> None:
@@ -108,12 +108,12 @@ async def _end_to_end(tmp_path: Path) -> None:
     assert not processes.ipc_dir.exists()
 
 
-def test_engine_start_failure_is_reported_and_cleaned_up(tmp_path, monkeypatch):
+def test_engine_start_failure_is_reported_and_cleaned_up(tmp_path, short_tmp, monkeypatch):
     from radixrelay import Engine
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     with pytest.raises(RuntimeError, match="worker start-up failed"):
         Engine(model="default", load_format="safetensors")      # the default model is a GGUF file
-    assert list(tmp_path.iterdir()) == []
+    assert list(short_tmp.iterdir()) == []
     with pytest.raises(ValueError, match="no such local file"):
         Engine(model=str(tmp_path / "missing-model"))

@@ -27,13 +27,13 @@ RSS_GROWTH_LIMIT = 0.15
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 
-def test_soak_60s_with_aborts(tmp_path):
+def test_soak_60s_with_aborts(tmp_path, short_tmp):
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "benchmarks.reliability.soak", "--duration", str(DURATION_S),
            "--warmup", "15", "--abort-share", "0.2", "--scrape-interval", "3",
            "--max-rss-growth", str(RSS_GROWTH_LIMIT), "--request-timeout", "120",
            "--out", str(out), "--server-log", str(tmp_path / "server.log")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(short_tmp)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert (out.with_suffix(".json")).exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.with_suffix(".json").read_text())["summary"]
@@ -50,4 +50,4 @@ def test_soak_60s_with_aborts(tmp_path):
     assert all(g["growth"] is not None and g["growth"] <= RSS_GROWTH_LIMIT for g in s["rss"].values()), report
     assert s["verdict"]["clean_shutdown"], report
     assert proc.returncode == 0, report
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("radixrelay-")]   # sockets removed
+    assert not [p for p in short_tmp.iterdir() if p.name.startswith("radixrelay-")]   # sockets removed

@@ -11,7 +11,7 @@ import pytest
 from tests.server.conftest import MAX_N, MODEL
 from tests.server.hostile import Tally, check_alive, fuzz
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 BATCH = 75            # generated cases per batch; two valid batches, two invalid ones
 TIMEOUT = 30.0        # seconds a request may take before it counts as a hang
 

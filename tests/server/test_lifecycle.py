@@ -52,7 +52,7 @@ class StreamReader(threading.Thread):
 def leftovers(srv: ServerProcess) -> list[str]:
     """Runtime processes still alive and socket directories still present."""
     procs = [f"pid {p}" for p in srv.child_pids if pid_alive(p)]
-    return procs + [p for p in os.listdir(srv.tmp_dir) if p.startswith("radixrelay-")]
+    return procs + [p for p in os.listdir(srv.runtime_tmp) if p.startswith("radixrelay-")]
 
 
 def wait_exit(srv: ServerProcess, timeout: float) -> int:

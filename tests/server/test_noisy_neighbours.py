@@ -16,7 +16,7 @@ from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from radixrelay.structured.spec import MAX_REPETITION
 from tests.runtime.server_process import ServerProcess
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 NEIGHBOUR = {"model": "default", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,

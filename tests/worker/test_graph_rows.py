@@ -32,6 +32,8 @@ from radixrelay.worker.device_batch import MAX_PATCH_ROWS, DeviceBatch, GraphRow
 from radixrelay.worker.model_runner import ModelRunner
 from tests.cascade.harness import RecordingSampler
 
+pytestmark = pytest.mark.slow
+
 PS = 4
 CFG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
