@@ -18,6 +18,6 @@ workers="${RADIXRELAY_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" != 0 ]; then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    parallel=(-n "$workers" --dist loadfile)
+    parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)   # keep the order: slow files first
 fi
 exec .venv/bin/python -m pytest "${quiet[@]}" -p no:cacheprovider "${parallel[@]}" "$@"

@@ -25,8 +25,9 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Files with a slow test run first (the order is otherwise kept): spread over pytest-xdist
-    # workers (scripts/test.sh), the long files then start early instead of ending the run alone.
+    # Files with a slow test run first (the order is otherwise kept, and scripts/test.sh keeps xdist
+    # from reordering files): spread over the workers, the long files start early instead of ending
+    # the run alone.
     slow_files = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow_files)
     if HAS_CUDA:
