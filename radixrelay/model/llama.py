@@ -23,6 +23,7 @@ from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
+from radixrelay.model.parallel import TensorParallel
 
 # HF projection name -> (our fused parameter, shard index within it).
 _FUSED_SHARDS = {
@@ -35,8 +36,11 @@ _FUSED_SHARDS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory) -> None:
+    """``config``: one rank's shapes (its query and KV heads; ``TensorParallel.local_config``)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, **factory) -> None:
         super().__init__()
+        self.tp = tp
         self.layer_id = layer_id
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -52,7 +56,11 @@ class Attention(nn.Module):
         q = self.before_attention(x, cos, sin, batch.out_slots, kv_cache)
         kv_cache.wait_for_layer(self.layer_id)                                 # KV tier loads
         o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.output(o)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o: attention output [T, Hq, D] -> [T, hidden] (summed over the ranks' heads)."""
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
                          kv_cache: KVCache) -> torch.Tensor:
@@ -71,8 +79,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, **factory) -> None:
+    """``config``: one rank's shapes (its slice of the MLP width)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, **factory) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
                                       **factory)
@@ -82,7 +93,7 @@ class MLP(nn.Module):
         if fused(x):
             from radixrelay.kernels.silu_mul import silu_mul
 
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
         if x.device.type == "cpu" and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
             # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
@@ -90,16 +101,16 @@ class MLP(nn.Module):
             gate, up = F.linear(x, w[:self.intermediate_size]), F.linear(x, w[self.intermediate_size:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                   # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, **factory) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, **factory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(config, layer_id, **factory)
+        self.self_attn = Attention(config, layer_id, tp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, **factory)
+        self.mlp = MLP(config, tp, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -117,28 +128,32 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: the layer's input [T, hidden]; o: attention output [T, Hq, D] -> the layer's output."""
         # the residual add and the norm after it are one op (one kernel when fused)
-        h, x = self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(-1, self.self_attn.q_size)), x)
+        h, x = self.post_attention_layernorm(self.self_attn.output(o), x)
         return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, **factory) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, **factory) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.embed_tokens = Embedding(tp.vocab_rows(config.vocab_size)[1], config.hidden_size, **factory)
+        local = tp.local_config(config)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config = config                       # the whole model's shapes
+        self.tp = tp or TensorParallel()
+        self.local_config = self.tp.local_config(config)     # this rank's heads and MLP width
         factory = {"dtype": dtype, "device": device}
-        self.model = LlamaModel(config, **factory)
+        self.model = LlamaModel(config, self.tp, **factory)
         self.rotary = RotaryEmbedding(config, device=device)
+        vocab_rows = self.tp.vocab_rows(config.vocab_size)[1]
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+                        else Linear(config.hidden_size, vocab_rows, bias=False, **factory))
         self._head_t_cache: tuple[tuple, torch.Tensor] | None = None     # ``_cpu_head_t``
 
     @torch.inference_mode()
@@ -149,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"forward: {input_ids.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
         cos, sin = self.rotary(batch.rope_positions)                            # [T, D] each
-        x = self.model.embed_tokens(input_ids)                                  # [T, hidden]
+        x = self.embed(input_ids)                                               # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv_cache, backend)
         return self.logits(x[batch.logits_indices])
@@ -160,8 +175,23 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if x.device.type == "cpu" and not uses_onednn(x):
-            return torch.mm(x, self._cpu_head_t(head)).to(torch.promote_types(x.dtype, torch.float32))
-        return linear(x, head).to(torch.promote_types(x.dtype, torch.float32))
+            logits = torch.mm(x, self._cpu_head_t(head))
+        else:
+            logits = linear(x, head)                                            # [R, vocab rows of this rank]
+        if self.tp.enabled:
+            logits = self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
+        return logits.to(torch.promote_types(x.dtype, torch.float32))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: int [T] -> [T, hidden]. Tensor parallel: each rank looks up the tokens in its
+        vocabulary rows (zeros for the others) and the ranks' rows are summed."""
+        if not self.tp.enabled:
+            return self.model.embed_tokens(input_ids)
+        start, rows, _ = self.tp.vocab_rows(self.config.vocab_size)
+        local = input_ids - start
+        outside = (local < 0) | (local >= rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(x)
 
     def _cpu_head_t(self, head: torch.Tensor) -> torch.Tensor:
         """BLAS on the CPU (``cpu_gemm`` mode blas, or activations oneDNN does not take):
@@ -197,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
             if target not in params:
                 raise ValueError(f"load_weights: unexpected tensor {name!r}")
+            tensor = self.tp.weight_slice(name, tensor, self.config)           # this rank's part
             dst = params[target].data
             if shard >= 0:
                 start, size = self._shard_range(target, shard)
@@ -218,8 +249,8 @@ class LlamaForCausalLM(nn.Module):
         return (-1,)
 
     def _shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
-        """(start row, rows) of a shard inside a fused parameter."""
-        c = self.config
+        """(start row, rows) of a shard inside a fused parameter (this rank's shapes)."""
+        c = self.local_config
         if ".qkv_proj." in param_name:
             return ((0, c.q_size), (c.q_size, c.kv_size), (c.q_size + c.kv_size, c.kv_size))[shard]
         return (shard * c.intermediate_size, c.intermediate_size)

@@ -7,6 +7,7 @@ for benchmarks and tests), ``auto`` (picked from what the path holds). Nothing i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,7 @@ import torch
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.layers import uninitialised_parameters
 from radixrelay.model.llama import LlamaForCausalLM
+from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.model.weights_gguf import open_gguf
 from radixrelay.model.weights_hf import iter_safetensors_weights, read_hf_config
@@ -34,20 +36,24 @@ def load_model(
     dtype: torch.dtype | None = None,
     load_format: LoadFormat = "auto",
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model in eval mode. ``dtype`` defaults to float32 on CPU, bfloat16 on
-    CUDA; ``seed`` only matters for ``dummy`` weights."""
+    CUDA; ``seed`` only matters for ``dummy`` weights. With ``tp``, this rank's slice of the model:
+    checkpoints are read one tensor at a time and each is cut to the rank's part before it is kept;
+    dummy weights equal the slices of the single-rank model with the same seed."""
     dtype = dtype or default_dtype(device)
+    tp = tp or TensorParallel()
     if isinstance(model, ModelConfig):
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_model: a ModelConfig can only be loaded with dummy weights, not {load_format!r}")
-        return _dummy(model, device, dtype, seed), model
+        return _dummy(model, device, dtype, seed, tp), model
 
     path = resolve_model_path(model)
     fmt = _detect_format(path) if load_format == "auto" else load_format
     if fmt == "dummy":
         config = open_gguf(_gguf_file(path))[0] if _is_gguf(path) else read_hf_config(path)
-        return _dummy(config, device, dtype, seed), config
+        return _dummy(config, device, dtype, seed, tp), config
     if fmt == "safetensors":
         if not path.is_dir():
             raise ValueError(f"load_model: safetensors needs a model directory, got {path}")
@@ -57,7 +63,7 @@ def load_model(
         config, weights = open_gguf(_gguf_file(path))
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
-    net = _uninitialised(config, device, dtype)
+    net = _uninitialised(config, device, dtype, tp)
     net.load_weights(weights)
     return net.eval().requires_grad_(False), config
 
@@ -85,22 +91,56 @@ def _gguf_file(path: Path) -> Path:
 
 
 @torch.no_grad()
-def _dummy(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+def _dummy(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int,
+           tp: TensorParallel) -> LlamaForCausalLM:
     """Random weights created on the device: norms 1, biases 0, matrices N(0, DUMMY_STD)."""
-    net = _uninitialised(config, device, dtype)
+    net = _uninitialised(config, device, dtype, tp)
+    if tp.enabled:
+        net.load_weights(dummy_weights(config, device, dtype, seed))
+        return net.eval().requires_grad_(False)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in net.named_parameters():
-        if "norm" in name:
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, DUMMY_STD, generator=gen)
+        _fill_dummy(name, param, gen)
     return net.eval().requires_grad_(False)
 
 
-def _uninitialised(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The model with its parameters allocated on ``device`` but not filled (the callers write every
-    one)."""
+def _fill_dummy(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+    if "norm" in name:
+        param.fill_(1.0)
+    elif name.endswith(".bias"):
+        param.zero_()
+    else:
+        param.normal_(0.0, DUMMY_STD, generator=gen)
+
+
+# fused parameter -> the checkpoint tensors it holds, in order along its rows
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@torch.no_grad()
+def dummy_weights(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                  seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The single-rank model's dummy weights as checkpoint tensors (HF names), one parameter at a
+    time: the same values on every rank, whatever the rank keeps of them."""
+    shapes = [(name, p.shape) for name, p in LlamaForCausalLM(config, dtype=dtype, device="meta").named_parameters()]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    split = {"qkv_proj": (config.q_size, config.kv_size, config.kv_size),
+             "gate_up_proj": (config.intermediate_size, config.intermediate_size)}
+    for name, shape in shapes:
+        full = torch.empty(shape, dtype=dtype, device=device)
+        _fill_dummy(name, full, gen)
+        parts = name.rsplit(".", 2)
+        if len(parts) < 3 or parts[1] not in _UNFUSED:
+            yield name, full
+            continue
+        prefix, leaf, kind = parts
+        for part, piece in zip(_UNFUSED[leaf], full.split(split[leaf])):
+            yield f"{prefix}.{part}.{kind}", piece
+
+
+def _uninitialised(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                   tp: TensorParallel) -> LlamaForCausalLM:
+    """The model (this rank's slice) with its parameters allocated on ``device`` but not filled (the
+    callers write every one)."""
     with uninitialised_parameters():
-        return LlamaForCausalLM(config, dtype=dtype, device=device)
+        return LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)

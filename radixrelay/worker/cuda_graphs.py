@@ -112,7 +112,7 @@ class DecodeGraphs:
         self.max_batch, self.max_pages, self.scratch_slot = max_batch, max_pages, scratch_slot
         self.buckets = batch_buckets(max_batch)
         self.device = kv_cache.device
-        cfg = model.config
+        cfg = model.local_config                # this rank's heads
         self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._shapes: dict[tuple, CascadeLaunch] = {}   # size class -> the launch shape its graphs use

@@ -97,7 +97,7 @@ class PiecewiseGraphs:
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("PiecewiseGraphs: use_graphs needs a CUDA KV cache")
         self.layers = list(model.model.layers)
-        cfg = model.config
+        cfg = model.local_config                                              # this rank's heads
         n = buckets[-1]
         dtype = model.model.embed_tokens.weight.dtype
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -215,7 +215,7 @@ class PiecewiseGraphs:
             c, s = self.model.rotary(self._positions[:n])                       # [n, D] each
             cos.copy_(c)
             sin.copy_(s)
-            x.copy_(self.model.model.embed_tokens(self._ids[:n]))               # [n, hidden]
+            x.copy_(self.model.embed(self._ids[:n]))               # [n, hidden]
         else:
             x.copy_(self.layers[i - 1].after_attention(x, self._o[:n]))
         if i < len(self.layers):

@@ -14,7 +14,7 @@ from radixrelay.model import LlamaForCausalLM
 
 class PagedSession:
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, seed: int = 0) -> None:
-        cfg = model.config
+        cfg = model.local_config                # this rank's KV heads (tensor parallel)
         dtype = next(model.parameters()).dtype
         self.model = model
         self.page_size = page_size

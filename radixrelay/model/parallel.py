@@ -1,0 +1,139 @@
+"""Tensor parallelism inside the model (Megatron-style), for ``size`` ranks of one process group.
+
+Each rank holds a slice of every large matrix and the model's output is the same on every rank:
+
+- q/k/v (fused ``qkv_proj``): column-parallel by heads. Rank r holds query heads
+  ``[r * Hq/tp, (r + 1) * Hq/tp)`` and the key/value heads those queries read: ``Hkv/tp`` of them when
+  ``tp`` divides ``Hkv``, else one (``tp`` a multiple of ``Hkv``: a KV head replicated on
+  ``tp/Hkv`` ranks). The KV cache of a rank holds its KV heads only.
+- o_proj and down_proj: row-parallel (input features split); each rank's partial product is summed
+  by an all-reduce.
+- gate/up (fused ``gate_up_proj``): column-parallel, each half split alike.
+- The embedding and the LM head: vocab-parallel, ``ceil(V/tp)`` rows per rank (the last rank's
+  padded with zeros). A lookup masks tokens outside the rank's rows and all-reduces; logits are
+  gathered across ranks and cut back to V columns.
+- Norms and RoPE: replicated.
+
+``TensorParallel()`` (size 1) makes every collective a no-op and every slice the whole tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixrelay.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None            # torch.distributed ProcessGroup; None: the default group
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"tensor parallel size must be an integer >= 1, got {self.size!r}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank {self.rank} outside [0, {self.size})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, in place."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., n] on every rank -> [..., size * n], rank r's columns at ``[r * n, (r + 1) * n)``."""
+        if not self.enabled:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    # -- what a rank holds ---------------------------------------------------------------------
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ``ValueError`` unless ``config`` splits over ``size`` ranks."""
+        tp = self.size
+        problems = []
+        if config.num_heads % tp:
+            problems.append(f"{config.num_heads} query heads")
+        if config.num_kv_heads % tp and tp % config.num_kv_heads:
+            problems.append(f"{config.num_kv_heads} KV heads (neither divides the other)")
+        if config.intermediate_size % tp:
+            problems.append(f"an MLP width of {config.intermediate_size}")
+        if problems:
+            raise ValueError(f"tensor parallel size {tp} does not split {' and '.join(problems)}")
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes one rank computes: its query and KV heads and its MLP width (vocab unchanged)."""
+        self.check(config)
+        return dataclasses.replace(config, num_heads=config.num_heads // self.size,
+                                   num_kv_heads=self.kv_heads(config)[1],
+                                   intermediate_size=config.intermediate_size // self.size)
+
+    def kv_heads(self, config: ModelConfig) -> tuple[int, int]:
+        """(first KV head, KV heads) of this rank."""
+        if config.num_kv_heads >= self.size:
+            count = config.num_kv_heads // self.size
+            return self.rank * count, count
+        return self.rank * config.num_kv_heads // self.size, 1
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first row, rows held with padding, rows that are real tokens) of this rank's slice of the
+        embedding and the LM head."""
+        per_rank = -(-vocab_size // self.size)
+        start = self.rank * per_rank
+        return start, per_rank, max(0, min(per_rank, vocab_size - start))
+
+    def weight_slice(self, hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (HF name, full shape)."""
+        if not self.enabled:
+            return tensor
+        leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
+        d = config.head_dim
+        if leaf == "q_proj":
+            heads = config.num_heads // self.size
+            return _narrow(hf_name, tensor, 0, config.q_size, self.rank * heads * d, heads * d)
+        if leaf in ("k_proj", "v_proj"):
+            first, count = self.kv_heads(config)
+            return _narrow(hf_name, tensor, 0, config.kv_size, first * d, count * d)
+        if leaf in ("gate_proj", "up_proj"):
+            width = config.intermediate_size // self.size
+            return _narrow(hf_name, tensor, 0, config.intermediate_size, self.rank * width, width)
+        if leaf == "o_proj":
+            if hf_name.endswith(".bias"):
+                raise ValueError(f"{hf_name}: an o_proj bias is not supported with tensor parallelism")
+            heads = config.num_heads // self.size
+            return _narrow(hf_name, tensor, 1, config.q_size, self.rank * heads * d, heads * d)
+        if leaf == "down_proj":
+            width = config.intermediate_size // self.size
+            return _narrow(hf_name, tensor, 1, config.intermediate_size, self.rank * width, width)
+        if leaf in ("embed_tokens", "lm_head"):
+            start, rows, real = self.vocab_rows(config.vocab_size)
+            part = _narrow(hf_name, tensor, 0, config.vocab_size, start, real)
+            if real == rows:
+                return part
+            padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+            padded[:real] = part
+            return padded
+        return tensor                                   # norms, rope_freqs: replicated
+
+
+def _narrow(name: str, tensor: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+    if tensor.dim() <= dim or tensor.shape[dim] != full:
+        raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {full} along "
+                         f"dimension {dim}")
+    return tensor.narrow(dim, start, size)

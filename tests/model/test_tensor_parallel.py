@@ -1,0 +1,83 @@
+"""Tensor parallelism in the model (radixrelay.model.parallel): two ranks in two processes (gloo on the
+CPU) give the single-rank model's greedy tokens (64 per prompt, fp32, paged KV) and its logits within
+float rounding, with KV heads split or replicated, an untied or tied LM head, a vocabulary that does
+not divide (padded rows) and q/k/v biases; what a rank holds and what cannot be split is checked
+without processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from radixrelay.model import ModelConfig, load_model
+from radixrelay.model.parallel import TensorParallel
+from tests.model import tp_rank
+
+BASE = dict(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CASES = {
+    "kv-split": ModelConfig(**BASE),
+    "kv-replicated-tied-odd-vocab": ModelConfig(**{**BASE, "num_kv_heads": 1, "vocab_size": 97,
+                                                   "tie_word_embeddings": True}),
+    "qkv-bias": ModelConfig(**{**BASE, "architecture": "qwen2", "attention_bias": True}),
+}
+
+
+def _run_ranks(config: ModelConfig, size: int, tmp_path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=tp_rank.run, args=(r, size, str(tmp_path / "rendezvous"), str(tmp_path),
+                                                   config, torch.float32)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * size
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_decode_like_one(case, tmp_path):
+    config = CASES[case]
+    reference = tp_rank.greedy(config, TensorParallel(), torch.float32)
+    ranks = _run_ranks(config, 2, tmp_path)
+    for result in ranks:                                  # every rank computes the same outputs
+        assert result["tokens"] == reference["tokens"]
+        torch.testing.assert_close(result["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
+    assert len({t for toks in reference["tokens"].values() for t in toks}) > 1     # not a constant
+
+
+def test_what_a_rank_holds():
+    config = ModelConfig(**{**BASE, "num_heads": 8, "num_kv_heads": 2, "vocab_size": 97})
+    local = TensorParallel(1, 4).local_config(config)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 24)
+    assert [TensorParallel(r, 4).kv_heads(config) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [TensorParallel(r, 2).kv_heads(config) for r in range(2)] == [(0, 1), (1, 1)]
+    assert [TensorParallel(r, 4).vocab_rows(97) for r in range(4)] == [(0, 25, 25), (25, 25, 25), (50, 25, 25),
+                                                                      (75, 25, 22)]
+    model, _ = load_model(config, load_format="dummy", tp=TensorParallel(3, 4))
+    assert model.model.embed_tokens.weight.shape == (25, 64)
+    assert torch.all(model.model.embed_tokens.weight[22:] == 0)          # padding rows
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.shape == ((2 + 2 * 1) * 16, 64)
+    assert layer.self_attn.o_proj.weight.shape == (64, 2 * 16)
+    assert layer.mlp.gate_up_proj.weight.shape == (2 * 24, 64)
+    assert layer.mlp.down_proj.weight.shape == (64, 24)
+
+
+def test_what_cannot_be_split_is_refused():
+    with pytest.raises(ValueError, match="does not split 4 query heads"):
+        TensorParallel(0, 3).check(ModelConfig(**BASE))
+    with pytest.raises(ValueError, match="3 KV heads"):
+        TensorParallel(0, 2).check(ModelConfig(**{**BASE, "num_heads": 6, "num_kv_heads": 3}))
+    with pytest.raises(ValueError, match="MLP width of 90"):
+        TensorParallel(0, 4).check(ModelConfig(**{**BASE, "intermediate_size": 90}))
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        TensorParallel(2, 2)
+    with pytest.raises(ValueError, match="expected 64 along dimension 0"):
+        TensorParallel(0, 2).weight_slice("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 64),
+                                          ModelConfig(**BASE))
