@@ -38,6 +38,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory-fraction", type=float, default=0.85,
                     help="CUDA: share of the memory free after loading the model used for the KV "
                          "cache (default: %(default)s)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="split the model over this many GPUs (one worker process each; rank r on cuda:r), or "
+                        "processes on the CPU (default: %(default)s)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-running-requests", type=int, default=256,
                    help="most requests decoding at once (default: %(default)s)")
@@ -90,7 +93,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
         disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
-        context_length=args.context_length, truncation=args.truncation, seed=args.seed)
+        context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp)
 
 
 def _parser() -> argparse.ArgumentParser:

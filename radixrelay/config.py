@@ -60,6 +60,9 @@ class EngineConfig:
     truncation: float | None = None
     seed: int = 0                     # seeds the worker's generator for unseeded sampled requests
     startup_timeout: float = 600.0    # seconds to wait for the runtime processes to be ready
+    # Tensor parallelism: the model split over this many worker processes, one per device (rank r on
+    # cuda:r; gloo on the CPU), that run every step together (``radixrelay.model.parallel``).
+    tp: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -114,6 +117,13 @@ class EngineConfig:
                                     f"got {self.truncation}")
         if self.startup_timeout <= 0:
             raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise bad("tp", f"must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and (self.disk_kv_path is not None or (self.host_kv_gib or 0) > 0):
+            raise bad("tp", "host and disk KV tiers do not run with tp > 1 yet: leave --host-kv-gib and "
+                            "--disk-kv-path unset (or --host-kv-gib 0)")
+        if self.tp > 1 and self.device.startswith("cuda:"):
+            raise bad("tp", f"with tp > 1, rank r runs on cuda:r: use device 'cuda' or 'auto', not {self.device!r}")
 
 
 @dataclass(frozen=True)

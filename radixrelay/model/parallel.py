@@ -44,6 +44,12 @@ class TensorParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place."""
         if self.enabled:

@@ -172,6 +172,15 @@ class Endpoints(msgspec.Struct, frozen=True):
     scheduler_to_frontend: str
     scheduler_to_worker: str
     worker_to_scheduler: str
+    # Tensor parallelism: the inboxes of ranks 1..tp-1 (rank 0 forwards every scheduler frame to them)
+    # and the file the ranks meet at to form their process group.
+    ranks: list[str] = []
+    rendezvous: str = ""
+
+    def sockets(self) -> list[str]:
+        """Every ZMQ address (the four channels, then the ranks' inboxes)."""
+        return [self.frontend_to_scheduler, self.scheduler_to_frontend, self.scheduler_to_worker,
+                self.worker_to_scheduler, *self.ranks]
 
 
 class ChildArgs(msgspec.Struct, frozen=True):
@@ -180,6 +189,7 @@ class ChildArgs(msgspec.Struct, frozen=True):
     parent_pid: int                   # the child exits once this process is gone
     ipc_dir: str                      # the socket directory (``radixrelay.runtime.child.leave_socket_dir``)
     log_level: str = "INFO"
+    rank: int = 0                     # a worker's tensor-parallel rank
 
 
 def encoder() -> msgspec.msgpack.Encoder:

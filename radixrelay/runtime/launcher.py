@@ -30,7 +30,10 @@ from radixrelay.protocol.messages import ChildArgs, Endpoints
 from radixrelay.runtime.child import marker
 
 logger = logging.getLogger("radixrelay.runtime")
-CHILD_KINDS = ("worker", "scheduler")
+CHILD_KINDS = ("worker", "scheduler")          # the worker is tensor-parallel rank 0; ranks 1.. are workers too
+# Every process of a tensor-parallel runtime: no NVLink multicast (NVLS), which can take a shared
+# host's GPUs out of service.
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # An ipc:// socket's path must fit ``sockaddr_un.sun_path``: 107 bytes and a NUL on Linux.
 IPC_PATH_MAX = 107
 _DIR_PREFIX = "radixrelay-"
@@ -61,18 +64,23 @@ class RuntimeProcesses:
         def ipc(name: str) -> str:
             return f"ipc://{self.ipc_dir / name}"
         self.endpoints = Endpoints(ipc("frontend_to_scheduler"), ipc("scheduler_to_frontend"),
-                                   ipc("scheduler_to_worker"), ipc("worker_to_scheduler"))
+                                   ipc("scheduler_to_worker"), ipc("worker_to_scheduler"),
+                                   ranks=[ipc(f"rank{r}") for r in range(1, config.tp)],
+                                   rendezvous=str(self.ipc_dir / "rendezvous") if config.tp > 1 else "")
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def spawn(self) -> None:
         """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will)."""
         level = logging.getLevelName(logger.getEffectiveLevel())
-        args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), str(self.ipc_dir),
-                                             level)).decode()
-        for kind in CHILD_KINDS:
+        children = [(kind, kind, 0) for kind in CHILD_KINDS]
+        children += [(f"worker rank {r}", "worker", r) for r in range(1, self.config.tp)]
+        env = {**os.environ, **TP_ENV} if self.config.tp > 1 else None
+        for name, kind, rank in children:
+            args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), str(self.ipc_dir),
+                                                 level, rank)).decode()
             proc = subprocess.Popen([sys.executable, "-m", f"radixrelay.runtime.{kind}_process", args],
-                                    stdin=subprocess.DEVNULL)
-            self.children[kind] = proc
+                                    stdin=subprocess.DEVNULL, env=env)
+            self.children[name] = proc
             marker(self.ipc_dir, proc.pid).touch()
 
     def dead_child(self) -> str | None:

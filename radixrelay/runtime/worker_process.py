@@ -11,6 +11,7 @@ oldest step in flight. A frame that is not a ``WorkerCommand`` is logged and dro
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, trace_steps
 from radixrelay.model.loader import load_model
+from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -45,26 +47,28 @@ logger = logging.getLogger("radixrelay.worker")
 DEFAULT_CPU_KV_TOKENS = 32_768
 
 
-def build_runner(cfg: EngineConfig) -> tuple[ModelRunner, WorkerReady]:
-    device = torch.device(pick_device(cfg.device))
+def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[ModelRunner, WorkerReady]:
+    tp = tp or TensorParallel()
+    device = torch.device(pick_device(cfg.device, tp))
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     model, mc = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format,
-                           seed=cfg.seed)
+                           seed=cfg.seed, tp=tp)
+    local = model.local_config                     # this rank's KV heads
     kv_dtype = next(model.parameters()).dtype
-    kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(cfg, device, mc, kv_dtype)
+    kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(cfg, device, local, kv_dtype, tp)
     num_pages = kv_tokens // cfg.page_size
     if num_pages < 1:
         raise ValueError(f"no memory left for the KV cache ({kv_tokens} tokens)")
     # One page beyond what the scheduler hands out: padded CUDA-graph rows write their K/V there.
     kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages + 1, page_size=cfg.page_size,
-                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
+                       num_kv_heads=local.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
                        device=device)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)
     backend = make_backend(backend_name, device)
     if device.type == "cuda" and backend_name == "triton":
         from radixrelay.worker.warmup import warm_up_kernels   # imports the Triton kernels
 
-        report = warm_up_kernels(mc, kv_cache, backend)        # no kernel compiles after ready
+        report = warm_up_kernels(local, kv_cache, backend)     # no kernel compiles after ready
         if not report.complete:
             logger.warning("kernel warm-up incomplete: skipped %s, errors %s", report.skipped, report.errors)
     extend_rows = small_extend_rows()
@@ -131,42 +135,85 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def pick_device(device: str) -> str:
+def pick_device(device: str, tp: TensorParallel | None = None) -> str:
+    """The device of this rank (rank r of a tensor-parallel CUDA runtime: cuda:r)."""
+    tp = tp or TensorParallel()
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if device == "cuda" and tp.enabled:
+        if tp.size > torch.cuda.device_count():
+            raise ValueError(f"tp={tp.size} needs {tp.size} GPUs, {torch.cuda.device_count()} visible")
+        return f"cuda:{tp.rank}"
     return device
 
 
-def _default_kv_tokens(cfg: EngineConfig, device: torch.device, mc: object, dtype: torch.dtype) -> int:
+def _default_kv_tokens(cfg: EngineConfig, device: torch.device, mc: object, dtype: torch.dtype,
+                       tp: TensorParallel) -> int:
+    """``mc``: this rank's shapes. Every rank gets the smallest rank's count (a page id means the
+    same page on every rank)."""
     if device.type != "cuda":
         return DEFAULT_CPU_KV_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-    return int(free * cfg.kv_memory_fraction) // per_token
+    tokens = int(free * cfg.kv_memory_fraction) // per_token
+    if tp.enabled:
+        import torch.distributed as dist
+
+        count = torch.tensor([tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
+        tokens = int(count.item())
+    return tokens
 
 
 def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
-    inbox = bind_pull(ctx, args.endpoints.scheduler_to_worker)
-    outbox = connect_push(ctx, args.endpoints.worker_to_scheduler)
+    """Rank 0 talks to the scheduler and forwards every frame it receives to the other ranks, which
+    run the same steps and send nothing (their outputs equal rank 0's)."""
+    rank, endpoints = args.rank, args.endpoints
+    inbox = bind_pull(ctx, endpoints.scheduler_to_worker if rank == 0 else endpoints.ranks[rank - 1])
+    outbox = connect_push(ctx, endpoints.worker_to_scheduler) if rank == 0 else None
+    followers = [connect_push(ctx, e) for e in endpoints.ranks] if rank == 0 else []
     encode = encoder().encode
     try:
-        runner, ready = build_runner(args.config)
+        tp = join_tensor_parallel(args)
+        runner, ready = build_runner(args.config, tp)
+        tp.barrier()                   # every rank loaded: ready means ready on all of them
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
         logger.error("worker start-up failed:\n%s", traceback.format_exc())
-        outbox.send(encode(RuntimeFailed(f"worker start-up failed: {type(exc).__name__}: {exc}")))
+        if outbox is not None:
+            outbox.send(encode(RuntimeFailed(f"worker start-up failed: {type(exc).__name__}: {exc}")))
         return 1
     collector = GcControl("worker", gc_mode(), logger)
     collector.settle()                 # the model, KV cache and CUDA graphs: never scanned again
-    outbox.send(encode(msgspec.structs.replace(ready, gc_frozen=collector.stats().frozen)))
-    logger.info("worker ready: %d KV pages of %d tokens", ready.num_pages, args.config.page_size)
+    if outbox is not None:
+        outbox.send(encode(msgspec.structs.replace(ready, gc_frozen=collector.stats().frozen)))
+    logger.info("worker rank %d ready: %d KV pages of %d tokens", rank, ready.num_pages, args.config.page_size)
     with torch.inference_mode():
-        return serve_steps(runner, inbox, outbox, args, collector)
+        return serve_steps(runner, inbox, outbox, args, collector, followers)
 
 
-def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args: ChildArgs,
-                collector: GcControl) -> int:
+def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
+    """Form the ranks' process group (NCCL on CUDA, gloo on the CPU); a single rank forms none.
+    Collectives time out after the start-up timeout instead of hanging on a dead rank."""
+    size = args.config.tp
+    if size == 1:
+        return TensorParallel()
+    import torch.distributed as dist
+
+    cuda = pick_device(args.config.device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(args.rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.endpoints.rendezvous}",
+                            rank=args.rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=args.config.startup_timeout))
+    return TensorParallel(args.rank, size)
+
+
+def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | None, args: ChildArgs,
+                collector: GcControl, followers: list[zmq.Socket] | None = None) -> int:
+    """``outbox`` None: a tensor-parallel rank other than 0 (runs every step, reports nothing);
+    ``followers``: rank 0's sockets to the other ranks, which get every frame before it is run."""
     encode = encoder().encode
     commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
     in_flight: deque[tuple[LaunchedStep, float, bool]] = deque()  # (step, host seconds, has rows)
@@ -194,8 +241,9 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
         counters.jit_after_ready = jit
         counters.malformed_frames = commands.dropped
         counters.gc = collector.stats()
-        outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy, step.capture_s,
-                                          counters)))
+        if outbox is not None:
+            outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy,
+                                              step.capture_s, counters)))
         if trace is not None:
             trace.finished(step.step_id)
 
@@ -211,7 +259,10 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket, args
             else:
                 collector.poll(idle=True)     # nothing on the device: a due full collection runs here
             continue
-        command = commands(inbox.recv())
+        frame = inbox.recv()
+        for follower in followers or ():
+            follower.send(frame)          # the other ranks decode and run it (or drop it) as this one does
+        command = commands(frame)
         if command is None:
             continue                  # malformed frame: logged and dropped
         if not isinstance(command, WorkerStep):

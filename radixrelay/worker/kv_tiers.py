@@ -570,10 +570,11 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
 
 
 def host_tier_bytes(cfg, device: torch.device) -> int:
-    """``cfg.host_kv_gib`` in bytes; unset: none on the CPU, on CUDA a share of available RAM."""
+    """``cfg.host_kv_gib`` in bytes; unset: none on the CPU or with tensor parallelism, on CUDA a share
+    of available RAM."""
     if cfg.host_kv_gib is not None:
         return int(cfg.host_kv_gib * (1 << 30))
-    if device.type != "cuda":
+    if device.type != "cuda" or cfg.tp > 1:
         return 0
     try:
         with open("/proc/meminfo") as f:

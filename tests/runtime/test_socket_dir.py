@@ -17,9 +17,9 @@ from radixrelay.runtime.launcher import IPC_PATH_MAX, RuntimeProcesses
 def _bind_all(processes: RuntimeProcesses) -> None:
     ctx = zmq.Context()
     try:
-        for endpoint in processes.endpoints.__struct_fields__:
+        for address in processes.endpoints.sockets():
             sock = ctx.socket(zmq.PULL)
-            sock.bind(getattr(processes.endpoints, endpoint))
+            sock.bind(address)
             sock.close(linger=0)
     finally:
         ctx.term()
@@ -31,10 +31,10 @@ def test_socket_paths_fit_however_deep_the_temporary_directory(monkeypatch, dept
     deep = base.joinpath(*["d" * 9] * depth)            # 1: fits; 12: over 107 bytes with the socket names
     deep.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    processes = RuntimeProcesses(EngineConfig())
+    processes = RuntimeProcesses(EngineConfig(tp=8))            # with the inboxes of ranks 1..7
     try:
-        paths = [getattr(processes.endpoints, e).removeprefix("ipc://") for e in processes.endpoints.__struct_fields__]
-        assert all(len(p.encode()) <= IPC_PATH_MAX for p in paths)
+        paths = [a.removeprefix("ipc://") for a in processes.endpoints.sockets()]
+        assert len(paths) == 4 + 7 and all(len(p.encode()) <= IPC_PATH_MAX for p in paths)
         # a short temporary directory keeps the sockets; a long one sends them to /tmp
         assert processes.ipc_dir.parent == (deep if depth == 1 else Path("/tmp"))
         assert processes.ipc_dir.stat().st_mode & 0o777 == 0o700
