@@ -8,7 +8,10 @@ server does in its first minutes); then the questions arrive together; timed: th
 of the questions included. Then a round with half the output tokens: the difference is decode alone.
 Both ``--repeats`` times with fresh questions; medians reported.
 
-    python -m benchmarks.engine.bench_engine [--layers 32] [--doc 16384] [--questions 256] [--out-dir DIR]
+    python -m benchmarks.engine.bench_engine [--layers 32] [--doc 16384] [--questions 256] [--tp 1,2] [--out-dir DIR]
+
+With ``--tp 1,2`` every mode runs once per tensor-parallel size (rows ``auto tp=2``); the report then goes
+to ``engine_tp_<device>.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from radixrelay import Engine, SamplingParams
 from radixrelay.bench.provenance import source_commit, write_device_results
 
 def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Callable[[], list[list[int]]],
-        max_tokens: int, kv_tokens: int, device: str, repeats: int, host_kv_gib: float | None = None) -> dict:
+        max_tokens: int, kv_tokens: int, device: str, repeats: int, host_kv_gib: float | None = None,
+        tp: int = 1) -> dict:
     """``repeats`` times: a timed round of fresh questions, then a round of other fresh questions with half
     the output tokens: the difference between the two is decode steps alone (same prefill, same first
     half of the decode). Reported: the round of median wall time, and the median decode step."""
@@ -34,7 +38,7 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Ca
     cascade, _, loop = mode.partition("-")          # e.g. "auto", "off-nooverlap"
     rounds, decode = [], []
     with Engine(model=path, load_format="dummy", device=device, cascade=cascade, kv_cache_tokens=kv_tokens,
-                disable_overlap=loop == "nooverlap", host_kv_gib=host_kv_gib) as engine:
+                disable_overlap=loop == "nooverlap", host_kv_gib=host_kv_gib, tp=tp) as engine:
         engine.generate([doc + warmup[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         engine.generate([doc + q for q in warmup], params)
         for _ in range(repeats):
@@ -54,6 +58,8 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Ca
             steps = max(full["steps"] - part["steps"], 1)
             decode.append(((wall - wall_half) / steps, (full["worker_device_s"] - part["worker_device_s"]) / steps,
                            full["graph_captures"] - part["graph_captures"]))
+    if tp > 1:
+        rounds = [{**r, "mode": f"{mode} tp={tp}"} for r in rounds]
     row = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]
     step, device_s, captures = sorted(decode)[len(decode) // 2]
     return {**row, "decode_step_s": step, "decode_device_s": device_s, "decode_captures": captures,
@@ -87,6 +93,7 @@ def main() -> None:
     ap.add_argument("--log-level", default="warning", help="of the engine's processes (info: graph captures)")
     ap.add_argument("--host-kv-gib", type=float, default=None,
                     help="host-memory KV tier (default: the Engine's, on for CUDA; 0: off)")
+    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, each run with every mode")
     ap.add_argument("--out-dir", default=str(RESULTS / "engine"))
     args = ap.parse_args()
 
@@ -105,10 +112,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(tmp, args.layers)
-        for mode in args.modes.split(","):
-            rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
-                            args.host_kv_gib))
-            print(rows[-1], flush=True)
+        for tp in map(int, args.tp.split(",")):
+            for mode in args.modes.split(","):
+                rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
+                                args.host_kv_gib if tp == 1 else 0.0, tp))
+                print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
              f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
@@ -150,7 +158,7 @@ def main() -> None:
                      f"{r['decode_step_s'] / max(r['decode_device_s'], 1e-9):.2f} | {r['decode_captures']} | "
                      f"{', '.join(f'{1e3 * x:.1f}' for x in r['decode_steps_s'])} | "
                      f"{', '.join(f'{x:.2f}' for x in r['walls'])} |")
-    write_device_results(args.out_dir, "engine", name, lines)
+    write_device_results(args.out_dir, "engine" if args.tp == "1" else "engine_tp", name, lines)
     print("\n".join(lines))
 
 
