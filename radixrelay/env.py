@@ -25,6 +25,8 @@
 - ``RADIXRELAY_GC``: ``managed`` (default) or ``python``: how the runtime's processes run Python's
   garbage collector (``radixrelay.runtime.gc_control``: start-up heap frozen, full collections when
   idle; or the interpreter's own policy, for comparison).
+- ``RADIXRELAY_TP_ALLREDUCE``: ``auto`` (default) or ``nccl``: with tensor parallelism on CUDA, small
+  all-reduces run one-shot over symmetric memory (``radixrelay.model.parallel``) unless ``nccl``.
 """
 
 from __future__ import annotations
@@ -99,4 +101,12 @@ def gc_mode() -> str:
     mode = os.environ.get("RADIXRELAY_GC") or "managed"
     if mode not in ("managed", "python"):
         raise ValueError(f"RADIXRELAY_GC must be 'managed' or 'python', got {mode!r}")
+    return mode
+
+
+def tp_all_reduce() -> str:
+    """``RADIXRELAY_TP_ALLREDUCE`` (default ``auto``); any other value than ``auto`` or ``nccl`` is an error."""
+    mode = os.environ.get("RADIXRELAY_TP_ALLREDUCE") or "auto"
+    if mode not in ("auto", "nccl"):
+        raise ValueError(f"RADIXRELAY_TP_ALLREDUCE must be 'auto' or 'nccl', got {mode!r}")
     return mode

@@ -33,6 +33,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None            # torch.distributed ProcessGroup; None: the default group
+    fast: SymmetricAllReduce | None = None     # small all-reduces on CUDA (else the group's backend)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -52,10 +53,13 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place."""
-        if self.enabled:
-            import torch.distributed as dist
+        if not self.enabled:
+            return x
+        if self.fast is not None and self.fast.fits(x):
+            return self.fast(x)
+        import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,3 +147,54 @@ def _narrow(name: str, tensor: torch.Tensor, dim: int, full: int, start: int, si
         raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {full} along "
                          f"dimension {dim}")
     return tensor.narrow(dim, start, size)
+
+
+class SymmetricAllReduce:
+    """A one-shot all-reduce for small messages on the GPUs of one host: every rank copies its tensor
+    into a buffer of symmetric memory (``torch.distributed._symmetric_memory``: mapped on every rank of
+    the group) and each rank sums all ranks' buffers itself, in rank order, so the result is the same
+    on every rank. For decode-sized messages it is a few times faster than NCCL's ring, whose latency
+    dominates small messages. No NVLink multicast. Capturable in CUDA graphs. Messages larger than
+    the buffer, or of another dtype, go to NCCL."""
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = (group or dist.group.WORLD).group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.dtype = dtype
+        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        if handle is None:
+            raise RuntimeError("symmetric memory rendezvous failed")
+        handle.barrier()
+        self._op = getattr(torch.ops.symm_mem, "one_shot_all_reduce_out", None)
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> SymmetricAllReduce | None:
+        """None where symmetric memory is not available (the caller keeps NCCL), with the reason logged."""
+        import logging
+
+        try:
+            return cls(group, device, dtype, max_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure here means: use NCCL
+            logging.getLogger("radixrelay.worker").warning(
+                "symmetric-memory all-reduce unavailable (%s: %s); all-reduces use NCCL", type(exc).__name__, exc)
+            return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: a contiguous tensor of ``dtype`` -> x summed over the ranks, in place."""
+        n = x.numel()
+        staged = self.buffer[:n]
+        staged.copy_(x.view(-1))
+        if self._op is not None:
+            self._op(staged, "sum", self.group_name, out=x.view(-1))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+            x.view(-1).copy_(staged)
+        return x

@@ -26,9 +26,9 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.factory import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
-from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, trace_steps
-from radixrelay.model.loader import load_model
-from radixrelay.model.parallel import TensorParallel
+from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, tp_all_reduce, trace_steps
+from radixrelay.model.loader import default_dtype, load_model
+from radixrelay.model.parallel import SymmetricAllReduce, TensorParallel
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -45,6 +45,9 @@ from radixrelay.worker.step_trace import StepTrace
 
 logger = logging.getLogger("radixrelay.worker")
 DEFAULT_CPU_KV_TOKENS = 32_768
+# Largest all-reduce (bytes) on the symmetric-memory path: a decode step's activations at the largest
+# batches; prefill chunks beyond it use NCCL.
+SYMMETRIC_ALL_REDUCE_BYTES = 8 << 20
 
 
 def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[ModelRunner, WorkerReady]:
@@ -204,10 +207,16 @@ def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
     cuda = pick_device(args.config.device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(args.rank)
+    device = torch.device(f"cuda:{args.rank}") if cuda else None
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.endpoints.rendezvous}",
-                            rank=args.rank, world_size=size,
+                            rank=args.rank, world_size=size, device_id=device,
                             timeout=datetime.timedelta(seconds=args.config.startup_timeout))
-    return TensorParallel(args.rank, size)
+    fast = None
+    if cuda and tp_all_reduce() == "auto":
+        dtype = default_dtype(device) if args.config.dtype == "auto" else getattr(torch, args.config.dtype)
+        fast = SymmetricAllReduce.create(None, device, dtype, SYMMETRIC_ALL_REDUCE_BYTES)
+    logger.info("rank %d of %d: all-reduce by %s", args.rank, size, "symmetric memory" if fast else "the backend")
+    return TensorParallel(args.rank, size, fast=fast)
 
 
 def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | None, args: ChildArgs,
