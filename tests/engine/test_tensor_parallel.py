@@ -1,6 +1,7 @@
 """``tp=2`` on the CPU (two worker processes, gloo): a tiny dummy Llama (4 query heads, 2 KV heads,
 2 layers, float32) gives the greedy tokens of ``tp=1`` over 64 tokens, with cascade on and off,
-overlap on and off, a shared-prefix batch and a KV pool small enough to retract; an aborted request
+overlap on and off, a shared-prefix batch and a KV pool small enough to retract, and with structured
+outputs (a regex, a choice); an aborted request
 leaves the others exact; a killed rank ends the Engine with a clear error and no process left; bad
 ``tp`` values are refused before anything starts."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -16,6 +18,7 @@ import pytest
 from radixrelay import Engine, SamplingParams
 from radixrelay.cli import _engine_config, _parser
 from radixrelay.config import EngineConfig
+from radixrelay.structured import StructuredOutput
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -64,6 +67,21 @@ def test_two_ranks_give_the_tokens_of_one(model, reference, options):
     if options["kv_cache_tokens"] < 1024:
         assert stats["num_retractions"] > 0
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["locked_tokens"] == 0
+
+
+def test_structured_outputs_at_two_ranks(model):
+    """Grammars run on every rank over the same gathered logits: the same constrained tokens as tp=1."""
+    params = [SamplingParams(max_tokens=24, temperature=0, structured=StructuredOutput.regex(r"[a-z]{3,8} [0-9]{2}")),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+                             structured=StructuredOutput.choice(["red", "green", "blue"])),
+              GREEDY]
+    runs = []
+    for tp in (1, 2):
+        with _engine(model, tp=tp, kv_cache_tokens=4096) as engine:
+            runs.append(engine.generate(PROMPTS[:3], params))
+    one, two = runs
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert re.fullmatch(r"[a-z]{3,8} [0-9]{2}", two[0].text) and two[1].text in ("red", "green", "blue")
 
 
 def test_abort_leaves_the_other_requests_exact(model, reference):
