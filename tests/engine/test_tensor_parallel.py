@@ -1,7 +1,7 @@
 """``tp=2`` on the CPU (two worker processes, gloo): a tiny dummy Llama (4 query heads, 2 KV heads,
 2 layers, float32) gives the greedy tokens of ``tp=1`` over 64 tokens, with cascade on and off,
 overlap on and off, a shared-prefix batch and a KV pool small enough to retract, and with structured
-outputs (a regex, a choice); an aborted request
+outputs (a regex, a choice) and prompt modules; an aborted request
 leaves the others exact; a killed rank ends the Engine with a clear error and no process left; bad
 ``tp`` values are refused before anything starts."""
 
@@ -82,6 +82,31 @@ def test_structured_outputs_at_two_ranks(model):
     one, two = runs
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert re.fullmatch(r"[a-z]{3,8} [0-9]{2}", two[0].text) and two[1].text in ("red", "green", "blue")
+
+
+SCHEMA = ('<schema name="myth">'
+          '<module name="intro">You answer questions about rivers of myth, briefly and accurately. </module>'
+          '<module name="lethe">The river Lethe flows through the valley of sleep; whoever drinks forgets. </module>'
+          '<module name="styx">The river Styx marks the border of the underworld; oaths on it hold. </module>'
+          '<module name="greet">Reader: <param name="who" len="6"/>. Answer for this reader.</module>'
+          '</schema>')
+MODULAR = ['<prompt schema="myth"><intro/><lethe/> Which river makes you forget?</prompt>',
+           '<prompt schema="myth"><styx/><intro/><greet who="Ann"/> Which river binds oaths?</prompt>']
+
+
+def test_prompt_modules_at_two_ranks(model):
+    """Module KV (each rank's heads) is computed once at its schema positions and reused: tp=2 gives
+    tp=1's tokens, and a second round served from the module cache gives the first round's."""
+    runs = []
+    for tp in (1, 2):
+        with _engine(model, tp=tp, kv_cache_tokens=4096) as engine:
+            engine.register_schema(SCHEMA)
+            first = engine.generate(MODULAR, GREEDY, prompt_schema="myth")
+            again = engine.generate(MODULAR, GREEDY, prompt_schema="myth")
+        assert [o.token_ids for o in again] == [o.token_ids for o in first]
+        assert all(o.error is None for o in first + again) and all(o.cached_tokens > 0 for o in again)
+        runs.append(first)
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
 
 
 def test_abort_leaves_the_other_requests_exact(model, reference):
