@@ -73,6 +73,7 @@ class AsyncRuntimeClient:
         try:
             processes.spawn()
             info = await _wait_ready(processes, inbox, config.startup_timeout)
+            processes.watch_hangs = True
         except BaseException:
             ctx.destroy(linger=0)
             await asyncio.to_thread(processes.stop, 0.0)

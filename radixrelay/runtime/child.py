@@ -13,6 +13,9 @@ what happens). Invariants, for every process the launcher starts (``run_child``)
   ``getppid`` every ``POLL_MS``) and ends the process. A thread rather than ``PR_SET_PDEATHSIG``:
   that signal follows the thread that spawned the child (an ``Engine`` made on a short-lived thread
   would lose its runtime), and a fatal one would leave the socket directory behind.
+- A child that stops running (stopped by a signal, frozen) is noticed by its parent within ``HUNG_S``:
+  a heartbeat thread stamps ``beat-<pid>`` in the socket directory every ``BEAT_S`` with the system's
+  monotonic clock, and the launcher reads the stamps (``RuntimeProcesses.dead_child``).
 - The socket directory is removed by whichever runtime process exits last. The launcher puts one
   marker per child in it (``child-<pid>``); an exiting child removes its own, and a child whose
   parent is gone removes the directory once no marker names a live process. With the parent
@@ -26,6 +29,7 @@ import os
 import select
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -43,6 +47,8 @@ POLL_MS = 500                         # longest a child blocks before checking o
 LINGER_MS = 1000                      # longest a closing socket keeps unsent messages
 CLOSE_SLACK_S = 1.0                   # context termination's allowance beyond LINGER_MS
 MARKER_PREFIX = "child-"              # + pid: a runtime process that may still use the socket directory
+BEAT_PREFIX = "beat-"                 # + pid: the time.monotonic() of the child's last heartbeat (float64)
+BEAT_S = 0.1                          # seconds between heartbeats
 
 _exiting = threading.Lock()           # held by the one thread that ends the process
 _HAVE_PROC = os.path.exists("/proc/self/stat")
@@ -54,6 +60,7 @@ def run_child(name: str, body: Callable[[ChildArgs, zmq.Context], int]) -> None:
     logging.basicConfig(level=args.log_level,
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(args,), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(args,), name="heartbeat", daemon=True).start()
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, LINGER_MS)          # the default of every socket made from ctx
     code = 1
@@ -103,6 +110,30 @@ def _watch_parent(args: ChildArgs) -> None:
 
 def marker(ipc_dir: Path, pid: int) -> Path:
     return ipc_dir / f"{MARKER_PREFIX}{pid}"
+
+
+def beat_file(ipc_dir: Path, pid: int) -> Path:
+    return ipc_dir / f"{BEAT_PREFIX}{pid}"
+
+
+def last_beat(ipc_dir: Path, pid: int) -> float | None:
+    """The monotonic time of the child's last heartbeat; None before its first one (or without one)."""
+    try:
+        with open(beat_file(ipc_dir, pid), "rb") as f:
+            raw = f.read(8)
+    except OSError:
+        return None
+    return struct.unpack("<d", raw)[0] if len(raw) == 8 else None
+
+
+def _heartbeat(args: ChildArgs) -> None:
+    try:
+        fd = os.open(beat_file(Path(args.ipc_dir), os.getpid()), os.O_WRONLY | os.O_CREAT, 0o600)
+        while True:
+            os.pwrite(fd, struct.pack("<d", time.monotonic()), 0)
+            time.sleep(BEAT_S)
+    except OSError:
+        return                          # the socket directory is gone: the runtime is stopping
 
 
 def leave_socket_dir(ipc_dir: Path, parent_gone: bool) -> None:

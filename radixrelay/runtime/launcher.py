@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,13 +28,15 @@ import msgspec
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode
 from radixrelay.protocol.messages import ChildArgs, Endpoints
-from radixrelay.runtime.child import marker
+from radixrelay.runtime.child import last_beat, marker
 
 logger = logging.getLogger("radixrelay.runtime")
 CHILD_KINDS = ("worker", "scheduler")          # the worker is tensor-parallel rank 0; ranks 1.. are workers too
 # Every process of a tensor-parallel runtime: no NVLink multicast (NVLS), which can take a shared
 # host's GPUs out of service.
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# A ready runtime's child whose heartbeat (``runtime.child``) is older than this has stopped running.
+HUNG_S = 1.2
 # An ipc:// socket's path must fit ``sockaddr_un.sun_path``: 107 bytes and a NUL on Linux.
 IPC_PATH_MAX = 107
 _DIR_PREFIX = "radixrelay-"
@@ -68,6 +71,9 @@ class RuntimeProcesses:
                                    ranks=[ipc(f"rank{r}") for r in range(1, config.tp)],
                                    rendezvous=str(self.ipc_dir / "rendezvous") if config.tp > 1 else "")
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        # Set by the client once the runtime is ready: from then on a child that stops running counts
+        # as dead (start-up may block a process's threads in long native calls).
+        self.watch_hangs = False
 
     def spawn(self) -> None:
         """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will)."""
@@ -89,6 +95,12 @@ class RuntimeProcesses:
             code = proc.poll()
             if code is not None:
                 return f"the {kind} process (pid {proc.pid}) exited with code {code}"
+        if self.watch_hangs:
+            now = time.monotonic()
+            for kind, proc in self.children.items():
+                beat = last_beat(self.ipc_dir, proc.pid)
+                if beat is not None and now - beat > HUNG_S:
+                    return f"the {kind} process (pid {proc.pid}) has not run for {now - beat:.1f} s (stopped or hung)"
         return None
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -99,6 +111,7 @@ class RuntimeProcesses:
             _wait(proc, max(0.0, deadline - time.monotonic()))
         for proc in self.children.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)       # a stopped child acts on the signals that follow
                 proc.terminate()
                 if not _wait(proc, 2.0):
                     proc.kill()

@@ -46,6 +46,7 @@ class SyncRuntimeClient:
         try:
             self._processes.spawn()
             self.info: RuntimeReady = ready_info(self._recv_raw(config.startup_timeout, starting=True))
+            self._processes.watch_hangs = True
         except BaseException:
             self._ctx.destroy(linger=0)
             self._processes.stop(0.0)

@@ -2,7 +2,7 @@
 2 layers, float32) gives the greedy tokens of ``tp=1`` over 64 tokens, with cascade on and off,
 overlap on and off, a shared-prefix batch and a KV pool small enough to retract, and with structured
 outputs (a regex, a choice) and prompt modules; an aborted request
-leaves the others exact; a killed rank ends the Engine with a clear error and no process left; bad
+leaves the others exact; a killed or stopped rank ends the Engine with a clear error and no process left; bad
 ``tp`` values are refused before anything starts."""
 
 from __future__ import annotations
@@ -138,6 +138,23 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(model):
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
     assert not processes.ipc_dir.exists()
+
+
+def test_a_stopped_rank_ends_the_engine_within_two_seconds(model):
+    """SIGSTOP of rank 1 (a rank that stops running): its heartbeat goes stale, the Engine's next
+    wait fails naming it within two seconds, and closing leaves no process behind."""
+    engine = _engine(model, tp=2, kv_cache_tokens=4096)
+    try:
+        processes = engine._client._processes
+        pids = [p.pid for p in processes.children.values()]
+        os.kill(processes.children["worker rank 1"].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 process .* has not run for"):
+            engine.generate(PROMPTS[:2], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        assert time.monotonic() - stopped < 2.5
+    finally:
+        engine.close()
+    assert not [p for p in pids if _alive(p)]
 
 
 def _alive(pid: int) -> bool:
