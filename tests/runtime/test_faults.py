@@ -12,6 +12,8 @@ Which faults recover and which end the server:
   with code 1, no runtime process survives and the socket directory is removed. With 176 requests
   queued behind 8 streams, /health still turns 503 within 2 s (no probe waits a second) and the log
   holds one line per failed request, no traceback per request.
+- SIGSTOP of the worker (it stops running) with streams in flight: CLEAN EXIT as for a kill, with
+  /health 503 within 2 s (the child's heartbeat goes stale) and the stopped child killed.
 - kill -9 of the server itself (or SIGTERM, then kill -9 mid-drain) with 50 chats streaming: the
   children exit on their own within 5 s and the last one out removes the socket directory.
 - KV oversubscribed 4x (a small ``--kv-cache-tokens``, concurrent requests): no fault at all;
@@ -172,6 +174,32 @@ def test_kill_child_under_load_exits_cleanly(tmp_path, kind):
         assert len(srv.child_pids) == 2
         outs = asyncio.run(under_load(srv.base_url, 400, lambda: _kill_and_watch_health(srv, kind)))
         _assert_clean_errors(outs, kind)
+        _assert_clean_exit(srv)
+    finally:
+        srv.stop()
+
+
+def test_stopped_worker_under_load_turns_health_503_within_two_seconds(tmp_path):
+    """SIGSTOP of the worker (a child that stops running, as a frozen process does) with streams in
+    flight: /health turns 503 within 2 s (its heartbeat goes stale), every request ends with a clean
+    error, the server exits 1 and the stopped child is not left behind."""
+    srv = start_server(tmp_path)
+
+    def stop_worker_and_watch_health() -> None:
+        os.kill(srv.child("worker"), signal.SIGSTOP)
+        stopped = time.monotonic()
+        while httpx.get(f"{srv.base_url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() - stopped < 2.0, "/health still 200 two seconds after the worker stopped"
+            time.sleep(0.05)
+
+    try:
+        outs = asyncio.run(under_load(srv.base_url, 400, stop_worker_and_watch_health, streams=16, plain=4))
+        for out in outs:
+            assert out.error is None, out.error
+            if out.stream:
+                assert out.events[-1] == "[DONE]" and "has not run for" in out.events[-2], out.events[-2:]
+            else:
+                assert out.status == 503 and "has not run for" in out.events[0], out.events
         _assert_clean_exit(srv)
     finally:
         srv.stop()
