@@ -133,12 +133,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, **factory) -> None:
+    """``local``: one rank's shapes (``TensorParallel.local_config``; the whole model's at tp=1)."""
+
+    def __init__(self, local: ModelConfig, tp: TensorParallel, **factory) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(tp.vocab_rows(config.vocab_size)[1], config.hidden_size, **factory)
-        local = tp.local_config(config)
-        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, **factory) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.embed_tokens = Embedding(tp.vocab_rows(local.vocab_size)[1], local.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, **factory) for i in range(local.num_layers))
+        self.norm = RMSNorm(local.hidden_size, local.rms_norm_eps, **factory)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TensorParallel()
         self.local_config = self.tp.local_config(config)     # this rank's heads and MLP width
         factory = {"dtype": dtype, "device": device}
-        self.model = LlamaModel(config, self.tp, **factory)
+        self.model = LlamaModel(self.local_config, self.tp, **factory)
         self.rotary = RotaryEmbedding(config, device=device)
         vocab_rows = self.tp.vocab_rows(config.vocab_size)[1]
         self.lm_head = (None if config.tie_word_embeddings

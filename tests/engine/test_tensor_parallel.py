@@ -19,6 +19,7 @@ from radixrelay import Engine, SamplingParams
 from radixrelay.cli import _engine_config, _parser
 from radixrelay.config import EngineConfig
 from radixrelay.structured import StructuredOutput
+from tests.runtime.server_process import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -134,9 +135,9 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(model):
     finally:
         engine.close()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     assert not processes.ipc_dir.exists()
 
 
@@ -154,15 +155,7 @@ def test_a_stopped_rank_ends_the_engine_within_two_seconds(model):
         assert time.monotonic() - stopped < 2.5
     finally:
         engine.close()
-    assert not [p for p in pids if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    assert not [p for p in pids if pid_alive(p)]
 
 
 def test_bad_tp_values_are_refused(tmp_path):

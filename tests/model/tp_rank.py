@@ -13,7 +13,7 @@ from radixrelay.model import ModelConfig, load_model
 from radixrelay.model.parallel import TensorParallel
 from tests.model.paged import PagedSession
 
-PROMPTS = {0: [3, 17, 42, 8, 99 % 90, 5], 1: [7, 7, 7, 1], 2: [60, 2, 33, 12, 11, 4, 19, 80, 1]}
+PROMPTS = {0: [3, 17, 42, 8, 9, 5], 1: [7, 7, 7, 1], 2: [60, 2, 33, 12, 11, 4, 19, 80, 1]}
 TOKENS = 64
 
 
