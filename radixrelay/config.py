@@ -119,9 +119,6 @@ class EngineConfig:
             raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise bad("tp", f"must be an integer >= 1, got {self.tp!r}")
-        if self.tp > 1 and (self.disk_kv_path is not None or (self.host_kv_gib or 0) > 0):
-            raise bad("tp", "host and disk KV tiers do not run with tp > 1 yet: leave --host-kv-gib and "
-                            "--disk-kv-path unset (or --host-kv-gib 0)")
         if self.tp > 1 and self.device.startswith("cuda:"):
             raise bad("tp", f"with tp > 1, rank r runs on cuda:r: use device 'cuda' or 'auto', not {self.device!r}")
 

@@ -147,7 +147,9 @@ class Engine:
                 "gc_full_collections": worker_gc.full_collections + scheduler_gc.full_collections,
                 "gc_longest_pause_s": max(worker_gc.longest_s, scheduler_gc.longest_s),
                 # no live request and nothing held for one (``radixrelay.scheduler.audit``)
-                "kv_idle_baseline": stats.kv_audit is not None and stats.kv_audit.at_idle_baseline}
+                "kv_idle_baseline": stats.kv_audit is not None and stats.kv_audit.at_idle_baseline,
+                # per tensor-parallel rank (none at tp=1)
+                **{f"rank{r}_device_s": s for r, s in enumerate(stats.worker.rank_device_s)}}
 
     @property
     def computed_tokens(self) -> int:

@@ -156,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, vocab_rows, bias=False, **factory))
         self._head_t_cache: tuple[tuple, torch.Tensor] | None = None     # ``_cpu_head_t``
+        # all-reduces of one forward: the embedding's, then attention's and the MLP's per layer
+        self.all_reduces_per_forward = 2 * config.num_layers + 1 if self.tp.enabled else 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,

@@ -19,13 +19,60 @@ Each rank holds a slice of every large matrix and the model's output is the same
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixrelay.model.config import ModelConfig
+
+
+class AllReduceClock:
+    """Seconds one rank spends in all-reduces, and how many it ran.
+
+    On the CPU each call is timed as it runs (``timed``: gloo returns when the sum is done). On CUDA
+    the calls run inside CUDA graphs, where the host cannot time them: the worker measures the
+    device time of one all-reduce per row count at start-up (``calibrated``, from graph replays) and
+    each forward adds its calls at that time, interpolated linearly in rows (``forward``)."""
+
+    def __init__(self, timed: bool = False) -> None:
+        self.timed = timed
+        self.seconds = 0.0
+        self.calls = 0
+        self._rows: list[int] = []          # ascending row counts measured at start-up
+        self._seconds: list[float] = []     # device seconds of one all-reduce of that many rows
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.calls += 1
+
+    def calibrated(self, rows: list[int], seconds: list[float]) -> None:
+        if not rows or len(rows) != len(seconds) or rows != sorted(set(rows)):
+            raise ValueError(f"AllReduceClock: ascending distinct row counts with one time each expected, got "
+                             f"{rows!r} / {seconds!r}")
+        self._rows, self._seconds = list(rows), list(seconds)
+
+    def cost(self, rows: int) -> float:
+        """Device seconds of one all-reduce of ``rows`` rows (0 before calibration)."""
+        r, s = self._rows, self._seconds
+        if not r:
+            return 0.0
+        i = bisect.bisect_left(r, rows)
+        if i == 0:
+            return s[0]
+        if i == len(r):                                 # beyond the largest measured: proportional to rows
+            return s[-1] * rows / r[-1]
+        lo, hi = r[i - 1], r[i]
+        return s[i - 1] + (s[i] - s[i - 1]) * (rows - lo) / (hi - lo)
+
+    def forward(self, rows: int, calls: int) -> None:
+        """A forward of ``rows`` token rows ran ``calls`` all-reduces inside graphs (calibrated clocks only)."""
+        if self._rows:
+            self.seconds += calls * self.cost(rows)
+            self.calls += calls
 
 
 @dataclass(frozen=True)
@@ -34,6 +81,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None            # torch.distributed ProcessGroup; None: the default group
     fast: SymmetricAllReduce | None = None     # small all-reduces on CUDA (else the group's backend)
+    clock: AllReduceClock = field(default_factory=AllReduceClock, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -59,7 +107,12 @@ class TensorParallel:
             return self.fast(x)
         import torch.distributed as dist
 
+        if not self.clock.timed:
+            dist.all_reduce(x, group=self.group)
+            return x
+        start = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.clock.add(time.perf_counter() - start)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 
 from radixrelay.config import EngineConfig
+from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.stats import RuntimeStats, WorkerCounters
 from radixrelay.protocol.step import ModuleSpan, StepOutput, StepPlan, TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
@@ -163,6 +164,18 @@ class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):
 
 WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed
 
+
+class RankReport(msgspec.Struct, tag="rank_report", frozen=True):
+    """A tensor-parallel rank > 0 to rank 0, after each step it finished: its share of the step's
+    transfers (rank 0 acknowledges a transfer to the scheduler only once every rank completed it) and
+    its device time. ``final``: the step was a plan without rows, so ``acks`` covers every transfer
+    up to it (rank 0 waits for this report before answering)."""
+    rank: int
+    step_id: int
+    acks: KVAcks | None = None
+    device_s: float = 0.0
+    final: bool = False
+
 # -- process arguments (JSON on the child's command line) ---------------------------------------
 
 
@@ -176,11 +189,12 @@ class Endpoints(msgspec.Struct, frozen=True):
     # and the file the ranks meet at to form their process group.
     ranks: list[str] = []
     rendezvous: str = ""
+    rank_reports: str = ""            # rank 0's inbox for the other ranks' ``RankReport``s
 
     def sockets(self) -> list[str]:
-        """Every ZMQ address (the four channels, then the ranks' inboxes)."""
+        """Every ZMQ address (the four channels, then the ranks' inboxes and rank 0's report inbox)."""
         return [self.frontend_to_scheduler, self.scheduler_to_frontend, self.scheduler_to_worker,
-                self.worker_to_scheduler, *self.ranks]
+                self.worker_to_scheduler, *self.ranks, *([self.rank_reports] if self.rank_reports else [])]
 
 
 class ChildArgs(msgspec.Struct, frozen=True):

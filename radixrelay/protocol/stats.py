@@ -215,6 +215,15 @@ class WorkerCounters(msgspec.Struct):
         "over HTTP a 400 request_too_costly); their batch mates went on.")] = 0
     malformed_frames: Annotated[int, _MALFORMED_FRAMES] = 0
     gc: Annotated[GcStats, part("the worker process's garbage collection", "worker_gc_", "Worker process")] = GcStats()
+    tp_all_reduce_s: Annotated[float, counter(
+        "Seconds rank 0 spent in tensor-parallel all-reduces (0 at tp=1): on the CPU each call timed; on CUDA, "
+        "where they run inside graphs, each forward's calls at the device time measured for their size at "
+        "start-up. Its rate over the step rate is the all-reduce time per step.", "tp_all_reduce_seconds")] = 0.0
+    tp_all_reduces: Annotated[int, counter("Tensor-parallel all-reduces rank 0 ran (0 at tp=1).")] = 0
+    # Tensor parallelism (empty at tp=1): per rank, read by hand (labelled metrics, ``rank<r>_...`` stats keys)
+    rank_device_s: Annotated[list[float], apart(
+        "Device seconds of each tensor-parallel rank's steps (CUDA events; on the CPU the rank's busy time): "
+        "its rate is that rank's busy fraction.")] = []
 
 
 class CascadeCounters(msgspec.Struct):

@@ -108,6 +108,12 @@ def _check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
+def rank_namespace(namespace: str, rank: int, size: int) -> str:
+    """The directory namespace of tensor-parallel rank ``rank`` of ``size``: each rank keeps its own
+    KV heads in its own directory, under the page keys every rank shares (``namespace`` at ``size`` 1)."""
+    return namespace if size == 1 else f"{namespace};rank={rank}/{size}"
+
+
 class DiskKVStore:
     def __init__(self, root: str | os.PathLike, namespace: str) -> None:
         root = pathlib.Path(root)

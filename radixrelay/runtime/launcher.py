@@ -69,7 +69,8 @@ class RuntimeProcesses:
         self.endpoints = Endpoints(ipc("frontend_to_scheduler"), ipc("scheduler_to_frontend"),
                                    ipc("scheduler_to_worker"), ipc("worker_to_scheduler"),
                                    ranks=[ipc(f"rank{r}") for r in range(1, config.tp)],
-                                   rendezvous=str(self.ipc_dir / "rendezvous") if config.tp > 1 else "")
+                                   rendezvous=str(self.ipc_dir / "rendezvous") if config.tp > 1 else "",
+                                   rank_reports=ipc("rank_reports") if config.tp > 1 else "")
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         # Set by the client once the runtime is ready: from then on a child that stops running counts
         # as dead (start-up may block a process's threads in long native calls).

@@ -46,7 +46,7 @@ from radixrelay.protocol.messages import (
 )
 from radixrelay.protocol.stats import CascadeCounters, GcStats, LoopCounters, RuntimeStats, WorkerCounters
 from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
-from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.radix.disk_store import DiskKVStore, rank_namespace
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.runtime.audit import PacedAudit
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
@@ -280,13 +280,16 @@ class _Pending:
 
 def make_tiers(cfg: EngineConfig, ready: WorkerReady) -> KVTiers | None:
     """The scheduler's index of the worker's KV tiers; pages a disk tier kept from an earlier run of
-    the same model and layout (same namespace directory, same page size) are found again."""
+    the same model and layout (same namespace directory, same page size) are found again: with
+    tensor parallelism, those every rank's directory holds."""
     if ready.host_pages < 1:
         return None
     keys: list[bytes] = []
     if ready.disk_pages and cfg.disk_kv_path is not None:
-        found = DiskKVStore(cfg.disk_kv_path, ready.kv_namespace).scan()
-        keys = [key for key, size in found.items() if size == ready.page_bytes]
+        for rank in range(cfg.tp):
+            files = DiskKVStore(cfg.disk_kv_path, rank_namespace(ready.kv_namespace, rank, cfg.tp)).scan()
+            mine = dict.fromkeys(key for key, size in files.items() if size == ready.page_bytes)
+            keys = list(mine) if rank == 0 else [key for key in keys if key in mine]
     return KVTiers(ready.host_pages, ready.disk_pages, keys, cfg.kv_tier_policy)
 
 

@@ -28,10 +28,11 @@ from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, tp_all_reduce, trace_steps
 from radixrelay.model.loader import default_dtype, load_model
-from radixrelay.model.parallel import SymmetricAllReduce, TensorParallel
+from radixrelay.model.parallel import AllReduceClock, SymmetricAllReduce, TensorParallel
 from radixrelay.model.registry import tokenizer_path
+from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.messages import (
-    ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
+    ChildArgs, RankReport, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
 from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
@@ -40,6 +41,7 @@ from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.text.tokenizer import load_tokenizer
 from radixrelay.worker.constraints import Constraints, MaskBudget
 from radixrelay.worker.kv_tiers import build_tiers, page_bytes
+from radixrelay.worker.rank_acks import RankAcks
 from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
 
@@ -58,6 +60,11 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
                            seed=cfg.seed, tp=tp)
     local = model.local_config                     # this rank's KV heads
     kv_dtype = next(model.parameters()).dtype
+    if tp.enabled and device.type == "cuda":
+        from radixrelay.worker.tp_calibration import calibrate_all_reduce
+
+        calibrate_all_reduce(tp, mc.hidden_size, kv_dtype, device,
+                             cfg.chunked_prefill_tokens + cfg.max_running_requests)
     kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(cfg, device, local, kv_dtype, tp)
     num_pages = kv_tokens // cfg.page_size
     if num_pages < 1:
@@ -105,7 +112,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     def grammar_engine() -> GrammarEngine:       # built when the first constrained request arrives
         return GrammarEngine(load_tokenizer(tokenizer_path(cfg)), vocab_size)
 
-    tiers, host_pages, disk_pages, namespace = build_tiers(cfg, mc, kv_cache)
+    tiers, host_pages, disk_pages, namespace = build_tiers(cfg, mc, kv_cache, tp.rank)
     runner = ModelRunner(model, kv_cache, backend, seed=cfg.seed, prefill_cost=cost_model(cfg.cascade),
                          graphs=graphs, piecewise=piecewise, constraints=Constraints(grammar_engine, device, _mask_budget()),
                          tiers=tiers, counters=counters)
@@ -172,11 +179,16 @@ def _default_kv_tokens(cfg: EngineConfig, device: torch.device, mc: object, dtyp
 
 def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     """Rank 0 talks to the scheduler and forwards every frame it receives to the other ranks, which
-    run the same steps and send nothing (their outputs equal rank 0's)."""
+    run the same steps and report only to rank 0 (their transfers and device time: ``RankReport``;
+    their tokens equal rank 0's)."""
     rank, endpoints = args.rank, args.endpoints
     inbox = bind_pull(ctx, endpoints.scheduler_to_worker if rank == 0 else endpoints.ranks[rank - 1])
     outbox = connect_push(ctx, endpoints.worker_to_scheduler) if rank == 0 else None
     followers = [connect_push(ctx, e) for e in endpoints.ranks] if rank == 0 else []
+    link = None
+    if args.config.tp > 1:
+        link = RankLink(rank, args.config.tp, bind_pull(ctx, endpoints.rank_reports) if rank == 0
+                        else connect_push(ctx, endpoints.rank_reports), args)
     encode = encoder().encode
     try:
         tp = join_tensor_parallel(args)
@@ -193,7 +205,47 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         outbox.send(encode(msgspec.structs.replace(ready, gc_frozen=collector.stats().frozen)))
     logger.info("worker rank %d ready: %d KV pages of %d tokens", rank, ready.num_pages, args.config.page_size)
     with torch.inference_mode():
-        return serve_steps(runner, inbox, outbox, args, collector, followers)
+        return serve_steps(runner, inbox, outbox, args, collector, followers, link)
+
+
+class RankLink:
+    """The report channel between tensor-parallel ranks (``RankReport``): ranks > 0 send one per
+    finished step; rank 0 merges their KV acknowledgements with its own (``RankAcks``) and counts
+    every rank's device time."""
+
+    def __init__(self, rank: int, size: int, socket: zmq.Socket, args: ChildArgs) -> None:
+        self.rank, self.size, self.socket, self.args = rank, size, socket, args
+        self.merged = RankAcks(size) if rank == 0 else None
+        self.last_step = [-1] * size             # rank 0: the latest step each rank reported
+        self.device_s = [0.0] * size             # rank 0: device seconds per rank
+        self._encode = encoder().encode
+        self._decode = FrameDecoder(RankReport, "rank -> rank 0", logger) if rank == 0 else None
+
+    def finished(self, step_id: int, acks: KVAcks | None, device_s: float, final: bool) -> KVAcks | None:
+        """A step this rank finished. Ranks > 0: sent to rank 0 (returns None). Rank 0: the
+        acknowledgements complete on every rank so far; ``final``: waits until every rank reported this
+        step (whose acks then cover every transfer up to it)."""
+        if self.rank != 0:
+            self.socket.send(self._encode(RankReport(self.rank, step_id, acks, device_s, final)))
+            return None
+        self.merged.add(0, acks)
+        self.device_s[0] += device_s
+        self.last_step[0] = step_id
+        while True:
+            behind = final and min(self.last_step) < step_id
+            if not self.socket.poll(POLL_MS if behind else 0):
+                if not behind:
+                    break
+                if parent_gone(self.args):
+                    raise RuntimeError("the runtime's parent exited while rank 0 waited for the other ranks")
+                continue
+            report = self._decode(self.socket.recv())
+            if report is None or not 0 < report.rank < self.size:
+                continue
+            self.merged.add(report.rank, report.acks)
+            self.device_s[report.rank] += report.device_s
+            self.last_step[report.rank] = max(self.last_step[report.rank], report.step_id)
+        return self.merged.take()
 
 
 def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
@@ -216,13 +268,14 @@ def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
         dtype = default_dtype(device) if args.config.dtype == "auto" else getattr(torch, args.config.dtype)
         fast = SymmetricAllReduce.create(None, device, dtype, SYMMETRIC_ALL_REDUCE_BYTES)
     logger.info("rank %d of %d: all-reduce by %s", args.rank, size, "symmetric memory" if fast else "the backend")
-    return TensorParallel(args.rank, size, fast=fast)
+    return TensorParallel(args.rank, size, fast=fast, clock=AllReduceClock(timed=not cuda))
 
 
 def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | None, args: ChildArgs,
-                collector: GcControl, followers: list[zmq.Socket] | None = None) -> int:
-    """``outbox`` None: a tensor-parallel rank other than 0 (runs every step, reports nothing);
-    ``followers``: rank 0's sockets to the other ranks, which get every frame before it is run."""
+                collector: GcControl, followers: list[zmq.Socket] | None = None,
+                link: RankLink | None = None) -> int:
+    """``outbox`` None: a tensor-parallel rank other than 0 (runs every step, reports to rank 0 over
+    ``link``); ``followers``: rank 0's sockets to the other ranks, which get every frame before it is run."""
     encode = encoder().encode
     commands = FrameDecoder(WorkerCommand, "scheduler -> worker", logger)
     in_flight: deque[tuple[LaunchedStep, float, bool]] = deque()  # (step, host seconds, has rows)
@@ -236,11 +289,16 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         step, host_s, has_rows = in_flight.popleft()
         start = time.perf_counter()
         output = step.finish()
-        if runner.tiers is not None:     # a plan without rows answers once all transfers are done
-            acks = runner.tiers.acks(wait=not has_rows)
-            if acks is not None:
-                output = msgspec.structs.replace(output, kv_acks=acks)
+        # a plan without rows answers once all transfers are done (on every rank)
+        acks = runner.tiers.acks(wait=not has_rows) if runner.tiers is not None else None
         busy = host_s + time.perf_counter() - start
+        device_s = step.device_s or busy
+        if link is not None:
+            acks = link.finished(output.step_id, acks, device_s, final=not has_rows)
+            if outbox is not None:
+                runner.counters.rank_device_s = list(link.device_s)
+        if acks is not None:
+            output = msgspec.structs.replace(output, kv_acks=acks)
         jit = jit_after_ready()
         if jit > jit_seen:
             logger.warning("%d Triton kernel variant(s) compiled while serving (%d since ready)",
@@ -250,9 +308,10 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         counters.jit_after_ready = jit
         counters.malformed_frames = commands.dropped
         counters.gc = collector.stats()
+        clock = runner.model.tp.clock
+        counters.tp_all_reduce_s, counters.tp_all_reduces = clock.seconds, clock.calls
         if outbox is not None:
-            outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, step.device_s or busy,
-                                              step.capture_s, counters)))
+            outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, device_s, step.capture_s, counters)))
         if trace is not None:
             trace.finished(step.step_id)
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixrelay.protocol.stats import KVAudit, Reading, RuntimeStats, SchedulerStats, readings
+from radixrelay.protocol.stats import KVAudit, Reading, RuntimeStats, SchedulerStats, WorkerCounters, readings
 
 PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -46,6 +46,19 @@ class _RuntimeCollector(Collector):
                                 "cache).", value=self.stats.scheduler.kv_usage)
         if self.stats.kv_audit is not None:
             yield from _audit_metrics(self.stats.kv_audit)
+        yield from _rank_metrics(self.stats.worker)
+
+
+def _rank_metrics(w: WorkerCounters) -> Iterator[Metric]:
+    """Per tensor-parallel rank (nothing at tp=1), labelled ``rank``."""
+    if not w.rank_device_s:
+        return
+    device = CounterMetricFamily(f"{PREFIX}_worker_rank_device_seconds", "Device seconds of the rank's steps "
+                                 "(CUDA events; on the CPU its busy time): the rate is the rank's busy fraction.",
+                                 labels=["rank"])
+    for rank, seconds in enumerate(w.rank_device_s):
+        device.add_metric([str(rank)], seconds)
+    yield device
 
 
 def _audit_metrics(a: KVAudit) -> Iterator[Metric]:

@@ -39,7 +39,7 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.host_staging import upload
 from radixrelay.model.layers import apply_rope
 from radixrelay.protocol.kv import KVAcks, KVTransfers
-from radixrelay.radix.disk_store import DiskKVStore
+from radixrelay.radix.disk_store import DiskKVStore, rank_namespace
 from radixrelay.worker.host_memory import pinned_empty, release
 
 logger = logging.getLogger("radixrelay.worker")
@@ -564,28 +564,32 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
     stamp = ",".join(f"{f.name}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in files)
     k = kv.k[0]
     seed = f";seed={cfg.seed}" if cfg.load_format == "dummy" else ""
+    tp = f";tp={cfg.tp}" if cfg.tp > 1 else ""           # kv_heads: a rank's share
     return (f"kvfile=layer-major-v1;model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
             f"layers={kv.num_layers};page_size={kv.page_size};kv_heads={k.shape[1]};head_dim={k.shape[2]};"
-            f"vocab={mc.vocab_size}")
+            f"vocab={mc.vocab_size}{tp}")
 
 
 def host_tier_bytes(cfg, device: torch.device) -> int:
-    """``cfg.host_kv_gib`` in bytes; unset: none on the CPU or with tensor parallelism, on CUDA a share
-    of available RAM."""
+    """The host memory of one rank's tier: ``cfg.host_kv_gib`` (the server's, split evenly across
+    tensor-parallel ranks) in bytes; unset: none on the CPU, on CUDA a share of available RAM."""
     if cfg.host_kv_gib is not None:
-        return int(cfg.host_kv_gib * (1 << 30))
-    if device.type != "cuda" or cfg.tp > 1:
+        return int(cfg.host_kv_gib * (1 << 30)) // cfg.tp
+    if device.type != "cuda":
         return 0
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return 0
-    return int(min(available * _AUTO_HOST_FRACTION, _AUTO_HOST_MAX_GIB * (1 << 30)))
+    return int(min(available * _AUTO_HOST_FRACTION, _AUTO_HOST_MAX_GIB * (1 << 30))) // cfg.tp
 
 
-def build_tiers(cfg, mc, kv: KVCache) -> tuple[TierStore | None, int, int, str]:
-    """(store, host pages, disk pages, namespace) for ``cfg``; no store when host memory is 0."""
+def build_tiers(cfg, mc, kv: KVCache, rank: int = 0) -> tuple[TierStore | None, int, int, str]:
+    """(store, host pages, disk pages, namespace) for ``cfg`` and tensor-parallel rank ``rank``; no
+    store when host memory is 0. Every rank gets the same page counts (its pages are the same size:
+    its share of the KV heads) and the same namespace (the page keys); its disk files go to its own
+    directory (``rank_namespace``)."""
     namespace = kv_namespace(cfg, mc, kv)
     size = page_bytes(kv)
     host_pages = host_tier_bytes(cfg, kv.device) // size
@@ -594,8 +598,8 @@ def build_tiers(cfg, mc, kv: KVCache) -> tuple[TierStore | None, int, int, str]:
     disk = None
     disk_pages = 0
     if cfg.disk_kv_path is not None:
-        disk = DiskKVStore(cfg.disk_kv_path, namespace)
-        disk_pages = int(cfg.disk_kv_gib * (1 << 30)) // disk.file_bytes(size)
+        disk = DiskKVStore(cfg.disk_kv_path, rank_namespace(namespace, rank, cfg.tp))
+        disk_pages = int(cfg.disk_kv_gib * (1 << 30)) // cfg.tp // disk.file_bytes(size)
         if disk_pages < 1:
             disk = None
     store = TierStore(kv, host_pages, disk)

@@ -301,6 +301,8 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         path = choose_path(self._facts(plan, len(input_ids), most_logits, changed, decoding))
         logits = self._forward(path, plan, extends, decoding, input_ids, changed, events)
+        if self.model.all_reduces_per_forward:              # tensor parallelism: count their device time
+            self.model.tp.clock.forward(len(input_ids) + len(decoding), self.model.all_reduces_per_forward)
         launch_s = time.perf_counter() - start                               # the device may still be busy
         prompt = [self._prompt_logprobs(item, logits[row:row + item.num_prompt_logprobs]).to_host()
                   for item, row in owed]

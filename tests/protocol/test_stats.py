@@ -170,3 +170,19 @@ def test_worker_counters_travel_as_they_are():
     assert got == done and got.counters == counters
     counters.graph_replays += 1                         # the worker's instance, incremented in place
     assert got.counters.graph_replays == counters.graph_replays - 1
+
+
+def test_tensor_parallel_ranks_get_labelled_device_seconds():
+    """Per rank (tp > 1): a ``rank``-labelled counter in /metrics and ``rank<r>_device_s`` stats keys; none
+    at tp=1. The all-reduce counters are plain ones."""
+    scheduler = msgspec.structs.replace(SchedulerStats(*[0] * len(msgspec.structs.fields(SchedulerStats))),
+                                        kv_total_pages=8)
+    worker = WorkerCounters(rank_device_s=[1.5, 2.25], tp_all_reduce_s=0.5, tp_all_reduces=130)
+    text = ServerMetrics().render(RuntimeStats(scheduler, worker=worker)).decode()
+    assert 'radixrelay_worker_rank_device_seconds_total{rank="0"} 1.5' in text
+    assert 'radixrelay_worker_rank_device_seconds_total{rank="1"} 2.25' in text
+    assert "radixrelay_tp_all_reduce_seconds_total 0.5" in text and "radixrelay_tp_all_reduces_total 130.0" in text
+    stats = _engine_stats(RuntimeStats(scheduler, worker=worker))
+    assert (stats["rank0_device_s"], stats["rank1_device_s"]) == (1.5, 2.25)
+    assert "rank_device_seconds" not in ServerMetrics().render(RuntimeStats(scheduler)).decode()
+    assert not [k for k in _engine_stats(RuntimeStats(scheduler)) if k.startswith("rank")]

@@ -31,10 +31,10 @@ def test_socket_paths_fit_however_deep_the_temporary_directory(monkeypatch, dept
     deep = base.joinpath(*["d" * 9] * depth)            # 1: fits; 12: over 107 bytes with the socket names
     deep.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    processes = RuntimeProcesses(EngineConfig(tp=8))            # with the inboxes of ranks 1..7
+    processes = RuntimeProcesses(EngineConfig(tp=8))       # with the inboxes of ranks 1..7 and rank 0's reports
     try:
         paths = [a.removeprefix("ipc://") for a in processes.endpoints.sockets()]
-        assert len(paths) == 4 + 7 and all(len(p.encode()) <= IPC_PATH_MAX for p in paths)
+        assert len(paths) == 4 + 7 + 1 and all(len(p.encode()) <= IPC_PATH_MAX for p in paths)
         # a short temporary directory keeps the sockets; a long one sends them to /tmp
         assert processes.ipc_dir.parent == (deep if depth == 1 else Path("/tmp"))
         assert processes.ipc_dir.stat().st_mode & 0o777 == 0o700
