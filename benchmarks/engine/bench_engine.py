@@ -76,7 +76,10 @@ def _round(mode: str, outs, wall: float, before: dict, after: dict) -> dict:
             "read_once": after["cascade_tokens_read_once"] - before["cascade_tokens_read_once"],
             **{k: after[k] - before[k] for k in ("worker_busy_s", "worker_launch_s", "scheduler_busy_s",
                                                  "worker_device_s", "graph_captures", "graph_replays",
-                                                 "eager_steps")}}
+                                                 "eager_steps", "tp_all_reduce_s")},
+            # tensor parallelism: each rank's device seconds in the round
+            "rank_device_s": [after[k] - before[k] for k in sorted(after) if k.startswith("rank") and k.endswith("_device_s")
+                              and k in before]}
 
 
 def main() -> None:
@@ -115,7 +118,7 @@ def main() -> None:
         for tp in map(int, args.tp.split(",")):
             for mode in args.modes.split(","):
                 rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
-                                args.host_kv_gib if tp == 1 else 0.0, tp))
+                                args.host_kv_gib, tp))
                 print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
@@ -134,16 +137,20 @@ def main() -> None:
     timing = ["", "Per step (ms): wall time, the device's time (CUDA events) and its share of wall time, the worker's "
               "host time (launch, then waiting for and reading results) and of it the launch, the scheduler's work. "
               "With overlap the host parts run while the device computes the previous step.", "",
-              "| mode | wall / step | device | device busy | worker | of which launch | scheduler | "
-              "graph replays / captures / eager steps |", "|---|---|---|---|---|---|---|---|"]
+              "| mode | wall / step | device | device busy | busy per rank | all-reduce (rank 0) | worker | "
+              "of which launch | scheduler | graph replays / captures / eager steps |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     base = rows[0]["tok_s"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['wall_s']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | "
                      f"{r['cached']:,.0f} | {r['computed']:,} | {r['steps']} | {r['cascade_steps']} | "
                      f"{r['read_once']:,} |")
         ms = lambda x: 1e3 * x / r["steps"]  # noqa: E731
+        per_rank = ", ".join(f"{d / r['wall_s']:.0%}" for d in r["rank_device_s"]) or "-"
+        all_reduce = (f"{ms(r['tp_all_reduce_s']):.1f} ({r['tp_all_reduce_s'] / max(r['worker_device_s'], 1e-9):.0%})"
+                      if r["rank_device_s"] else "-")
         timing.append(f"| {r['mode']} | {ms(r['wall_s']):.1f} | {ms(r['worker_device_s']):.1f} | "
-                      f"{r['worker_device_s'] / r['wall_s']:.0%} | {ms(r['worker_busy_s']):.1f} | "
+                      f"{r['worker_device_s'] / r['wall_s']:.0%} | {per_rank} | {all_reduce} | {ms(r['worker_busy_s']):.1f} | "
                       f"{ms(r['worker_launch_s']):.1f} | {ms(r['scheduler_busy_s']):.1f} | "
                       f"{r['graph_replays']} / {r['graph_captures']} / {r['eager_steps']} |")
     lines += timing

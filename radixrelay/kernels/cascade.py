@@ -92,8 +92,7 @@ class CascadePlan:
     head_dim: int
     group: int                    # Hq / Hkv
     m_tiles: int                  # query tiles per group (grid bound)
-    shared_splits: int
-    shared_chunk: int
+    shared_splits: int            # each group's node cut in this many equal chunks (at run time, by its length)
     own_splits: int
     own_chunk: int
     shared_config: tuple[int, int, int, int]   # BLOCK_M, BLOCK_N, warps, stages
@@ -195,7 +194,6 @@ class CascadeLaunch(NamedTuple):
 
     m_tiles: int
     shared_splits: int
-    shared_chunk: int
     own_splits: int
     own_chunk: int
     shared_config: tuple[int, int, int, int]
@@ -227,14 +225,12 @@ def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *
     live_tiles = min(num_groups * m_tiles, triton.cdiv(len(host.rows) * group, block_m) + num_groups)
     slots = shared_node.programs_per_sm(shared_config) * num_sms(device)
     if shared_splits is None:
-        shared_splits, shared_chunk = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
-    else:
-        shared_chunk = triton.cdiv(triton.cdiv(max(max_kv, 1), shared_splits), block_n) * block_n
+        shared_splits, _ = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
     if own_splits is None:
         own_splits, own_chunk = pick_splits(num_requests * num_kv_heads, host.max_own, OWN_ALIGN, 4 * slots, 256)
     else:
         own_chunk = triton.cdiv(triton.cdiv(max(host.max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
-    return CascadeLaunch(m_tiles, shared_splits, shared_chunk, own_splits, own_chunk, shared_config, kv_tma,
+    return CascadeLaunch(m_tiles, shared_splits, own_splits, own_chunk, shared_config, kv_tma,
                          max_kv <= LIGHT_NODE_TOKENS)
 
 
@@ -273,7 +269,7 @@ class CascadeDecode:
                 plan.kv_lens, sm_scale,
                 o_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads, head_dim),
                 lse_parts[:shared_parts].view(num_rows, plan.shared_splits, num_q_heads),
-                group, plan.m_tiles, plan.shared_chunk, plan.shared_config, plan.kv_tma)
+                group, plan.m_tiles, plan.shared_config, plan.kv_tma)
         self.own = paged_decode.bind_splits(
             q, k_cache, v_cache, plan.page_table, plan.page_size, plan.kv_start, plan.kv_end, sm_scale,
             o_parts[shared_parts:].view(batch, plan.own_splits, num_q_heads, head_dim),

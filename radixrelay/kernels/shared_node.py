@@ -58,13 +58,15 @@ except ImportError:  # pragma: no cover - older triton: the gather path only
 def shared_node_program(
     m_tile, g, split, kv_head,
     q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
-    qk_scale, chunk, group,
+    qk_scale, splits, group,
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
-    """Query tile ``m_tile`` of group ``g`` against KV split ``split`` of the group's node, one KV head.
+    """Query tile ``m_tile`` of group ``g`` against KV split ``split`` of ``splits`` of the group's node, one
+    KV head. The node is cut into ``splits`` chunks of equal length (a multiple of BLOCK_N) at run time, from
+    its own length: one launch (or captured graph) of S splits balances any node length.
 
     With ``KV_TMA`` every group's pages are consecutive page ids, so token t of the node lives in slot
     first_page * PAGE_SIZE + t: the full K/V tiles come by TMA boxes [BLOCK_N, HEAD_DIM] of the cache
@@ -86,8 +88,10 @@ def shared_node_program(
         q_tile = tl.load(q + req[:, None] * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
                          mask=m_ok[:, None], other=0.0)               # [BM, D]
 
-        lo = split * chunk
-        hi = tl.minimum(tl.load(kv_lens + g), lo + chunk)
+        kv_len = tl.load(kv_lens + g)
+        chunk = tl.cdiv(tl.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
+        lo = tl.multiple_of(split * chunk, BLOCK_N)
+        hi = tl.minimum(kv_len, lo + chunk)
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         pages = kv_pages + tl.load(kv_indptr + g)
 
@@ -124,14 +128,12 @@ def shared_node_program(
 
 # Not specialised (radixrelay.worker.warmup): per-step values, so that none compiles a new variant
 # mid-serving: the index tensors and lse (alignment of per-step slices), the split count (1 would become a
-# constant) and the lse strides that carry it. ``chunk`` stays specialised: always a positive multiple of
-# BLOCK_N (checked in ``launch_splits``), so its key never changes, and the compiler keeps knowing that each
-# split starts on a multiple of 16 tokens. q / o / cache strides are fixed by the model or multiples of D.
+# constant) and the lse strides that carry it. q / o / cache strides are fixed by the model or multiples of D.
 @triton.jit(do_not_specialize=["q_indptr", "q_rows", "kv_indptr", "kv_pages", "kv_lens", "lse", "splits",
                                "stride_l_r", "stride_l_s"])
 def _shared_node_kernel(
     q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse,
-    qk_scale, chunk, splits, group,
+    qk_scale, splits, group,
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -141,7 +143,7 @@ def _shared_node_kernel(
     shared_node_program(
         tl.program_id(0), tl.program_id(1) // splits, tl.program_id(1) % splits, tl.program_id(2),
         q, k_cache, v_cache, k_desc, v_desc, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, o, lse, qk_scale,
-        chunk, group,
+        splits, group,
         stride_q_b, stride_q_h, stride_slot, stride_kv_h,
         stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
         PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, KV_TMA,
@@ -224,11 +226,10 @@ class BoundSplits:
     strides: a ``KernelLaunch`` plus the caches' TMA descriptors, made again for new caches."""
 
     def __init__(self, q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
-                 o_dst, lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
+                 o_dst, lse_dst, group: int, m_tiles: int, config: tuple[int, int, int, int],
                  kv_tma: bool = False, maxnreg: int | None = None) -> None:
         block_m, block_n, num_warps, num_stages = config
         splits = o_dst.shape[1]
-        check(chunk > 0 and chunk % 16 == 0, f"chunk must be a positive multiple of 16, got {chunk}")
         self.kv_tma = kv_tma = kv_tma and tma_usable(q, k_cache, v_cache)
         self.block_n = block_n
         maxnreg = max_registers(config, kv_tma) if maxnreg is None else maxnreg
@@ -237,7 +238,7 @@ class BoundSplits:
         self.kernel = KernelLaunch(_shared_node_kernel, grid, dict(
             q=q, k_cache=k_cache, v_cache=v_cache, k_desc=k_desc, v_desc=v_desc, q_indptr=q_indptr, q_rows=q_rows,
             kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens, o=o_dst, lse=lse_dst,
-            qk_scale=sm_scale * LOG2E, chunk=chunk, splits=splits, group=group,
+            qk_scale=sm_scale * LOG2E, splits=splits, group=group,
             stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_slot=k_cache.stride(0),
             stride_kv_h=k_cache.stride(1),
             stride_o_r=o_dst.stride(0), stride_o_s=o_dst.stride(1), stride_o_h=o_dst.stride(2),
@@ -265,15 +266,17 @@ class BoundSplits:
 
 
 def launch_splits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale, o_dst,
-                  lse_dst, group: int, m_tiles: int, chunk: int, config: tuple[int, int, int, int],
+                  lse_dst, group: int, m_tiles: int, config: tuple[int, int, int, int],
                   kv_tma: bool = False, maxnreg: int | None = None):
-    """Launch into o_dst [R, S, Hq, D], lse_dst [R, S, Hq]: split s covers node tokens [s * chunk, +chunk);
+    """Launch into o_dst [R, S, Hq, D], lse_dst [R, S, Hq]: split s of group g covers node tokens
+    [s * chunk, +chunk), chunk = kv_lens[g] / S rounded up to a multiple of BLOCK_N (splits past the node's
+    end: o = 0, lse = -inf);
     ``m_tiles`` query tiles of BLOCK_M rows per group, ``config`` = (BLOCK_M, BLOCK_N, warps, stages).
     ``kv_tma``: the caller promises that every group's pages are consecutive ids; full K/V tiles are then
     loaded by TMA where ``tma_usable`` (else the page gather runs); ``maxnreg`` caps registers per thread
     (default ``max_registers``). Returns the compiled kernel."""
     return BoundSplits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, sm_scale,
-                       o_dst, lse_dst, group, m_tiles, chunk, config, kv_tma, maxnreg)()
+                       o_dst, lse_dst, group, m_tiles, config, kv_tma, maxnreg)()
 
 
 class SharedNode:
@@ -311,8 +314,8 @@ class SharedNode:
         slots_per_sm = programs_per_sm(config) if slots_per_sm is None else slots_per_sm
         m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)
         live_tiles = min(num_groups * m_tiles, triton.cdiv(num_rows * group, block_m) + num_groups)
-        splits, chunk = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
-                                    slots_per_sm * num_sms(device), overhead)
+        splits, _ = pick_splits(live_tiles * k_cache.shape[1], max_kv_len, block_n,
+                                slots_per_sm * num_sms(device), overhead)
         if splits == 1:
             o_dst, lse_dst = o.unsqueeze(1), lse.unsqueeze(1)                 # [R, 1, Hq, D], [R, 1, Hq]
         else:
@@ -320,7 +323,7 @@ class SharedNode:
             lse_dst = torch.empty((num_rows, splits, num_q_heads), dtype=torch.float32, device=device)
             self.merge = bind_merge_splits(o_dst, lse_dst, o, lse)
         self.kernel = BoundSplits(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages, kv_lens,
-                                  sm_scale, o_dst, lse_dst, group, m_tiles, chunk, config, kv_tma)
+                                  sm_scale, o_dst, lse_dst, group, m_tiles, config, kv_tma)
 
     def __call__(self, q, k_cache, v_cache, o, lse) -> None:
         """q [B, Hq, D]; o [R, Hq, D], lse [R, Hq] (addresses only: same layouts as at binding)."""

@@ -136,8 +136,10 @@ class DecodeGraphs:
     def capture_covers(self, buckets: tuple[int, ...] = COVER_BUCKETS) -> int:
         """At start-up: per bucket (``buckets`` below ``max_batch``, and ``max_batch``), capture a flat
         graph and a cascade graph whose launch shapes cover every size class of their kind up to the
-        bucket's rows: one split per level over any length (``_one_split_unbounded``), query tiles for a
-        group of every row, no TMA (steps with or without consecutive pages); the cascade graph's caps
+        bucket's rows: nodes split to fill the GPU (chunks cut from each node's length at run time), one
+        own-KV split over any length (``_one_split_unbounded``), query tiles for a group of every row; a
+        cascade graph gathering K/V (steps with or without consecutive pages) and, where TMA applies, one
+        loading consecutive node pages by TMA (steps whose runs are consecutive); the cascade graphs' caps
         hold ``COVER_GROUPS`` groups, rows in two levels (twice the bucket) and a run as long as the page
         table is wide. A fresh server's first decode steps then replay one of these (``_covering``)
         instead of running on the piecewise graphs until their class recurs (a piecewise step's host launch each)
@@ -148,9 +150,9 @@ class DecodeGraphs:
         before = self.captures
         for bs in sizes:
             bs = self._bucket_of[bs]
-            for cascade in (False, True):
+            for cascade, tma in ((False, False), (True, False), (True, True)):
                 caps = (COVER_GROUPS, _pow2(2 * bs), _pow2(self.max_pages)) if cascade else (1, 1, 1)
-                shape = self._cover_shape(bs, cascade)
+                shape = self._cover_shape(bs, cascade, tma)
                 key = (bs, caps, _launch_shape(shape))
                 if key in self._graphs:
                     continue
@@ -161,14 +163,16 @@ class DecodeGraphs:
                 self._graphs[key] = g
         return self.captures - before
 
-    def _cover_shape(self, bs: int, cascade: bool) -> CascadeLaunch:
+    def _cover_shape(self, bs: int, cascade: bool, tma: bool) -> CascadeLaunch:
         """The launch shape of ``capture_covers``' graph for ``bs`` rows: flat, or every row in one group
-        whose run is as long as a request can be (so not a light node)."""
+        whose run is as long as a request can be (so not a light node), its node split to fill the GPU
+        once (each node's chunks are cut from its own length at run time); ``tma``: node K/V by TMA, for
+        steps whose runs are consecutive pages (the same shape as without where TMA does not apply)."""
         longest = self.max_pages * self.kv_cache.page_size
         host = (CascadeHost(tuple(range(bs)), (0, bs), (longest,), 1) if cascade
                 else CascadeHost((), (0,), (), 1))
-        return self._one_split_unbounded(cascade_launch(host, bs, self.device, shared_splits=1, own_splits=1,
-                                                        allow_tma=False, **self.heads))
+        return self._one_split_unbounded(cascade_launch(host, bs, self.device, own_splits=1, allow_tma=tma,
+                                                        kv_contiguous=tma, **self.heads))
 
     def fits(self, num: int, width: int) -> bool:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
@@ -242,7 +246,7 @@ class DecodeGraphs:
         caps = (_pow2(len(runs.host_kv_lens)), _pow2(len(runs.host_rows)), _pow2(len(runs.host_pages)))
         if any(c > have for c, have in zip(caps, g.key[1])):
             return False
-        return _covers(g.plan, _Need(True, runs.max_rows * self._group, runs.max_kv_len, own_len, runs.contiguous))
+        return _covers(g.plan, _Need(True, runs.max_rows * self._group, own_len, runs.contiguous))
 
     def run(self, step: GraphStep, rids: list[int] | None = None, defer: bool = False) -> GraphRun | None:
         """The run of a decode-graph step (its logits [num, V] a view of the graph's output: read it before
@@ -288,7 +292,7 @@ class DecodeGraphs:
         fresh = False
         if g is None:
             seen = self._misses[key] = self._misses.get(key, 0) + 1
-            need = _Need(runs is not None, max_rows * self._group, max_kv, own_len, contiguous)
+            need = _Need(runs is not None, max_rows * self._group, own_len, contiguous)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
             if g is None and defer and seen < CAPTURE_UNCOVERED_AFTER:
                 self.counters.decode_steps_deferred += 1
@@ -342,22 +346,20 @@ class DecodeGraphs:
             if (bs < num or g.cascade != need.cascade or any(c < n for c, n in zip(graph_caps, caps))
                     or not _covers(g.plan, need)):
                 continue
-            if best is None or (bs, graph_caps) < best.key[:2]:
+            # the smallest; of equal ones, a TMA launch where the step allows it
+            if best is None or (bs, graph_caps, not g.plan.kv_tma) < (*best.key[:2], not best.plan.kv_tma):
                 best = g
         return best
 
     def _one_split_unbounded(self, plan: CascadeLaunch) -> CascadeLaunch:
-        """A level with one split reads [start, end) whatever its chunk, as long as the chunk covers the
-        longest possible range: give it that chunk, so that growing lengths keep the launch shape (and
-        the graph) instead of changing it at every power of two."""
+        """An own-KV level with one split reads [start, end) whatever its chunk, as long as the chunk covers
+        the longest possible range: give it that chunk, so that growing lengths keep the launch shape (and
+        the graph) instead of changing it at every power of two. (Shared nodes cut their chunks from their
+        own lengths at run time: their shape never depends on a length.)"""
+        if plan.own_splits != 1:
+            return plan
         longest = self.max_pages * self.kv_cache.page_size
-        changes = {}
-        if plan.own_splits == 1:
-            changes["own_chunk"] = -(-longest // OWN_ALIGN) * OWN_ALIGN
-        if plan.shared_splits == 1:
-            block_n = plan.shared_config[1]
-            changes["shared_chunk"] = -(-longest // block_n) * block_n
-        return plan._replace(**changes) if changes else plan
+        return plan._replace(own_chunk=-(-longest // OWN_ALIGN) * OWN_ALIGN)
 
     # -- buffers -----------------------------------------------------------------------------------
 
@@ -507,7 +509,6 @@ class _Need(NamedTuple):
     """What a step asks of a graph's launch shape."""
     cascade: bool        # shared runs (else flat)
     query_rows: int      # most rows of a group x query heads per KV head (folded rows of a tile)
-    max_kv: int          # longest shared run, tokens
     own_len: int         # longest own KV range, tokens
     contiguous: bool     # every run's pages contiguous (a TMA launch needs it)
 
@@ -517,11 +518,11 @@ def _covers(plan: CascadePlan, need: _Need) -> bool:
     if not need.cascade:
         return own
     return (own and plan.m_tiles * plan.shared_config[0] >= need.query_rows
-            and plan.shared_splits * plan.shared_chunk >= need.max_kv and (need.contiguous or not plan.kv_tma))
+            and (need.contiguous or not plan.kv_tma))
 
 
 def _launch_shape(plan: CascadePlan | CascadeLaunch) -> _LaunchShape:
-    return (plan.m_tiles, plan.shared_splits, plan.shared_chunk, plan.own_splits, plan.own_chunk,
+    return (plan.m_tiles, plan.shared_splits, plan.own_splits, plan.own_chunk,
             plan.shared_config, plan.kv_tma, plan.light_nodes)
 
 

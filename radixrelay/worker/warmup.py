@@ -211,8 +211,7 @@ class _Scratch:
         o, lse = self._parts(1, 1 if out_dtype == self.dtype else 2, out_dtype)
         shared_node.launch_splits(self._q(1), self.k, self.v, self.page_size, self._i32([0, 1]), self._i32([0]),
                                   self._i32([0, pages.numel()]), pages, self._i32([tokens]), self.sm_scale, o, lse,
-                                  self.dims.group, -(-self.dims.group // config[0]), -(-tokens // block_n) * block_n,
-                                  config, kv_tma)
+                                  self.dims.group, -(-self.dims.group // config[0]), config, kv_tma)
 
     def merge(self, indexed: bool, block_h: int) -> None:
         heads, dim = self.dims.num_q_heads, self.dims.head_dim

@@ -54,6 +54,17 @@ def test_cascade_two_levels(num_q_heads, num_kv_heads, head_dim, page_size, spli
              seed=head_dim, **splits)
 
 
+def test_split_count_fixed_for_nodes_of_any_length():
+    """A split count fixed beforehand (a captured graph's) over nodes of very different lengths: each node
+    cuts its own chunks at run time, so splits past a short node's end attend nothing, and the result is
+    exact for every node (the longest, one shorter than the splits' tiles, an empty one)."""
+    group_rows = [[0, 1, 2, 3], [1, 2], [3], [0]]
+    node_lens = [300, 70, 5, 0]
+    own_ranges = [(0, 9), (0, 3), (0, 0), (2, 40)]
+    plan = run_case(group_rows, node_lens, own_ranges, 8, 2, 32, 8, torch.float32, seed=11, shared_splits=7)
+    assert plan.shared_splits == 7
+
+
 def test_light_nodes_pick_the_short_tile_own_decode():
     """Every node <= LIGHT_NODE_TOKENS: the own KV beside them takes OWN_BESIDE_LIGHT; one longer node: OWN_BESIDE."""
     light = run_case([[0, 1, 2]], [LIGHT_NODE_TOKENS], [(0, 5), (0, 0), (2, 30)], 4, 2, 16, 64, torch.float32, seed=9)
