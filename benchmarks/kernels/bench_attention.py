@@ -123,10 +123,11 @@ class Case:
         return paged_decode_attention(self.q, self.k_cache, self.v_cache, self.page_table, PAGE, self.zeros,
                                       self.ends, max_kv_len=self.prefix + self.suffix)
 
-    def shared(self):
+    def shared(self, kv_contiguous: bool = False):
         return shared_node_attention(self.q, self.k_cache, self.v_cache, PAGE, self.q_indptr, self.q_rows,
                                      self.kv_indptr, self.prefix_pages, self.kv_lens, max_q_rows=self.batch,
-                                     max_kv_len=self.prefix, out=(self.o_parts[:, 0], self.lse_parts[:, 0]))
+                                     max_kv_len=self.prefix, out=(self.o_parts[:, 0], self.lse_parts[:, 0]),
+                                     kv_contiguous=kv_contiguous)
 
     def suffix_decode(self):
         return paged_decode_attention(self.q, self.k_cache, self.v_cache, self.page_table, PAGE, self.prefix_start,
@@ -137,8 +138,8 @@ class Case:
         return merge_attention_states(self.o_parts.view(2 * self.batch, HQ, D),
                                       self.lse_parts.view(2 * self.batch, HQ), self.merge_indptr, self.part_ids)
 
-    def cascade_separate_apis(self):
-        self.shared()
+    def cascade_separate_apis(self, kv_contiguous: bool = False):
+        self.shared(kv_contiguous)
         self.suffix_decode()
         return self.merge()
 
