@@ -12,11 +12,12 @@ Ordering (what the scheduler relies on, ``KVTransfers``):
   in flight last used. A plan's saves are launched after its forward (``TierStore.apply``), so their
   host work overlaps the device's. The step's forward waits for the loads (``load_exposed_s``); saves run while
   later steps compute (the scheduler keeps their pages locked until acknowledged);
-- disk reads and writes run on one I/O thread, in plan order, each handed over only once the copies
-  queued before it are done (so a slot is never read for disk while its save is in flight, nor
-  overwritten while a load from it is); a disk job running past ``DISK_DEADLINE_S`` is given up
-  (``DiskIO``): a read becomes a miss, a write a failed write, and the jobs after it run on a fresh
-  thread, so a stuck file system never stalls admission or the worker;
+- disk reads and writes run on a pool of ``DISK_THREADS`` I/O threads (``DiskIO``: a page's jobs in plan
+  order, reads before writes), each handed over only once the copies queued before it are done (so a
+  slot is never read for disk while its save is in flight, nor overwritten while a load from it is); their
+  results are acknowledged in plan order; a disk job running past ``DISK_DEADLINE_S`` is given up: a read
+  becomes a miss, a write a failed write, and a fresh thread takes its thread's place, so a stuck file
+  system never stalls admission or the worker;
 - on the CPU everything runs synchronously in plan order.
 
 Shifted loads (``KVTransfers.shifted_loads``, a truncated prompt's re-positioned KV): after layer l's
@@ -51,6 +52,9 @@ STAGE_MAX_PAGES = 512
 # Seconds a disk job (one page read, write or delete) may run before it is given up. A page is a few
 # MiB: a working disk moves it in milliseconds, so a job this slow is on storage that hangs.
 DISK_DEADLINE_S = 5.0
+# Threads moving pages between host memory and disk: reads and checksums of different pages overlap
+# (file reads, zlib.crc32 and the copies into host slots release the GIL).
+DISK_THREADS = 8
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -403,7 +407,7 @@ class DiskJob:
 
     def __init__(self, fn, kind: str, key: bytes, args: tuple) -> None:
         self.fn, self.kind, self.key, self.args = fn, kind, key, args
-        self.started: float | None = None       # time.monotonic() when its thread took it
+        self.started: float | None = None       # time.monotonic() when a thread took it
         self.committed = False
         self.abandoned = False
         self.result: tuple[str, bytes, bool] | None = None
@@ -411,51 +415,79 @@ class DiskJob:
 
 
 class DiskIO:
-    """Disk jobs run one at a time, in submission order, on a daemon thread, each within a deadline.
+    """Disk jobs on a pool of ``threads`` daemon threads, each job within a deadline.
 
     Invariants:
-    - one thread is current; only it takes jobs, in submission order, one at a time;
+    - jobs of one key run one at a time, in submission order (a page's write, delete and read never
+      overtake each other); jobs of different keys run in parallel;
+    - of the jobs a thread may take, reads go first (a request may be waiting for them), then the
+      others in submission order: a backlog of writes never delays a hit;
     - a job that has run ``deadline_s`` seconds without committing is given up by ``settle``: its result
-      is (kind, key, False), a fresh thread becomes current and takes the jobs after it, and the old
-      thread, if its job ever returns, drops that job's result and exits;
+      is (kind, key, False) and a fresh thread replaces the one running it, which, if its job ever
+      returns, drops that job's result and exits; the key's later jobs then run (a given-up write may
+      still land: the page file is then whole and content-addressed, or absent);
     - a job calls ``commit`` before it changes anything the worker or scheduler rely on (a host slot,
       a page file reported written): a given-up job never commits, a committed job is never given up.
     """
 
-    def __init__(self, deadline_s: float) -> None:
+    def __init__(self, deadline_s: float, threads: int = DISK_THREADS) -> None:
         if deadline_s <= 0:
             raise ValueError(f"DiskIO: deadline_s must be > 0, got {deadline_s}")
+        if threads < 1:
+            raise ValueError(f"DiskIO: threads must be >= 1, got {threads}")
         self.deadline_s = deadline_s
         self.abandoned = 0                       # jobs given up so far
         self._cv = threading.Condition()
-        self._pending: deque[DiskJob] = deque()
-        self._generation = 0
+        self._pending: list[DiskJob] = []        # submitted, not yet taken, in submission order
+        self._running: set[bytes] = set()        # keys of the jobs running (not finished, not given up)
         self._closing = False
+        self._started = 0
         with self._cv:
-            self._start()
+            for _ in range(threads):
+                self._start()
 
     def _start(self) -> None:
-        """Make a fresh thread current (``self._cv`` held)."""
-        self._generation += 1
-        threading.Thread(target=self._run, args=(self._generation,), name=f"kv-disk-{self._generation}",
-                         daemon=True).start()
-        self._cv.notify_all()
+        """Start one more pool thread (``self._cv`` held)."""
+        self._started += 1
+        threading.Thread(target=self._run, name=f"kv-disk-{self._started}", daemon=True).start()
 
     def submit(self, fn, kind: str, key: bytes, *args) -> DiskJob:
         job = DiskJob(fn, kind, key, args)
         with self._cv:
             self._pending.append(job)
-            self._cv.notify_all()
+            self._cv.notify()
         return job
 
-    def _run(self, generation: int) -> None:
+    def _take(self) -> DiskJob | None:
+        """The next job a thread may run (``self._cv`` held): the first read whose key has no earlier job
+        unfinished, else the first such job of any kind."""
+        ahead = set(self._running)           # keys with a job running or pending before this one
+        first = None
+        for i, job in enumerate(self._pending):
+            if job.key not in ahead:
+                if job.kind == "read":
+                    first = i
+                    break
+                if first is None:
+                    first = i
+            ahead.add(job.key)
+        if first is None:
+            return None
+        job = self._pending.pop(first)
+        self._running.add(job.key)
+        return job
+
+    def _run(self) -> None:
         while True:
             with self._cv:
-                while generation == self._generation and not self._pending and not self._closing:
+                job = None
+                while not self._closing or self._pending:
+                    job = self._take()
+                    if job is not None:
+                        break
                     self._cv.wait()
-                if generation != self._generation or not self._pending:
+                if job is None:
                     return
-                job = self._pending.popleft()
                 job.started = time.monotonic()
             try:
                 result = job.fn(job, job.key, *job.args)
@@ -464,9 +496,15 @@ class DiskIO:
                 result = (job.kind, job.key, False)
             with self._cv:
                 if job.abandoned:
-                    return
+                    return                       # given up: a fresh thread took this one's place
                 job.result = result
                 job.finished.set()
+                self._done(job.key)
+
+    def _done(self, key: bytes) -> None:
+        """The running job of ``key`` finished or was given up (``self._cv`` held): its later jobs may run."""
+        self._running.discard(key)
+        self._cv.notify_all()
 
     def commit(self, job: DiskJob) -> bool:
         """On the job's thread: False if the job was given up, else it can no longer be."""
@@ -488,11 +526,11 @@ class DiskIO:
                     job.result = (job.kind, job.key, False)
                     job.finished.set()
                     self.abandoned += 1
+                    self._done(job.key)
                     self._start()
-                    logger.warning("KV page %s on disk gave no answer in %.1f s: given up (%s), later disk "
-                                   "jobs continue on a fresh thread (%d given up so far)", job.kind,
-                                   self.deadline_s, "a miss" if job.kind == "read" else "not counted as done",
-                                   self.abandoned)
+                    logger.warning("KV page %s on disk gave no answer in %.1f s: given up (%s), its thread "
+                                   "replaced (%d given up so far)", job.kind, self.deadline_s,
+                                   "a miss" if job.kind == "read" else "not counted as done", self.abandoned)
                     break
             if not wait:
                 return job.finished.is_set()
@@ -501,7 +539,7 @@ class DiskIO:
         return True
 
     def close(self, jobs) -> None:
-        """Settle ``jobs`` (waiting, each within its deadline), then let the current thread exit."""
+        """Settle ``jobs`` (waiting, each within its deadline), then let the threads exit."""
         for job in jobs:
             self.settle(job, wait=True)
         with self._cv:
