@@ -145,9 +145,13 @@ class KVTiers:
 
     def fetching_in(self, keys: list[bytes], start: int, stop: int) -> bool:
         """Whether a disk read is in flight for one of ``keys[start:stop]``."""
+        return self.fetching_count(keys, start, stop) > 0
+
+    def fetching_count(self, keys: list[bytes], start: int, stop: int) -> int:
+        """Disk reads in flight for ``keys[start:stop]``."""
         if not self._num_fetching:
-            return False
-        return any((e := self._host.get(k)) is not None and e.state == "fetching" for k in keys[start:stop])
+            return 0
+        return sum(1 for k in keys[start:stop] if (e := self._host.get(k)) is not None and e.state == "fetching")
 
     def busy(self) -> bool:
         """Transfers to send, or acknowledgements to wait for."""
@@ -196,12 +200,16 @@ class KVTiers:
         self.counters.loaded += len(keys)
         self._touch(keys)
 
-    def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset()) -> int:
+    def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset(),
+                 min_pages: int = 1) -> int:
         """Read ``keys[start:stop]`` from disk into host memory where host memory lacks them, in
-        order, stopping at the first key on neither tier; returns the reads queued."""
+        order, stopping at the first key on neither tier; returns the reads queued. Fewer than
+        ``min_pages`` such pages are not read at all (computing them is cheaper than a disk round trip)."""
         queued = 0
         chain = keys[start:stop]
         self._touch(chain)
+        if min_pages > 1 and self._on_disk_only(chain) < min_pages:
+            return 0
         spare = set(chain) | spare   # never evict the chain's own pages to fetch its next ones
         for key in chain:
             if key in self._host:
@@ -217,6 +225,23 @@ class KVTiers:
             self._num_fetching += 1
             queued += 1
         return queued
+
+    def _on_disk_only(self, chain: list[bytes]) -> int:
+        """Pages of ``chain`` a prefetch would read: on disk, not in host memory, before the first key on
+        neither tier."""
+        count = 0
+        for key in chain:
+            if key in self._host:
+                continue
+            if key not in self._disk:
+                break
+            count += 1
+        return count
+
+    @property
+    def num_fetching(self) -> int:
+        """Disk reads in flight."""
+        return self._num_fetching
 
     def protect(self, keys: set[bytes]) -> None:
         """Keys of the waiting queue's look-ahead window: the ``scheduler`` policy never evicts them."""

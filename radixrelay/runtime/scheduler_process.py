@@ -85,6 +85,7 @@ class SchedulerLoop:
         # Decode-only steps (decode rows, no extends): step id -> rows, while in flight; then counted with
         # their worker launch time (the launch the serving-loop target is about, apart from mixed steps)
         self._decode_only: dict[int, int] = {}
+        self._extend_tokens: dict[int, int] = {}      # step id -> extend tokens, until its output arrives
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
         self._audits = PacedAudit(INTEGRITY_EVERY_S)
         self.collector = collector        # garbage collection: full collections when idle (gc_control)
@@ -127,7 +128,10 @@ class SchedulerLoop:
             return False
         c = self.counters
         c.steps += 1
-        c.computed_tokens += sum(e.num_tokens for e in plan.extends) + len(plan.decodes)
+        extend_tokens = sum(e.num_tokens for e in plan.extends)
+        c.computed_tokens += extend_tokens + len(plan.decodes)
+        if extend_tokens:
+            self._extend_tokens[plan.step_id] = extend_tokens
         if plan.decodes:
             c.decode_steps += 1
             if not plan.extends:
@@ -147,6 +151,8 @@ class SchedulerLoop:
         c.worker_launch_s += message.launch_s
         c.worker_device_s += message.device_s
         c.graph_capture_s += message.capture_s
+        if (tokens := self._extend_tokens.pop(message.output.step_id, None)) is not None:
+            self.scheduler.observe_step(tokens, message.device_s)     # the prefill rate (tier cost model)
         if (rows := self._decode_only.pop(message.output.step_id, None)) is not None:
             c.decode_only_steps += 1
             c.decode_only_rows += rows

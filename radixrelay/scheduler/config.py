@@ -33,6 +33,9 @@ class SchedulerConfig:
     kv_page_bytes: int = 0                    # bytes of one page's KV (tier byte counters)
     # Waiting requests whose disk-resident pages are read into host memory ahead of their turn.
     tier_lookahead: int = 32
+    # Fewest prompt tokens a request reads from disk: a shorter run is computed (cheaper than a disk
+    # round trip); longer ones are read, and waited for while that is cheaper than computing them.
+    disk_min_tokens: int = 64
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -50,6 +53,8 @@ class SchedulerConfig:
         if self.schedule_policy not in _POLICIES:
             raise bad("schedule_policy",
                       f"must be one of {_POLICIES}, got {self.schedule_policy!r}")
+        if self.disk_min_tokens < 0:
+            raise bad("disk_min_tokens", f"must be >= 0, got {self.disk_min_tokens}")
         if self.policy_queue_limit < 0:
             raise bad("policy_queue_limit", f"must be >= 0, got {self.policy_queue_limit}")
         if not 0 <= self.decode_reservation_ratio <= 1:

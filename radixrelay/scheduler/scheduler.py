@@ -259,6 +259,11 @@ class Scheduler:
         self._next_step += 1
         return plan
 
+    def observe_step(self, extend_tokens: int, device_s: float) -> None:
+        """A finished step's extend tokens and device time (the tiers' wait-or-recompute rates)."""
+        if self._tiers is not None:
+            self._tiers.costs.step(extend_tokens, device_s)
+
     def process_output(self, out: StepOutput, *, defer_release: bool = False) -> list[RequestUpdate]:
         """Apply the output of the oldest step in flight. With ``defer_release`` the requests it finishes
         give their KV back (tree inserts, tier saves) only at ``release_finished()``, which the caller

@@ -19,6 +19,7 @@ It locks and unlocks radix nodes only for its saves; a request's own KV hold is 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from radixrelay.protocol.kv import KVAcks, KVTransfers
@@ -27,6 +28,7 @@ from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
+from radixrelay.scheduler.tier_costs import TierCosts
 
 
 class TierCoordinator:
@@ -45,6 +47,7 @@ class TierCoordinator:
         self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
         self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
         self.repositioned_tokens = 0                        # of which re-positioned (truncated prompts)
+        self.costs = TierCosts()                            # disk read and prefill rates: wait or recompute
 
     # -- content keys ------------------------------------------------------------------------------
 
@@ -122,14 +125,24 @@ class TierCoordinator:
         return req.host_hint[1]
 
     def waits_for_fetch(self, req: Request) -> bool:
-        """Whether a disk read for one of ``req``'s next pages is in flight (admit it afterwards)."""
-        if not req.page_keys:
+        """Whether to keep ``req`` queued until the disk reads in flight for its next pages land: while
+        the reads queued up to them (an upper bound: every read in flight) should finish sooner than
+        computing the pages would (``TierCosts``). Otherwise it is admitted now and computes them; the
+        reads still land in host memory."""
+        if not req.page_keys or req.skipped_fetch:
             return False
         limit = min(len(req.page_keys), req.reusable_prefix // self.page_size)
-        if self.store.fetching_in(req.page_keys, 0, limit):
-            return True
+        fetching = self.store.fetching_count(req.page_keys, 0, limit)
         off = len(req.shifted_prefix) // self.page_size
-        return bool(req.shifted_keys) and self.store.fetching_in(req.shifted_keys, off, off + limit)
+        if req.shifted_keys:
+            fetching += self.store.fetching_count(req.shifted_keys, off, off + limit)
+        if not fetching:
+            return False
+        if self.costs.worth_waiting(self.store.num_fetching, fetching * self.page_size):
+            return True
+        req.skipped_fetch = True
+        self.costs.recomputed_instead += 1
+        return False
 
     def prefetch_window(self, window: Iterable[Request]) -> None:
         """Queue disk reads for the pages of ``window`` (the next requests to admit) that host
@@ -155,8 +168,9 @@ class TierCoordinator:
         window_keys = {k for keys, first, _ in chains for k in keys[first:]}
         store.protect(window_keys if store.policy == "scheduler" else set())   # this window's, not the last one's
         if store.has_disk:
+            min_pages = -(-self.config.disk_min_tokens // self.page_size)
             for keys, first, limit in chains:       # never evict one window request's pages for another's
-                store.prefetch(keys, first, limit, spare=window_keys)
+                store.prefetch(keys, first, limit, spare=window_keys, min_pages=min_pages)
 
     # -- saves and the worker's acknowledgements ----------------------------------------------------------
 
@@ -195,6 +209,8 @@ class TierCoordinator:
         locked until ``on_acks`` sees them done."""
         self._touch_known()
         transfers = self.store.take(step_id)
+        if transfers is not None and transfers.disk_reads:
+            self.costs.reads_sent(len(transfers.disk_reads), time.monotonic())
         if transfers is not None and transfers.saves:
             self._locks_by_step[step_id] = self._save_locks
             self._save_locks = []
@@ -212,6 +228,8 @@ class TierCoordinator:
     def on_acks(self, acks: KVAcks | None) -> None:
         if acks is None:
             return
+        if acks.read or acks.read_failed:
+            self.costs.reads_done(len(acks.read) + len(acks.read_failed), time.monotonic())
         for step in self.store.on_acks(acks):
             for node in self._locks_by_step.pop(step, []):
                 self.tree.unlock(node)
@@ -236,7 +254,9 @@ class TierCoordinator:
                     tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
                     tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
-                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s)
+                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s,
+                    tier_recomputed_instead=self.costs.recomputed_instead,
+                    tier_disk_read_bytes_per_s=(self.costs.read_pages_per_s or 0.0) * size)
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

@@ -547,7 +547,8 @@ def test_disk_prefix_longer_than_host_memory(policy: str) -> None:
     fetch, and the next ``schedule()`` fetched the evicted pages again."""
     prompt = list(range(1, 31))                     # 7 whole reusable pages; host memory holds 6
     keys = extend_keys([], chain_seed(NAMESPACE, None), prompt, PAGE_SIZE, 7)
-    cfg = SchedulerConfig(kv_cache_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    cfg = SchedulerConfig(kv_cache_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE,
+                          disk_min_tokens=0)         # pages of 4 tokens: read even so short a run
     sched = Scheduler(cfg, tiers=KVTiers(host_pages=6, disk_pages=16, disk_keys=keys, policy=policy))
     worker = TierWorker(PAGE_SIZE, cfg.num_pages, 6, random.Random(0), {0: None}, {0: list(prompt)})
     worker.disk = {key: page_content(None, prompt, i, PAGE_SIZE) for i, key in enumerate(keys)}
@@ -561,6 +562,27 @@ def test_disk_prefix_longer_than_host_memory(policy: str) -> None:
         sched.process_output(msgspec.structs.replace(out, kv_acks=acks))
     assert not sched.has_work(), f"not admitted after 50 steps ({worker.counts['reads']} disk reads)"
     assert sched.stats().tier_disk_hit_tokens > 0
+
+
+def test_a_disk_run_shorter_than_the_minimum_is_computed() -> None:
+    """Seven pages of 4 tokens on disk, fewer than ``disk_min_tokens`` (64): no disk read at all, the
+    request computes its prompt."""
+    prompt = list(range(1, 31))
+    keys = extend_keys([], chain_seed(NAMESPACE, None), prompt, PAGE_SIZE, 7)
+    cfg = SchedulerConfig(kv_cache_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    assert cfg.disk_min_tokens == 64
+    sched = Scheduler(cfg, tiers=KVTiers(host_pages=6, disk_pages=16, disk_keys=keys))
+    worker = TierWorker(PAGE_SIZE, cfg.num_pages, 6, random.Random(0), {0: None}, {0: list(prompt)})
+    worker.disk = {key: page_content(None, prompt, i, PAGE_SIZE) for i, key in enumerate(keys)}
+    sched.add_request(0, prompt, SamplingParams(max_tokens=1))
+    for _ in range(50):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        out = worker.step(plan)
+        sched.process_output(msgspec.structs.replace(out, kv_acks=worker.collect_acks(wait=True)))
+    assert not sched.has_work() and worker.counts["reads"] == 0
+    assert sched.stats().tier_disk_hit_tokens == 0 and sched.stats().cache_hit_tokens == 0
 
 
 def test_disk_delete_then_write_of_one_key() -> None:
@@ -675,7 +697,8 @@ def test_protection_ends_with_the_window(policy: str) -> None:
     more: S's pages are read into host memory and promoted (8 tokens from disk)."""
     prompts = {0: [1, 2, 3, 4] * 4 + [5], 1: [9] * 9}
     keys = extend_keys([], chain_seed(NAMESPACE, None), prompts[1], PAGE_SIZE, 2)
-    cfg = SchedulerConfig(kv_cache_tokens=24 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE)
+    cfg = SchedulerConfig(kv_cache_tokens=24 * PAGE_SIZE, page_size=PAGE_SIZE, kv_namespace=NAMESPACE,
+                          disk_min_tokens=0)         # a two-page run of 4-token pages: read all the same
     sched = Scheduler(cfg, tiers=KVTiers(host_pages=4, disk_pages=30, disk_keys=keys, policy=policy))
     worker = TierWorker(PAGE_SIZE, cfg.num_pages, 4, random.Random(0), dict.fromkeys(prompts),
                         {rid: list(p) for rid, p in prompts.items()})
