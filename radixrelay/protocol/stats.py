@@ -222,6 +222,17 @@ class WorkerCounters(msgspec.Struct):
         "over HTTP a 400 request_too_costly); their batch mates went on.")] = 0
     malformed_frames: Annotated[int, _MALFORMED_FRAMES] = 0
     gc: Annotated[GcStats, part("the worker process's garbage collection", "worker_gc_", "Worker process")] = GcStats()
+    disk_read_s: Annotated[float, counter(
+        "Seconds the disk tier's I/O threads spent reading pages, summed over threads (0 without a disk tier).",
+        "kv_tier_disk_read_seconds")] = 0.0
+    disk_write_s: Annotated[float, counter("Seconds the disk tier's I/O threads spent writing pages, summed "
+                                           "over threads.", "kv_tier_disk_write_seconds")] = 0.0
+    disk_full_writes: Annotated[int, counter(
+        "Page writes refused or failed because the disk (or quota) was full; writes pause, serving goes on.",
+        "kv_tier_disk_full_writes")] = 0
+    disk_jobs_given_up: Annotated[int, counter(
+        "Disk reads, writes or deletes given up after their deadline (storage that hangs); a read given up "
+        "is a miss.", "kv_tier_disk_jobs_given_up")] = 0
     tp_all_reduce_s: Annotated[float, counter(
         "Seconds rank 0 spent in tensor-parallel all-reduces (0 at tp=1): on the CPU each call timed; on CUDA, "
         "where they run inside graphs, each forward's calls at the device time measured for their size at "

@@ -124,7 +124,14 @@ class DiskKVStore:
             check_directory(root)
         self._uid = os.geteuid()
         self._ns_digest = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        self._root = root
         self._dir = root / self._ns_digest.hex()
+        self._make_dir()
+        self.refused = 0        # non-regular or foreign entries found in place of a page file
+        self.recreated = 0      # times the directory was found removed while serving and made again
+
+    def _make_dir(self) -> None:
+        """Create the namespace directory (0o700), or check the existing one is ours."""
         try:
             os.mkdir(self._dir, 0o700)
         except FileExistsError:
@@ -133,7 +140,6 @@ class DiskKVStore:
                 raise ValueError(f"DiskKVStore: {str(self._dir)!r} exists and is not a directory owned by "
                                  f"uid {self._uid}; remove it") from None
         os.chmod(self._dir, 0o700)
-        self.refused = 0        # non-regular or foreign entries found in place of a page file
 
     @property
     def directory(self) -> pathlib.Path:
@@ -166,7 +172,17 @@ class DiskKVStore:
         payload = memoryview(data).cast("B")
         header = HEADER.pack(MAGIC, FORMAT_VERSION, self._ns_digest, key, len(payload), _checksum(payload))
         tmp = os.path.join(self._dir, f".{key.hex()}.{secrets.token_hex(8)}{_TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:      # the directory was removed while serving: made again (as checked at start)
+            if unsafe_directory(self._root) is not None:
+                raise
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            self._make_dir()
+            self.recreated += 1
+            logger.warning("disk KV tier: %s was removed while serving; created again", self._dir)
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 for chunk in (memoryview(header), payload):

@@ -310,6 +310,10 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         counters.gc = collector.stats()
         clock = runner.model.tp.clock
         counters.tp_all_reduce_s, counters.tp_all_reduces = clock.seconds, clock.calls
+        if runner.tiers is not None and runner.tiers.disk is not None:
+            disk = runner.tiers.stats()
+            counters.disk_read_s, counters.disk_write_s = disk.read_s, disk.write_s
+            counters.disk_full_writes, counters.disk_jobs_given_up = disk.full_writes, disk.given_up
         if outbox is not None:
             outbox.send(encode(WorkerStepDone(output, busy, step.launch_s, device_s, step.capture_s, counters)))
         if trace is not None:

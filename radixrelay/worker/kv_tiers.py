@@ -27,11 +27,13 @@ copies, the keys of those pages are rotated by their position delta on the same 
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,6 +57,17 @@ DISK_DEADLINE_S = 5.0
 # Threads moving pages between host memory and disk: reads and checksums of different pages overlap
 # (file reads, zlib.crc32 and the copies into host slots release the GIL).
 DISK_THREADS = 8
+# After a write finds the disk full, writes fail at once for this long (serving goes on; reads go on).
+DISK_FULL_PAUSE_S = 30.0
+
+
+@dataclass
+class DiskStats:
+    """The disk tier's work on the worker, cumulative (``WorkerCounters`` reports it)."""
+    read_s: float = 0.0           # seconds the I/O threads spent reading pages (summed over threads)
+    write_s: float = 0.0          # ... writing pages
+    full_writes: int = 0          # writes refused or failed because the disk (or quota) was full
+    given_up: int = 0             # jobs past their deadline (``DiskIO.abandoned``)
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -84,6 +97,9 @@ class TierStore:
         self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
         self._loads: deque[tuple[object, object, object]] = deque()  # (step start, load start, done)
         self._io = DiskIO(disk_deadline_s) if disk is not None else None
+        self.disk_stats = DiskStats()
+        self._stats_lock = threading.Lock()
+        self._full_until = 0.0                              # monotonic time until which writes are refused
         self._io_jobs: deque[DiskJob] = deque()           # on the I/O thread, in plan order
         self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
@@ -372,25 +388,57 @@ class TierStore:
         return self.host[:, :, slot * ps:(slot + 1) * ps]
 
     def _write(self, job: DiskJob, key: bytes, slot: int) -> tuple[str, bytes, bool]:
+        begun = time.monotonic()
+        if begun < self._full_until:          # the disk was full a moment ago: not even tried
+            self._count(full_writes=1)
+            return "write", key, False
         try:
             page = self._slot(slot).contiguous()
             self.disk.write(key, page.view(torch.uint8).reshape(-1).numpy())
-        except OSError:
-            logger.exception("KV page write to disk failed")
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                logger.exception("KV page write to disk failed")
+                return "write", key, False
+            with self._stats_lock:
+                first = begun >= self._full_until
+                self._full_until = time.monotonic() + DISK_FULL_PAUSE_S
+                self.disk_stats.full_writes += 1
+            if first:
+                logger.warning("disk KV tier: the disk is full (%s); page writes pause for %.0f s, reads and "
+                               "serving go on", exc.strerror, DISK_FULL_PAUSE_S)
             return "write", key, False
+        finally:
+            self._count(write_s=time.monotonic() - begun)
         if not self._io.commit(job):          # given up and reported failed: not on disk
             self._delete(job, key)
             return "write", key, False
         return "write", key, True
 
     def _read(self, job: DiskJob, key: bytes, slot: int) -> tuple[str, bytes, bool]:
+        begun = time.monotonic()
         view = self._slot(slot)
         page = torch.empty(view.shape, dtype=view.dtype)
-        # a read given up is a miss, and its slot may already hold another page: never copy into it then
-        if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()) or not self._io.commit(job):
-            return "read", key, False
-        view.copy_(page)
-        return "read", key, True
+        try:
+            # a read given up is a miss, and its slot may already hold another page: never copy into it then
+            if not self.disk.read_into(key, page.view(torch.uint8).reshape(-1).numpy()) or not self._io.commit(job):
+                return "read", key, False
+            view.copy_(page)
+            return "read", key, True
+        finally:
+            self._count(read_s=time.monotonic() - begun)
+
+    def _count(self, read_s: float = 0.0, write_s: float = 0.0, full_writes: int = 0) -> None:
+        with self._stats_lock:
+            s = self.disk_stats
+            s.read_s += read_s
+            s.write_s += write_s
+            s.full_writes += full_writes
+
+    def stats(self) -> DiskStats:
+        """A copy of the disk tier's counters."""
+        with self._stats_lock:
+            given_up = self._io.abandoned if self._io is not None else 0
+            return DiskStats(self.disk_stats.read_s, self.disk_stats.write_s, self.disk_stats.full_writes, given_up)
 
     def _delete(self, job: DiskJob, key: bytes) -> tuple[str, bytes, bool]:
         try:

@@ -3,6 +3,7 @@ are exact, in plan order, and acknowledged once; on CUDA the same through the co
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -245,3 +246,68 @@ def test_disk_tier_skips_a_fifo_in_place_of_a_page(tmp_path):
     assert torch.equal(store.host[:, :, 4 * PS:5 * PS], before)
     assert disk.refused == 1 and store._io.abandoned == 0
     store.close()
+
+
+class _FullDisk(DiskKVStore):
+    """A real disk store whose writes fail with ENOSPC while ``full`` is set (a full file system or quota,
+    which a test cannot produce for real without privileges)."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root, "ns")
+        self.full = True
+        self.attempts = 0
+
+    def write(self, key, data) -> int:
+        self.attempts += 1
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(key, data)
+
+
+def test_a_full_disk_pauses_writes_and_reads_go_on(tmp_path, caplog, monkeypatch):
+    """ENOSPC: the write fails (reported, counted), one warning, the next writes fail at once without
+    touching the disk for DISK_FULL_PAUSE_S; pages already on disk are still read; after the pause
+    writes are tried again and succeed once there is room."""
+    from radixrelay.worker import kv_tiers
+
+    kv = _cache("cpu")
+    disk = _FullDisk(tmp_path)
+    store = TierStore(kv, host_pages=6, disk=disk, disk_deadline_s=30.0)
+    disk.full = False
+    store.apply(0, KVTransfers(saves=[(1, 0), (2, 1), (3, 2)]))
+    store.apply(1, KVTransfers(disk_writes=[(0, b"a" * 16)]))
+    assert store.acks(wait=True).written == [b"a" * 16]
+    disk.full = True
+    caplog.set_level("WARNING", logger="radixrelay.worker")
+    store.apply(2, KVTransfers(disk_writes=[(1, b"b" * 16)]))
+    assert store.acks(wait=True).write_failed == [b"b" * 16] and disk.attempts == 2
+    store.apply(3, KVTransfers(disk_writes=[(2, b"c" * 16)]))
+    assert store.acks(wait=True).write_failed == [b"c" * 16] and disk.attempts == 2   # not even tried
+    assert store.stats().full_writes == 2
+    assert len([r for r in caplog.records if "disk is full" in r.message]) == 1
+    store.apply(4, KVTransfers(disk_reads=[(b"a" * 16, 5)]))
+    assert store.acks(wait=True).read == [b"a" * 16]
+    assert torch.equal(store.host[:, :, 5 * PS:6 * PS], store.host[:, :, 0:PS])
+    disk.full = False
+    monkeypatch.setattr(store, "_full_until", 0.0)                             # the pause is over
+    store.apply(5, KVTransfers(disk_writes=[(1, b"b" * 16)]))
+    assert store.acks(wait=True).written == [b"b" * 16]
+    assert kv_tiers.DISK_FULL_PAUSE_S >= 1 and store.stats().write_s > 0 and store.stats().read_s > 0
+    store.close()
+
+
+def test_a_removed_directory_is_made_again(tmp_path):
+    """The namespace directory removed while serving: the files in it are misses, the next write makes
+    the directory again (0o700) and lands."""
+    import shutil
+    import stat
+
+    disk = DiskKVStore(tmp_path, "ns")
+    page = bytes(range(256)) * 4
+    disk.write(b"a" * 16, page)
+    shutil.rmtree(disk.directory)
+    out = bytearray(len(page))
+    assert not disk.read_into(b"a" * 16, out)
+    disk.write(b"b" * 16, page)
+    assert disk.recreated == 1 and stat.S_IMODE(os.stat(disk.directory).st_mode) == 0o700
+    assert disk.read_into(b"b" * 16, out) and bytes(out) == page
