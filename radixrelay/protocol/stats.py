@@ -100,6 +100,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
         "Queued requests admitted without waiting for their disk reads in flight, because computing those "
         "pages was estimated cheaper (measured disk read and prefill rates); the reads still land in host "
         "memory.", "kv_tier_recomputed_instead")] = 0
+    tier_reads_skipped: Annotated[int, counter(
+        "Runs of pages on disk not read ahead for a queued request because computing them was estimated "
+        "cheaper (one read ahead every 5 s still measures the disk).", "kv_tier_reads_skipped")] = 0
     tier_disk_read_bytes_per_s: Annotated[float, gauge(
         "The disk tier's measured read rate while reading (bytes per second; 0 until measured).",
         "kv_tier_disk_read_bytes_per_second")] = 0.0

@@ -208,7 +208,7 @@ class KVTiers:
         queued = 0
         chain = keys[start:stop]
         self._touch(chain)
-        if min_pages > 1 and self._on_disk_only(chain) < min_pages:
+        if min_pages > 1 and self.disk_run(chain) < min_pages:
             return 0
         spare = set(chain) | spare   # never evict the chain's own pages to fetch its next ones
         for key in chain:
@@ -226,7 +226,7 @@ class KVTiers:
             queued += 1
         return queued
 
-    def _on_disk_only(self, chain: list[bytes]) -> int:
+    def disk_run(self, chain: list[bytes]) -> int:
         """Pages of ``chain`` a prefetch would read: on disk, not in host memory, before the first key on
         neither tier."""
         count = 0

@@ -169,7 +169,13 @@ class TierCoordinator:
         store.protect(window_keys if store.policy == "scheduler" else set())   # this window's, not the last one's
         if store.has_disk:
             min_pages = -(-self.config.disk_min_tokens // self.page_size)
+            now = time.monotonic()
             for keys, first, limit in chains:       # never evict one window request's pages for another's
+                reads = store.disk_run(keys[first:limit])
+                if reads < min_pages or not self.costs.worth_reading(store.num_fetching + reads,
+                                                                     reads * self.page_size, now):
+                    store.touch(keys[first:limit])  # computing the run is cheaper than reading it
+                    continue
                 store.prefetch(keys, first, limit, spare=window_keys, min_pages=min_pages)
 
     # -- saves and the worker's acknowledgements ----------------------------------------------------------
@@ -256,6 +262,7 @@ class TierCoordinator:
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
                     tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s,
                     tier_recomputed_instead=self.costs.recomputed_instead,
+                    tier_reads_skipped=self.costs.reads_skipped,
                     tier_disk_read_bytes_per_s=(self.costs.read_pages_per_s or 0.0) * size)
 
     def check_integrity(self) -> None:

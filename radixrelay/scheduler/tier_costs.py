@@ -20,6 +20,9 @@ PREFILL_MIN_TOKENS = 256
 # Weight of the past in each estimate (per update): the rates follow the device and the disk within
 # a few dozen updates.
 DECAY = 0.9
+# While reading ahead does not pay, one read ahead is still allowed this often, so that the disk's rate
+# stays measured (it may recover: a page cache warming up, another tenant's I/O ending).
+PROBE_EVERY_S = 5.0
 
 
 class TierCosts:
@@ -31,7 +34,9 @@ class TierCosts:
         self._since: float | None = None  # when the current stretch of reads in flight was last counted
         self._prefill_tokens = 0.0        # decayed extend tokens ...
         self._prefill_s = 0.0             # ... over decayed device seconds of their steps
+        self._last_sent: float | None = None
         self.recomputed_instead = 0       # admissions that did not wait for their reads
+        self.reads_skipped = 0            # runs on disk not read ahead: computing them is cheaper
 
     # -- measurements ------------------------------------------------------------------------------
 
@@ -41,6 +46,7 @@ class TierCosts:
             return
         self._count_busy(now)
         self._in_flight += pages
+        self._last_sent = now
 
     def reads_done(self, pages: int, now: float) -> None:
         """``pages`` reads (hits or misses) were acknowledged at ``now``."""
@@ -78,6 +84,15 @@ class TierCosts:
         if self._prefill_tokens <= 0:
             return None
         return self._prefill_s / self._prefill_tokens
+
+    def worth_reading(self, pages_ahead: int, tokens: int, now: float) -> bool:
+        """Whether to read a run ahead (``worth_waiting``), or a probe of the disk is due anyway."""
+        if self.worth_waiting(pages_ahead, tokens):
+            return True
+        if self._last_sent is None or now - self._last_sent >= PROBE_EVERY_S:
+            return True
+        self.reads_skipped += 1
+        return False
 
     def worth_waiting(self, pages_ahead: int, tokens: int) -> bool:
         """Whether waiting for ``pages_ahead`` reads (the request's, and those queued before them) is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixrelay.scheduler.tier_costs import PREFILL_MIN_TOKENS, TierCosts
+from radixrelay.scheduler.tier_costs import PREFILL_MIN_TOKENS, PROBE_EVERY_S, TierCosts
 
 
 def test_waits_until_both_rates_are_measured():
@@ -46,3 +46,16 @@ def test_rates_follow_a_change():
         costs.reads_done(10, now=t + 1.0)
         t += 10.0
     assert costs.read_pages_per_s == pytest.approx(10.0, rel=0.05)
+
+
+def test_reading_ahead_stops_when_it_does_not_pay_but_probes_the_disk():
+    costs = TierCosts()
+    costs.reads_sent(100, now=0.0)
+    costs.reads_done(100, now=10.0)                             # 10 pages/s: a slow disk
+    costs.step(1000, 0.01)                                      # 10 us a token
+    costs.reads_sent(1, now=10.0)                               # the latest read sent at t = 10
+    # 16 pages (256 tokens): 1.6 s of reading vs 2.6 ms of prefill: no read ahead ...
+    assert not costs.worth_reading(16, 256, now=11.0) and costs.reads_skipped == 1
+    # ... until a probe is due (PROBE_EVERY_S after the latest read was sent)
+    assert costs.worth_reading(16, 256, now=10.0 + PROBE_EVERY_S)
+    assert costs.worth_reading(1, 100_000, now=11.0)            # a long run behind a short queue pays
