@@ -27,6 +27,9 @@
   idle; or the interpreter's own policy, for comparison).
 - ``RADIXRELAY_TP_ALLREDUCE``: ``auto`` (default) or ``nccl``: with tensor parallelism on CUDA, small
   all-reduces run one-shot over symmetric memory (``radixrelay.model.parallel``) unless ``nccl``.
+- ``RADIXRELAY_STEP_TIMEOUT_S``: seconds a worker step (every rank's) may stay unfinished before that
+  worker process counts as hung and exits, failing the runtime (default 120; 0: never;
+  ``radixrelay.worker.step_watchdog``).
 """
 
 from __future__ import annotations
@@ -102,6 +105,20 @@ def gc_mode() -> str:
     if mode not in ("managed", "python"):
         raise ValueError(f"RADIXRELAY_GC must be 'managed' or 'python', got {mode!r}")
     return mode
+
+
+def step_timeout_s() -> float:
+    """``RADIXRELAY_STEP_TIMEOUT_S`` (default 120; 0 turns the watchdog off); a malformed value is an error."""
+    text = os.environ.get("RADIXRELAY_STEP_TIMEOUT_S")
+    if not text:
+        return 120.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"RADIXRELAY_STEP_TIMEOUT_S must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def tp_all_reduce() -> str:

@@ -26,7 +26,9 @@ from radixrelay.attention import KVCache
 from radixrelay.attention.factory import make_backend
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
-from radixrelay.env import gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, tp_all_reduce, trace_steps
+from radixrelay.env import (
+    gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, step_timeout_s, tp_all_reduce, trace_steps,
+)
 from radixrelay.model.loader import default_dtype, load_model
 from radixrelay.model.parallel import AllReduceClock, SymmetricAllReduce, TensorParallel
 from radixrelay.model.registry import tokenizer_path
@@ -44,6 +46,7 @@ from radixrelay.worker.kv_tiers import build_tiers, page_bytes
 from radixrelay.worker.rank_acks import RankAcks
 from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
+from radixrelay.worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger("radixrelay.worker")
 DEFAULT_CPU_KV_TOKENS = 32_768
@@ -283,12 +286,16 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
     jit_seen = 0
     window = trace_steps()
     trace = None if window is None else StepTrace(*window, profile_dir() or os.getcwd())
+    timeout = step_timeout_s()
+    watchdog = StepWatchdog(timeout, _hung(args.rank)) if timeout > 0 else None
 
     def send_oldest() -> None:
         nonlocal jit_seen
         step, host_s, has_rows = in_flight.popleft()
         start = time.perf_counter()
         output = step.finish()
+        if watchdog is not None:
+            watchdog.finished(output.step_id)
         # a plan without rows answers once all transfers are done (on every rank)
         acks = runner.tiers.acks(wait=not has_rows) if runner.tiers is not None else None
         busy = host_s + time.perf_counter() - start
@@ -342,6 +349,8 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
                 send_oldest()
             return 0
         start = time.perf_counter()
+        if watchdog is not None:              # before the launch: a launch may block in a collective
+            watchdog.started(command.plan.step_id)
         captured = runner.graph_capture_s
         if trace is None:
             launched = runner.launch(command.plan)
@@ -352,6 +361,18 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         launched.capture_s = runner.graph_capture_s - captured     # graphs captured by this launch
         in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
         collector.poll(idle=False)            # a full collection only once FULL_EVERY_S has passed
+
+
+def _hung(rank: int):
+    """The watchdog's action: say which step hung, then end the process at once (its thread is stuck;
+    the launcher stops the other processes and fails the requests)."""
+    def on_hang(step_id: int, elapsed: float) -> None:
+        logger.error("worker rank %d: step %d has not finished after %.0f s (RADIXRELAY_STEP_TIMEOUT_S): a rank "
+                     "or the device hangs; exiting so that the runtime fails instead of hanging", rank,
+                     step_id, elapsed)
+        logging.shutdown()
+        os._exit(3)
+    return on_hang
 
 
 def _jit_variants_since_now(runner: ModelRunner):

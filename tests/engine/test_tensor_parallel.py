@@ -2,7 +2,8 @@
 2 layers, float32) gives the greedy tokens of ``tp=1`` over 64 tokens, with cascade on and off,
 overlap on and off, a shared-prefix batch and a KV pool small enough to retract, and with structured
 outputs (a regex, a choice) and prompt modules; an aborted request
-leaves the others exact; a killed or stopped rank ends the Engine with a clear error and no process left; bad
+leaves the others exact; a killed or stopped rank, or a step past the watchdog's timeout, ends the Engine with a
+clear error and no process left; bad
 ``tp`` values are refused before anything starts."""
 
 from __future__ import annotations
@@ -139,6 +140,26 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(model):
         time.sleep(0.1)
     assert not [p for p in pids if pid_alive(p)]
     assert not processes.ipc_dir.exists()
+
+
+def test_a_step_past_the_watchdog_timeout_ends_the_engine(model, monkeypatch):
+    """A step that does not finish within RADIXRELAY_STEP_TIMEOUT_S (here every step: 1 ms) ends its worker
+    process (as a rank stuck in a collective would), so the Engine fails with an error instead of hanging,
+    and no process is left."""
+    monkeypatch.setenv("RADIXRELAY_STEP_TIMEOUT_S", "0.001")
+    engine = _engine(model, tp=2, kv_cache_tokens=4096)
+    try:
+        pids = [p.pid for p in engine._client._processes.children.values()]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker"):
+            engine.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if pid_alive(p)]
 
 
 def test_a_stopped_rank_ends_the_engine_within_two_seconds(model):
