@@ -125,6 +125,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
 
+    router = sub.add_parser("router", help="route requests over several servers by cached prefix",
+                            description="Run an OpenAI-compatible router in front of several radixrelay "
+                                        "servers (replicas): each request goes to the replica most likely to "
+                                        "hold its prompt's prefix, weighed against load (docs/router.md).")
+    g = router.add_argument_group("router")
+    g.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
+                   help="a replica's base URL, e.g. http://127.0.0.1:30000 (repeat for each)")
+    g.add_argument("--mode", default="approximate", choices=("approximate", "round-robin"),
+                   help="approximate: by what this router sent where; round-robin: in turn (default: %(default)s)")
+    g.add_argument("--tokenizer", default="default",
+                   help="the replicas' tokenizer: a .gguf file, a Hugging Face directory, or 'default' (the "
+                        "embedded model's) (default: %(default)s)")
+    _chat_template_arg(g)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=30080, help="port to listen on (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+
     gen = sub.add_parser("generate", help="answer one prompt offline and print the text",
                          description="Answer one prompt offline (no server) and print the text as it is "
                                      "generated. The prompt is a user message rendered with the model's "
@@ -169,6 +186,8 @@ def _template_text(value: str | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "router":
+        return _router(args)
     try:
         engine_config = _engine_config(args)
         if args.command == "serve":
@@ -187,6 +206,26 @@ def main(argv: list[str] | None = None) -> int:
         from radixrelay.server.serve import run_server
         return run_server(engine_config, server_config)
     return _generate(engine_config, args)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.router.app import RouterConfig, run_router
+    from radixrelay.router.prompt import PromptKeys
+    from radixrelay.router.replicas import check_replica_url
+    from radixrelay.text.chat_template import ChatTemplate
+    from radixrelay.text.tokenizer import load_tokenizer
+
+    try:
+        config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode)
+        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
+        template = _template_text(args.chat_template)
+        chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"radixrelay router: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level)
 
 
 def generate_prompt(tokenizer, text: str, *, raw: bool, chat_template: str | None = None) -> str | list[int]:

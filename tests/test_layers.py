@@ -22,7 +22,7 @@ PACKAGE = Path(radixrelay.__file__).parent
 # (``radixrelay.structured.spec`` is a public leaf of the base, the rest of ``structured`` is not).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("frontends", ("radixrelay", "radixrelay.server", "radixrelay.lang", "radixrelay.engine", "radixrelay.cli",
-                   "radixrelay.bench")),
+                   "radixrelay.bench", "radixrelay.router")),
     ("runtime", ("radixrelay.runtime",)),
     ("scheduler and worker", ("radixrelay.scheduler", "radixrelay.worker")),
     ("components", ("radixrelay.cascade", "radixrelay.modules", "radixrelay.structured", "radixrelay.model",
@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # worker through radixrelay.protocol alone.
 APART = [("radixrelay.scheduler", "radixrelay.worker")]
 # Packages that import no torch (every process and every CPU test uses them).
-TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file"]
+TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router"]
 
 
 def modules() -> dict[str, Path]:

@@ -1,0 +1,241 @@
+"""The router's HTTP front: OpenAI's chat and completions endpoints, each request proxied whole to one
+replica (``policy.choose``), its answer passed back unchanged (status, body; a stream byte for byte, as
+it arrives). A client that disconnects from a stream closes the upstream connection, which aborts the
+request on the replica. A replica that fails to answer gets the client an OpenAI error (502) and leaves
+the pool; one that dies mid-stream ends the stream with an error event.
+
+``GET /health`` is 200 while a replica is in the pool; ``GET /metrics`` has the router's counters;
+``GET /v1/models`` is a healthy replica's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from radixrelay.router.index import PrefixIndex
+from radixrelay.router.policy import MODES, Candidate, choose
+from radixrelay.router.prompt import PAGE_TOKENS, PromptKeys
+from radixrelay.router.replicas import Pool, Replica
+
+logger = logging.getLogger("radixrelay.router")
+
+# Request headers passed on to the replica (the rest are the router's own connection's).
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...]
+    mode: str = "approximate"
+    index_capacity: int = 1 << 20          # page keys remembered per replica
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("the router needs at least one --replica")
+        if len(set(self.replicas)) != len(self.replicas):
+            raise ValueError("a replica is given twice")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+class Router:
+    def __init__(self, config: RouterConfig, prompt_keys: PromptKeys) -> None:
+        self.config = config
+        self.prompt_keys = prompt_keys
+        self.index = PrefixIndex(config.index_capacity)
+        self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url))
+        self.client: httpx.AsyncClient | None = None
+        self._turn = 0
+        self.registry = CollectorRegistry()
+        self.decisions = Counter("radixrelay_router_requests", "Requests routed, by mode and replica.",
+                                 ["mode", "replica"], registry=self.registry)
+        self.predicted = Counter("radixrelay_router_predicted_cached_tokens",
+                                 "Prompt tokens the router expected the chosen replica to hold (its index).",
+                                 registry=self.registry)
+        self.reported = Counter("radixrelay_router_reported_cached_tokens",
+                                "Cached prompt tokens the replicas reported in usage (non-streaming answers).",
+                                registry=self.registry)
+        self.upstream_errors = Counter("radixrelay_router_upstream_errors",
+                                       "Requests a replica failed to answer (connection refused, reset, "
+                                       "closed mid-stream).", ["replica"], registry=self.registry)
+        self.registry.register(_PoolCollector(self))
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def pick(self, keys: list[bytes]) -> tuple[Replica, int] | None:
+        """(replica, the prompt tokens it is expected to hold), or None when no replica is healthy."""
+        healthy = self.pool.healthy()
+        if not healthy:
+            return None
+        candidates = [Candidate(r.url, self.index.matched(r.url, keys) * PAGE_TOKENS, r.in_flight) for r in healthy]
+        chosen = choose(self.config.mode, candidates, self._turn)
+        self._turn += 1
+        return next(r for r in healthy if r.url == chosen.replica), chosen.matched_tokens
+
+    async def route(self, request: Request, endpoint: str, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return _error(400, f"the body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        keys = await asyncio.to_thread(self.prompt_keys.keys, endpoint, body) if len(raw) > 65536 else \
+            self.prompt_keys.keys(endpoint, body)
+        picked = self.pick(keys)
+        if picked is None:
+            return _error(503, "no replica is available", "service_unavailable")
+        replica, expected = picked
+        self.decisions.labels(self.config.mode, replica.url).inc()
+        self.predicted.inc(expected)
+        replica.requests += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        upstream = self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
+        replica.in_flight += 1
+        try:
+            resp = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            replica.in_flight -= 1
+            self.upstream_errors.labels(replica.url).inc()
+            self.pool.mark_down(replica, f"{type(exc).__name__} while proxying")
+            return _error(502, f"replica {replica.url} did not answer ({type(exc).__name__}); retry the request",
+                          "upstream_error")
+        if resp.status_code == 200 and keys:
+            self.index.record(replica.url, keys)
+        media = resp.headers.get("content-type")
+        if body.get("stream") is True and resp.status_code == 200:
+            return StreamingResponse(self._relay(replica, resp), status_code=200, media_type=media)
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as exc:
+            self.upstream_errors.labels(replica.url).inc()
+            self.pool.mark_down(replica, f"{type(exc).__name__} while reading its answer")
+            return _error(502, f"replica {replica.url} failed while answering ({type(exc).__name__})",
+                          "upstream_error")
+        finally:
+            await resp.aclose()
+            replica.in_flight -= 1
+        if resp.status_code == 200:
+            self.reported.inc(_cached_tokens(content))
+        return Response(content, status_code=resp.status_code, media_type=media)
+
+    async def _relay(self, replica: Replica, resp: httpx.Response):
+        """The replica's stream, chunk by chunk as it arrives; closing it (the client went away) closes the
+        upstream connection, which aborts the request there."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            self.upstream_errors.labels(replica.url).inc()
+            self.pool.mark_down(replica, f"{type(exc).__name__} mid-stream")
+            error = {"error": {"message": f"replica {replica.url} failed mid-stream ({type(exc).__name__})",
+                               "type": "upstream_error", "param": None, "code": None}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            replica.in_flight -= 1
+            await resp.aclose()
+
+    async def models(self) -> Response:
+        for replica in self.pool.healthy():
+            try:
+                resp = await self.client.get(f"{replica.url}/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        return _error(503, "no replica is available", "service_unavailable")
+
+
+def _cached_tokens(content: bytes) -> int:
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+class _PoolCollector:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self):
+        healthy = GaugeMetricFamily("radixrelay_router_replica_healthy", "1 while the replica is in the pool.",
+                                    labels=["replica"])
+        in_flight = GaugeMetricFamily("radixrelay_router_replica_in_flight",
+                                      "This router's requests sent to the replica and not yet answered.",
+                                      labels=["replica"])
+        indexed = GaugeMetricFamily("radixrelay_router_index_pages",
+                                    "Page keys the approximate index holds for the replica.", labels=["replica"])
+        for r in self.router.pool.replicas:
+            healthy.add_metric([r.url], int(r.healthy))
+            in_flight.add_metric([r.url], r.in_flight)
+            indexed.add_metric([r.url], self.router.index.size(r.url))
+        yield from (healthy, in_flight, indexed)
+
+
+def build_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits) as client:
+            router.client = client
+            await router.pool.poll_once(client)          # the pool as of start-up
+            if not router.pool.healthy():
+                logger.warning("no replica answers /health yet: requests get 503 until one does")
+            task = asyncio.create_task(router.pool.run(client))
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(title="radixrelay router", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.route(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.route(request, "completions", "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = len(router.pool.healthy())
+        return Response(json.dumps({"replicas_in_pool": n}), status_code=200 if n else 503,
+                        media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def run_router(config: RouterConfig, prompt_keys: PromptKeys, host: str, port: int, log_level: str) -> int:
+    import uvicorn
+
+    app = build_app(Router(config, prompt_keys))
+    logger.info("routing to %s (%s)", ", ".join(config.replicas), config.mode)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    return 0
+

@@ -1,0 +1,80 @@
+"""The replicas behind the router and their health.
+
+Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
+``HEALTH_TIMEOUT_S``) or a connection error while proxying takes it out of the pool at once (within
+about a second of it stopping), and its index entries are dropped; it rejoins on its next healthy poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+logger = logging.getLogger("radixrelay.router")
+
+HEALTH_EVERY_S = 0.5
+HEALTH_TIMEOUT_S = 0.8
+
+
+def check_replica_url(url: str) -> str:
+    """``url`` without a trailing slash; ``ValueError`` saying why it is no replica address."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"replica {url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:30000")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"replica {url!r}: the port is not a number in 0-65535") from None
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"replica {url!r}: give the server's base URL (no path, query or fragment)")
+    return url.rstrip("/")
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0                 # this router's requests sent there and not yet answered
+    failures: int = 0                  # health polls and proxy connections that failed, cumulative
+    requests: int = 0                  # requests routed there, cumulative
+
+
+@dataclass
+class Pool:
+    replicas: list[Replica]
+    on_leave: Callable[[Replica], None] = lambda replica: None
+    _task: asyncio.Task | None = field(default=None, repr=False)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        replica.failures += 1
+        if replica.healthy:
+            replica.healthy = False
+            logger.warning("replica %s left the pool: %s", replica.url, why)
+            self.on_leave(replica)
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        async def one(replica: Replica) -> None:
+            try:
+                ok = (await client.get(f"{replica.url}/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+                why = "/health is not 200"
+            except httpx.HTTPError as exc:
+                ok, why = False, f"{type(exc).__name__}"
+            if ok and not replica.healthy:
+                replica.healthy = True
+                logger.info("replica %s is in the pool", replica.url)
+            elif not ok:
+                self.mark_down(replica, why)
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await self.poll_once(client)
+            await asyncio.sleep(HEALTH_EVERY_S)

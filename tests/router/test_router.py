@@ -1,0 +1,169 @@
+"""``radixrelay router`` in front of two real servers of the default model (CPU), through the official
+``openai`` client: repeated prefixes of several tenants go to the replica that holds them (checked by
+the replicas' ``cached_tokens``), salts do not share routes, streams pass through as the replica sends
+them, a killed replica leaves the pool within two seconds (its stream in flight ends with an error, later
+requests go to the other), bad replica URLs are refused at start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.runtime.server_process import ServerProcess, free_port, pid_alive
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TENANTS = [f"You are the assistant of tenant {t}. " + " ".join(f"rule{t}x{i} applies;" for i in range(40))
+           for t in range(4)]
+
+
+class RouterProcess:
+    def __init__(self, tmp_path, *replicas: str, mode: str = "approximate") -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp_path / f"router-{mode}.log", "wb")
+        args = [a for url in replicas for a in ("--replica", url)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixrelay.cli", "router", *args, "--mode", mode,
+                                      "--port", str(self.port), "--log-level", "warning"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (tmp_path / f"router-{mode}.log").read_text()
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("router not ready")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics", timeout=5).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), "--kv-cache-tokens", "8192") for i in range(2)]
+    try:
+        yield [s.wait_ready() for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replicas, tmp_path_factory):
+    r = RouterProcess(tmp_path_factory.mktemp("router"), *(s.base_url for s in replicas))
+    yield r
+    r.stop()
+
+
+def _ask(client: openai.OpenAI, tenant: int, question: str, salt: str | None = None):
+    extra = {"cache_salt": salt} if salt is not None else None
+    return client.chat.completions.create(
+        model="default", max_tokens=2, temperature=0, extra_body=extra,
+        messages=[{"role": "system", "content": TENANTS[tenant]}, {"role": "user", "content": question}])
+
+
+def test_tenants_stick_to_the_replica_that_holds_their_prefix(router):
+    client = router.client()
+    for tenant in range(len(TENANTS)):                           # each tenant's first request: computed
+        _ask(client, tenant, "Who are you?")
+    later = [_ask(client, tenant, f"Question {q}: what applies?") for q in range(3) for tenant in range(len(TENANTS))]
+    # the tenant's system prompt (~220 of ~235 tokens) cached on the replica the request went to
+    held = [r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens for r in later]
+    assert sum(held) >= 0.9 * len(later), [(r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens)
+                                           for r in later]
+    text = router.metrics()
+    per_replica = [line for line in text.splitlines() if line.startswith("radixrelay_router_requests_total{")]
+    assert len(per_replica) == 2 and all(float(line.rsplit(" ", 1)[1]) >= 2 for line in per_replica)
+    predicted = float(next(line for line in text.splitlines()
+                           if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
+    assert predicted > 0
+
+
+def test_salts_do_not_share_a_route_s_cache(router):
+    client = router.client()
+    first = _ask(client, 0, "Salted question?", salt="alpha")
+    again = _ask(client, 0, "Salted question?", salt="alpha")
+    other = _ask(client, 0, "Salted question?", salt="beta")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].message.content == other.choices[0].message.content
+
+
+def test_a_stream_passes_through_as_the_replica_sends_it(router, replicas):
+    params = dict(model="default", max_tokens=24, temperature=0, stream=True,
+                  messages=[{"role": "user", "content": "Count from one to ten."}])
+    direct = openai.OpenAI(base_url=f"{replicas[0].base_url}/v1", api_key="unused", max_retries=0)
+    want = [c.choices[0].delta.content for c in direct.chat.completions.create(**params) if c.choices]
+    got = [c.choices[0].delta.content for c in router.client().chat.completions.create(**params) if c.choices]
+    assert got == want and len(got) > 5
+    # errors come back as the replica gives them: status and OpenAI error JSON
+    bad = httpx.post(f"{router.base_url}/v1/chat/completions", json={"model": "default", "messages": []})
+    assert bad.status_code == 400 and "error" in bad.json()
+    garbage = httpx.post(f"{router.base_url}/v1/completions", content=b"{not json")
+    assert garbage.status_code == 400 and "not JSON" in garbage.json()["error"]["message"]
+
+
+def test_bad_replica_urls_are_refused_at_start():
+    for url in ("ftp://127.0.0.1:1", "127.0.0.1:30000", "http://127.0.0.1:30000/v1", "http://h:99999"):
+        done = subprocess.run([sys.executable, "-m", "radixrelay.cli", "router", "--replica", url],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "radixrelay router: error: replica" in done.stderr, (url, done.stderr)
+
+
+def test_a_killed_replica_leaves_the_pool_and_its_stream_ends(replicas, tmp_path):
+    """Round-robin: request 1 goes to replica 0, request 2 to replica 1. Replica 1 is killed while
+    streaming: that stream ends with an error (no hang), replica 1 leaves the pool within 2 s, and
+    every later request is answered by replica 0."""
+    router = RouterProcess(tmp_path, *(s.base_url for s in replicas), mode="round-robin")
+    try:
+        client = router.client()
+        params = dict(model="default", max_tokens=400, temperature=0, stream=True,
+                      extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": "Tell a story."}])
+        first = client.chat.completions.create(**params)
+        second = client.chat.completions.create(**params)
+        next(iter(second))
+        victim = replicas[1]
+        for pid in [victim.proc.pid, *victim.child_pids]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        failed = False
+        try:
+            for chunk in second:
+                pass
+        except (openai.APIError, httpx.HTTPError):
+            failed = True
+        assert time.monotonic() - killed < 30
+        deadline = killed + 2.0
+        while time.monotonic() < deadline and f'replica_healthy{{replica="{victim.base_url}"}} 1.0' in router.metrics():
+            time.sleep(0.1)
+        assert f'radixrelay_router_replica_healthy{{replica="{victim.base_url}"}} 0.0' in router.metrics()
+        later = [_ask(client, t % len(TENANTS), "After the failure?") for t in range(4)]
+        assert all(r.choices[0].message.content is not None for r in later)
+        assert failed                                # the killed replica's stream ended with an error
+        for _ in first:
+            pass
+    finally:
+        router.stop()
