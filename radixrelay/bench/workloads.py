@@ -286,9 +286,39 @@ class Random:
         return [_single("random", None, words(rng, int(a)), int(b)) for a, b in zip(inputs, outputs)]
 
 
+@dataclass(frozen=True)
+class MultiTenant:
+    """``tenants`` tenants, each with its own long context (a system prompt of ``context_len`` tokens),
+    asked questions one at a time: each request's tenant is drawn by Zipf popularity (tenant k with
+    weight 1 / (k + 1) ** ``zipf``), so a few tenants are hot and many are cold. Across replicas behind
+    a router, what decides throughput is whether a tenant's questions reach the replica holding its
+    context (the workload's label is the tenant)."""
+    tenants: int = 150
+    context_len: int = 6000
+    question_len: int = 64
+    output_len: int = 128
+    zipf: float = 1.1
+
+    def __post_init__(self) -> None:
+        _validate(self, "tenants", "output_len")
+
+    def natural_size(self) -> int:
+        return 4 * self.tenants
+
+    def popularity(self) -> np.ndarray:
+        weights = 1.0 / np.arange(1, self.tenants + 1) ** self.zipf
+        return weights / weights.sum()
+
+    def generate(self, num_requests: int, rng: np.random.Generator) -> list[Session]:
+        contexts = [f"Tenant {t}. " + words(rng, self.context_len) for t in range(self.tenants)]
+        picks = rng.choice(self.tenants, size=num_requests, p=self.popularity())
+        return [_single(f"tenant-{t}", contexts[t], words(rng, self.question_len), self.output_len)
+                for t in picks.tolist()]
+
+
 WORKLOADS: dict[str, type] = {
     "shared-prefix": SharedPrefix, "sharegpt-like": ShareGPTLike, "multi-turn": MultiTurn,
-    "few-shot": FewShot, "tree": Tree, "random": Random,
+    "few-shot": FewShot, "tree": Tree, "random": Random, "multi-tenant": MultiTenant,
 }
 
 

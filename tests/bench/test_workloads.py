@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from radixrelay.bench.workloads import (WORKLOADS, FewShot, MultiTurn, SharedPrefix, ShareGPTLike,
+from radixrelay.bench.workloads import (WORKLOADS, FewShot, MultiTenant, MultiTurn, SharedPrefix, ShareGPTLike,
                                         Tree, make_workload, words)
 from radixrelay.bench.words import WORDS
 
@@ -88,6 +88,21 @@ def test_multi_turn_sessions():
     assert len({s.system for s in sessions}) == 3
     no_think = MultiTurn(turns=2, think_time=0).generate(4, rng())
     assert all(t.think_time == 0 for s in no_think for t in s.turns)
+
+
+def test_multi_tenant_contexts_and_zipf_popularity():
+    """Every request of a tenant carries that tenant's own context; tenants differ; popularity falls off
+    as Zipf's law says (tenant 0 about twice tenant 1 at exponent 1)."""
+    w = MultiTenant(tenants=10, context_len=50, question_len=5, zipf=1.0)
+    sessions = w.generate(4000, rng(3))
+    contexts = defaultdict(set)
+    for s in sessions:
+        contexts[s.label].add(s.system)
+    assert all(len(c) == 1 for c in contexts.values()) and len({next(iter(c)) for c in contexts.values()}) == len(contexts)
+    counts = [sum(s.label == f"tenant-{t}" for s in sessions) for t in range(10)]
+    assert counts == sorted(counts, reverse=True) or counts[0] > counts[4] > counts[9]
+    assert 1.6 < counts[0] / counts[1] < 2.4
+    assert make_workload("multi-tenant", {"tenants": "4", "zipf": "1.5"}) == MultiTenant(tenants=4, zipf=1.5)
 
 
 def test_sharegpt_like_lengths_match_published_means():
