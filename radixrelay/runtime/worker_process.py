@@ -32,18 +32,17 @@ from radixrelay.env import (
 from radixrelay.model.loader import default_dtype, load_model
 from radixrelay.model.parallel import AllReduceClock, SymmetricAllReduce, TensorParallel
 from radixrelay.model.registry import tokenizer_path
-from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.messages import (
-    ChildArgs, RankReport, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
+    ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
 from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
+from radixrelay.runtime.rank_link import RankLink
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.text.tokenizer import load_tokenizer
 from radixrelay.worker.constraints import Constraints, MaskBudget
 from radixrelay.worker.kv_tiers import build_tiers, page_bytes
-from radixrelay.worker.rank_acks import RankAcks
 from radixrelay.worker.model_runner import SMALL_EXTEND_ROWS, LaunchedStep, ModelRunner
 from radixrelay.worker.step_trace import StepTrace
 from radixrelay.worker.step_watchdog import StepWatchdog
@@ -211,46 +210,6 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         return serve_steps(runner, inbox, outbox, args, collector, followers, link)
 
 
-class RankLink:
-    """The report channel between tensor-parallel ranks (``RankReport``): ranks > 0 send one per
-    finished step; rank 0 merges their KV acknowledgements with its own (``RankAcks``) and counts
-    every rank's device time."""
-
-    def __init__(self, rank: int, size: int, socket: zmq.Socket, args: ChildArgs) -> None:
-        self.rank, self.size, self.socket, self.args = rank, size, socket, args
-        self.merged = RankAcks(size) if rank == 0 else None
-        self.last_step = [-1] * size             # rank 0: the latest step each rank reported
-        self.device_s = [0.0] * size             # rank 0: device seconds per rank
-        self._encode = encoder().encode
-        self._decode = FrameDecoder(RankReport, "rank -> rank 0", logger) if rank == 0 else None
-
-    def finished(self, step_id: int, acks: KVAcks | None, device_s: float, final: bool) -> KVAcks | None:
-        """A step this rank finished. Ranks > 0: sent to rank 0 (returns None). Rank 0: the
-        acknowledgements complete on every rank so far; ``final``: waits until every rank reported this
-        step (whose acks then cover every transfer up to it)."""
-        if self.rank != 0:
-            self.socket.send(self._encode(RankReport(self.rank, step_id, acks, device_s, final)))
-            return None
-        self.merged.add(0, acks)
-        self.device_s[0] += device_s
-        self.last_step[0] = step_id
-        while True:
-            behind = final and min(self.last_step) < step_id
-            if not self.socket.poll(POLL_MS if behind else 0):
-                if not behind:
-                    break
-                if parent_gone(self.args):
-                    raise RuntimeError("the runtime's parent exited while rank 0 waited for the other ranks")
-                continue
-            report = self._decode(self.socket.recv())
-            if report is None or not 0 < report.rank < self.size:
-                continue
-            self.merged.add(report.rank, report.acks)
-            self.device_s[report.rank] += report.device_s
-            self.last_step[report.rank] = max(self.last_step[report.rank], report.step_id)
-        return self.merged.take()
-
-
 def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
     """Form the ranks' process group (NCCL on CUDA, gloo on the CPU); a single rank forms none.
     Collectives time out after the start-up timeout instead of hanging on a dead rank."""
@@ -285,7 +244,7 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
     jit_after_ready = _jit_variants_since_now(runner)
     jit_seen = 0
     window = trace_steps()
-    trace = None if window is None else StepTrace(*window, profile_dir() or os.getcwd())
+    trace = None if window is None else StepTrace(*window, profile_dir() or os.getcwd(), args.rank)
     timeout = step_timeout_s()
     watchdog = StepWatchdog(timeout, _hung(args.rank)) if timeout > 0 else None
 

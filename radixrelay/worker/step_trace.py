@@ -17,10 +17,12 @@ logger = logging.getLogger("radixrelay.worker")
 
 
 class StepTrace:
-    def __init__(self, start: int, count: int, out_dir: str) -> None:
-        """Trace launches ``[start, start + count)`` (0 = the first launch after ready)."""
+    def __init__(self, start: int, count: int, out_dir: str, rank: int = 0) -> None:
+        """Trace launches ``[start, start + count)`` (0 = the first launch after ready); tensor-parallel
+        rank ``rank`` > 0 writes ``worker_trace_rank<r>.*`` beside rank 0's ``worker_trace.*``."""
         self.start, self.stop = start, start + count
         self.out_dir = out_dir
+        self.name = "worker_trace" if rank == 0 else f"worker_trace_rank{rank}"
         self._launches = 0
         self._profiler: torch.profiler.profile | None = None
         self._last_step_id: int | None = None      # the window's last step: stop once it is finished
@@ -51,9 +53,9 @@ class StepTrace:
         self._profiler.stop()
         self.done = True
         os.makedirs(self.out_dir, exist_ok=True)
-        trace = os.path.join(self.out_dir, "worker_trace.json")
+        trace = os.path.join(self.out_dir, f"{self.name}.json")
         self._profiler.export_chrome_trace(trace)
         table = self._profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=50)
-        with open(os.path.join(self.out_dir, "worker_trace.txt"), "w") as f:
+        with open(os.path.join(self.out_dir, f"{self.name}.txt"), "w") as f:
             f.write(f"launches [{self.start}, {self.stop}) after ready\n\n{table}\n")
         logger.info("step trace of launches [%d, %d) written to %s", self.start, self.stop, trace)
