@@ -490,6 +490,7 @@ class DiskIO:
         self._running: set[bytes] = set()        # keys of the jobs running (not finished, not given up)
         self._closing = False
         self._started = 0
+        self._threads: list[threading.Thread] = []
         with self._cv:
             for _ in range(threads):
                 self._start()
@@ -497,7 +498,9 @@ class DiskIO:
     def _start(self) -> None:
         """Start one more pool thread (``self._cv`` held)."""
         self._started += 1
-        threading.Thread(target=self._run, name=f"kv-disk-{self._started}", daemon=True).start()
+        thread = threading.Thread(target=self._run, name=f"kv-disk-{self._started}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def submit(self, fn, kind: str, key: bytes, *args) -> DiskJob:
         job = DiskJob(fn, kind, key, args)
@@ -586,13 +589,17 @@ class DiskIO:
             job.finished.wait(max(left, 1e-3))
         return True
 
-    def close(self, jobs) -> None:
-        """Settle ``jobs`` (waiting, each within its deadline), then let the threads exit."""
+    def close(self, jobs, join_s: float = 5.0) -> None:
+        """Settle ``jobs`` (waiting, each within its deadline), then end the threads: each is joined for
+        at most ``join_s`` seconds in all (a thread stuck on storage that hangs is left behind)."""
         for job in jobs:
             self.settle(job, wait=True)
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+        deadline = time.monotonic() + join_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _grouped(pairs: list[tuple[int, int]], both: bool):
