@@ -57,7 +57,9 @@ def restore_gc():
 def test_settle_freezes_and_defers_full_collections(restore_gc) -> None:
     control = GcControl("test", "managed", logger)
     control.settle()
-    assert control.stats().frozen == gc.get_freeze_count() > 0
+    # frozen objects are only ever freed (a thread of an earlier test that ends frees its own), never
+    # added: the count settle recorded is the one it froze, at least today's
+    assert control.stats().frozen >= gc.get_freeze_count() > 0
     assert gc.get_threshold()[2] >= 1 << 30          # young collections never trigger a full one
     full_before = gc.get_stats()[2]["collections"]
     for _ in range(20):                              # many young collections, no full one
