@@ -1,7 +1,7 @@
 """The router's HTTP front: OpenAI's chat and completions endpoints, each request proxied whole to one
 replica (``policy.choose``), its answer passed back unchanged (status, body; a stream byte for byte, as
-it arrives). A client that disconnects from a stream closes the upstream connection, which aborts the
-request on the replica. A replica that fails to answer gets the client an OpenAI error (502) and leaves
+it arrives). A client that disconnects (from a stream, or while waiting for a whole answer) closes the
+upstream connection, which aborts the request on the replica. A replica that fails to answer gets the client an OpenAI error (502) and leaves
 the pool; one that dies mid-stream ends the stream with an error event.
 
 ``GET /health`` is 200 while a replica is in the pool; ``GET /metrics`` has the router's counters;
@@ -31,6 +31,12 @@ logger = logging.getLogger("radixrelay.router")
 
 # Request headers passed on to the replica (the rest are the router's own connection's).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# How often a request waiting for its replica's answer checks that its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request waited for the replica."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class Router:
         self.reported = Counter("radixrelay_router_reported_cached_tokens",
                                 "Cached prompt tokens the replicas reported in usage (non-streaming answers).",
                                 registry=self.registry)
+        self.client_gone = Counter("radixrelay_router_client_disconnects",
+                                   "Requests whose client disconnected before the answer; the upstream "
+                                   "request was closed, which aborts it on the replica.", registry=self.registry)
         self.upstream_errors = Counter("radixrelay_router_upstream_errors",
                                        "Requests a replica failed to answer (connection refused, reset, "
                                        "closed mid-stream).", ["replica"], registry=self.registry)
@@ -108,7 +117,11 @@ class Router:
         upstream = self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
         replica.in_flight += 1
         try:
-            resp = await self.client.send(upstream, stream=True)
+            resp = await self._unless_client_leaves(request, self.client.send(upstream, stream=True))
+        except _ClientGone:
+            replica.in_flight -= 1
+            self.client_gone.inc()
+            return Response(status_code=499)
         except httpx.HTTPError as exc:
             replica.in_flight -= 1
             self.upstream_errors.labels(replica.url).inc()
@@ -121,7 +134,10 @@ class Router:
         if body.get("stream") is True and resp.status_code == 200:
             return StreamingResponse(self._relay(replica, resp), status_code=200, media_type=media)
         try:
-            content = await resp.aread()
+            content = await self._unless_client_leaves(request, resp.aread())
+        except _ClientGone:
+            self.client_gone.inc()
+            return Response(status_code=499)
         except httpx.HTTPError as exc:
             self.upstream_errors.labels(replica.url).inc()
             self.pool.mark_down(replica, f"{type(exc).__name__} while reading its answer")
@@ -133,6 +149,21 @@ class Router:
         if resp.status_code == 200:
             self.reported.inc(_cached_tokens(content))
         return Response(content, status_code=resp.status_code, media_type=media)
+
+    @staticmethod
+    async def _unless_client_leaves(request: Request, awaitable):
+        """``awaitable``'s result, unless the client disconnects first: then it is cancelled (closing the
+        upstream connection) and ``_ClientGone`` raised."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise _ClientGone
 
     async def _relay(self, replica: Replica, resp: httpx.Response):
         """The replica's stream, chunk by chunk as it arrives; closing it (the client went away) closes the

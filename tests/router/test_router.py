@@ -1,7 +1,8 @@
 """``radixrelay router`` in front of two real servers of the default model (CPU), through the official
 ``openai`` client: repeated prefixes of several tenants go to the replica that holds them (checked by
 the replicas' ``cached_tokens``), salts do not share routes, streams pass through as the replica sends
-them, a killed replica leaves the pool within two seconds (its stream in flight ends with an error, later
+them, a client that disconnects aborts its request on the replica, a killed replica leaves the pool
+within two seconds (its stream in flight ends with an error, later
 requests go to the other), bad replica URLs are refused at start."""
 
 from __future__ import annotations
@@ -123,6 +124,27 @@ def test_a_stream_passes_through_as_the_replica_sends_it(router, replicas):
     assert bad.status_code == 400 and "error" in bad.json()
     garbage = httpx.post(f"{router.base_url}/v1/completions", content=b"{not json")
     assert garbage.status_code == 400 and "not JSON" in garbage.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(router, replicas):
+    """A non-streaming request whose client gives up after a second: the router closes the upstream
+    connection and the replica stops generating (no request left running there)."""
+    body = {"model": "default", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write a very long story."}]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=1.5)
+
+    def running() -> float:
+        lines = [line for r in replicas for line in httpx.get(f"{r.base_url}/metrics", timeout=5).text.splitlines()
+                 if line.startswith("radixrelay_num_requests_running ")]
+        assert len(lines) == len(replicas)
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    deadline = time.monotonic() + 5
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == 0
+    assert "radixrelay_router_client_disconnects_total 1.0" in router.metrics()
 
 
 def test_bad_replica_urls_are_refused_at_start():
