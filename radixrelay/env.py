@@ -42,18 +42,32 @@ def api_key_env() -> str | None:
     return os.environ.get("RADIXRELAY_API_KEY") or None
 
 
-def grammar_budget_ms() -> float | None:
-    """``RADIXRELAY_GRAMMAR_BUDGET_MS`` as a float > 0; None when unset. A malformed value is an error."""
-    text = os.environ.get("RADIXRELAY_GRAMMAR_BUDGET_MS")
+def _number(name: str, what: str, ok) -> float | None:
+    """``name`` as a float for which ``ok`` holds; None when unset or empty. Anything else is an error
+    saying ``what`` it must be."""
+    text = os.environ.get(name)
     if not text:
         return None
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"RADIXRELAY_GRAMMAR_BUDGET_MS must be a number of milliseconds > 0, got {text!r}")
+        value = float("nan")
+    if not ok(value):
+        raise ValueError(f"{name} must be {what}, got {text!r}")
     return value
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """``name``, one of ``choices`` (the first when unset or empty); anything else is an error."""
+    value = os.environ.get(name) or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def grammar_budget_ms() -> float | None:
+    """``RADIXRELAY_GRAMMAR_BUDGET_MS`` as a float > 0; None when unset. A malformed value is an error."""
+    return _number("RADIXRELAY_GRAMMAR_BUDGET_MS", "a number of milliseconds > 0", lambda v: v > 0)
 
 
 def profile_dir() -> str | None:
@@ -101,29 +115,15 @@ def overlap_depth() -> int:
 
 def gc_mode() -> str:
     """``RADIXRELAY_GC`` (default ``managed``); any other value than ``managed`` or ``python`` is an error."""
-    mode = os.environ.get("RADIXRELAY_GC") or "managed"
-    if mode not in ("managed", "python"):
-        raise ValueError(f"RADIXRELAY_GC must be 'managed' or 'python', got {mode!r}")
-    return mode
+    return _choice("RADIXRELAY_GC", ("managed", "python"))
 
 
 def step_timeout_s() -> float:
     """``RADIXRELAY_STEP_TIMEOUT_S`` (default 120; 0 turns the watchdog off); a malformed value is an error."""
-    text = os.environ.get("RADIXRELAY_STEP_TIMEOUT_S")
-    if not text:
-        return 120.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"RADIXRELAY_STEP_TIMEOUT_S must be a number of seconds >= 0, got {text!r}")
-    return value
+    value = _number("RADIXRELAY_STEP_TIMEOUT_S", "a number of seconds >= 0", lambda v: 0 <= v < float("inf"))
+    return 120.0 if value is None else value
 
 
 def tp_all_reduce() -> str:
     """``RADIXRELAY_TP_ALLREDUCE`` (default ``auto``); any other value than ``auto`` or ``nccl`` is an error."""
-    mode = os.environ.get("RADIXRELAY_TP_ALLREDUCE") or "auto"
-    if mode not in ("auto", "nccl"):
-        raise ValueError(f"RADIXRELAY_TP_ALLREDUCE must be 'auto' or 'nccl', got {mode!r}")
-    return mode
+    return _choice("RADIXRELAY_TP_ALLREDUCE", ("auto", "nccl"))

@@ -78,8 +78,8 @@ def _round(mode: str, outs, wall: float, before: dict, after: dict) -> dict:
                                                  "worker_device_s", "graph_captures", "graph_replays",
                                                  "eager_steps", "tp_all_reduce_s")},
             # tensor parallelism: each rank's device seconds in the round
-            "rank_device_s": [after[k] - before[k] for k in sorted(after) if k.startswith("rank") and k.endswith("_device_s")
-                              and k in before]}
+            "rank_device_s": [after[f"rank{r}_device_s"] - before[f"rank{r}_device_s"]
+                              for r in range(sum(k.startswith("rank") and k.endswith("_device_s") for k in after))]}
 
 
 def main() -> None:

@@ -200,16 +200,13 @@ class KVTiers:
         self.counters.loaded += len(keys)
         self._touch(keys)
 
-    def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset(),
-                 min_pages: int = 1) -> int:
+    def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset()) -> int:
         """Read ``keys[start:stop]`` from disk into host memory where host memory lacks them, in
-        order, stopping at the first key on neither tier; returns the reads queued. Fewer than
-        ``min_pages`` such pages are not read at all (computing them is cheaper than a disk round trip)."""
+        order, stopping at the first key on neither tier; returns the reads queued (whether a run is
+        worth reading is the caller's call: ``disk_run``)."""
         queued = 0
         chain = keys[start:stop]
         self._touch(chain)
-        if min_pages > 1 and self.disk_run(chain) < min_pages:
-            return 0
         spare = set(chain) | spare   # never evict the chain's own pages to fetch its next ones
         for key in chain:
             if key in self._host:

@@ -176,7 +176,7 @@ class TierCoordinator:
                                                                      reads * self.page_size, now):
                     store.touch(keys[first:limit])  # computing the run is cheaper than reading it
                     continue
-                store.prefetch(keys, first, limit, spare=window_keys, min_pages=min_pages)
+                store.prefetch(keys, first, limit, spare=window_keys)
 
     # -- saves and the worker's acknowledgements ----------------------------------------------------------
 

@@ -52,18 +52,11 @@ class RankAcks:
             raise ValueError(f"RankAcks: rank {rank} out of range for {self.ranks} ranks")
         if acks is None:
             return
-        for step in acks.saved_steps:
-            self._report(rank, "save", step, True)
-        for step in acks.failed_steps:
-            self._report(rank, "save", step, False)
-        for key in acks.written:
-            self._report(rank, "write", key, True)
-        for key in acks.write_failed:
-            self._report(rank, "write", key, False)
-        for key in acks.read:
-            self._report(rank, "read", key, True)
-        for key in acks.read_failed:
-            self._report(rank, "read", key, False)
+        for items, kind, ok in ((acks.saved_steps, "save", True), (acks.failed_steps, "save", False),
+                                (acks.written, "write", True), (acks.write_failed, "write", False),
+                                (acks.read, "read", True), (acks.read_failed, "read", False)):
+            for item in items:
+                self._report(rank, kind, item, ok)
         if rank == 0:
             self._load_s += acks.load_s
             self._exposed_s += acks.load_exposed_s
