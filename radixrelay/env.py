@@ -25,8 +25,10 @@
 - ``RADIXRELAY_GC``: ``managed`` (default) or ``python``: how the runtime's processes run Python's
   garbage collector (``radixrelay.runtime.gc_control``: start-up heap frozen, full collections when
   idle; or the interpreter's own policy, for comparison).
-- ``RADIXRELAY_TP_ALLREDUCE``: ``auto`` (default) or ``nccl``: with tensor parallelism on CUDA, small
-  all-reduces run one-shot over symmetric memory (``radixrelay.model.parallel``) unless ``nccl``.
+- ``RADIXRELAY_TP_ALLREDUCE``: ``auto`` (default), ``peer``, ``symm`` or ``nccl``: with tensor parallelism
+  on CUDA, how all-reduces of up to 8 MiB run (``radixrelay.model.parallel``): ``peer``, our one-shot
+  kernel over symmetric memory (``radixrelay.kernels.all_reduce``; what ``auto`` picks); ``symm``,
+  torch's one-shot over symmetric memory; ``nccl``, the process group's NCCL for every size.
 - ``RADIXRELAY_STEP_TIMEOUT_S``: seconds a worker step (every rank's) may stay unfinished before that
   worker process counts as hung and exits, failing the runtime (default 120; 0: never;
   ``radixrelay.worker.step_watchdog``).
@@ -125,5 +127,5 @@ def step_timeout_s() -> float:
 
 
 def tp_all_reduce() -> str:
-    """``RADIXRELAY_TP_ALLREDUCE`` (default ``auto``); any other value than ``auto`` or ``nccl`` is an error."""
-    return _choice("RADIXRELAY_TP_ALLREDUCE", ("auto", "nccl"))
+    """``RADIXRELAY_TP_ALLREDUCE`` (default ``auto``): auto, peer, symm or nccl; any other value is an error."""
+    return _choice("RADIXRELAY_TP_ALLREDUCE", ("auto", "peer", "symm", "nccl"))

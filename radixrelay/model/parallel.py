@@ -202,6 +202,16 @@ def _narrow(name: str, tensor: torch.Tensor, dim: int, full: int, start: int, si
     return tensor.narrow(dim, start, size)
 
 
+def _enable_symmetric_memory(symm_mem: Any, group_name: str) -> None:
+    """Older torch needs the group enabled for symmetric memory; newer torch only warns that it need not be."""
+    import warnings
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+
+
 class SymmetricAllReduce:
     """A one-shot all-reduce for small messages on the GPUs of one host: every rank copies its tensor
     into a buffer of symmetric memory (``torch.distributed._symmetric_memory``: mapped on every rank of
@@ -215,8 +225,7 @@ class SymmetricAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = (group or dist.group.WORLD).group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self.group_name)
+        _enable_symmetric_memory(symm_mem, self.group_name)
         self.dtype = dtype
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
@@ -251,3 +260,73 @@ class SymmetricAllReduce:
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
             x.view(-1).copy_(staged)
         return x
+
+
+class PeerAllReduce:
+    """Our all-reduce kernels (``radixrelay.kernels.all_reduce``) over symmetric memory, one launch per call:
+    one-shot (each rank sums the whole message from every rank's buffer) for small messages and two
+    ranks, two-shot (each rank sums its segment, then reads the others' sums: half the bytes over the
+    links at four ranks) for messages of ``two_shot_bytes`` or more at more ranks. The grid is at most
+    one program per SM, so every program is resident. Same contract as ``SymmetricAllReduce``: the
+    result is bitwise the same on every rank; capturable in CUDA graphs; no NVLink multicast."""
+
+    TWO_SHOT_BYTES = 256 << 10
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from radixrelay.kernels.all_reduce import flag_count
+
+        self.group_name = (group or dist.group.WORLD).group_name
+        _enable_symmetric_memory(symm_mem, self.group_name)
+        self.dtype = dtype
+        self.max_programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        buffers = symm_mem.rendezvous(self.buffer, self.group_name)
+        if buffers is None:
+            raise RuntimeError("symmetric memory rendezvous failed")
+        self.world, self.rank = buffers.world_size, buffers.rank
+        if self.world & (self.world - 1):
+            raise RuntimeError(f"{self.world} ranks: the peer kernels need a power of two")
+        self.flags = symm_mem.empty(flag_count(self.world, self.max_programs), dtype=torch.int32, device=device)
+        self.flags.zero_()
+        flags = symm_mem.rendezvous(self.flags, self.group_name)
+        if flags is None:
+            raise RuntimeError("symmetric memory rendezvous failed")
+        self.epochs = torch.zeros(self.max_programs, dtype=torch.int32, device=device)
+        self.buffer_ptrs = torch.tensor(buffers.buffer_ptrs, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flags.buffer_ptrs, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        flags.barrier()                                # every rank's flags are zero before the first call
+        self.two_shot_bytes = self.TWO_SHOT_BYTES if self.world > 2 else max_bytes + 1
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> PeerAllReduce | None:
+        """None where symmetric memory is not available (the caller keeps NCCL), with the reason logged."""
+        import logging
+
+        try:
+            return cls(group, device, dtype, max_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure here means: use NCCL
+            logging.getLogger("radixrelay.worker").warning(
+                "peer all-reduce unavailable (%s: %s); all-reduces use NCCL", type(exc).__name__, exc)
+            return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        from radixrelay.kernels.all_reduce import VEC
+
+        return (x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.numel() % VEC == 0
+                and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, two_shot: bool | None = None) -> torch.Tensor:
+        """x: a contiguous tensor of ``dtype`` -> x summed over the ranks, in place (``two_shot`` None: by size)."""
+        from radixrelay.kernels.all_reduce import peer_all_reduce
+
+        if two_shot is None:
+            two_shot = x.numel() * x.element_size() >= self.two_shot_bytes
+        return peer_all_reduce(x, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank, self.world,
+                               self.max_programs, two_shot=two_shot)
+
+
+FAST_ALL_REDUCES = {"peer": PeerAllReduce, "symm": SymmetricAllReduce}

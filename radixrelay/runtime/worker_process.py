@@ -30,7 +30,7 @@ from radixrelay.env import (
     gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, step_timeout_s, tp_all_reduce, trace_steps,
 )
 from radixrelay.model.loader import default_dtype, load_model
-from radixrelay.model.parallel import AllReduceClock, SymmetricAllReduce, TensorParallel
+from radixrelay.model.parallel import FAST_ALL_REDUCES, AllReduceClock, TensorParallel
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -225,11 +225,12 @@ def join_tensor_parallel(args: ChildArgs) -> TensorParallel:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.endpoints.rendezvous}",
                             rank=args.rank, world_size=size, device_id=device,
                             timeout=datetime.timedelta(seconds=args.config.startup_timeout))
-    fast = None
-    if cuda and tp_all_reduce() == "auto":
+    fast, kind = None, tp_all_reduce()
+    if cuda and kind != "nccl":
         dtype = default_dtype(device) if args.config.dtype == "auto" else getattr(torch, args.config.dtype)
-        fast = SymmetricAllReduce.create(None, device, dtype, SYMMETRIC_ALL_REDUCE_BYTES)
-    logger.info("rank %d of %d: all-reduce by %s", args.rank, size, "symmetric memory" if fast else "the backend")
+        method = FAST_ALL_REDUCES["peer" if kind == "auto" else kind]
+        fast = method.create(None, device, dtype, SYMMETRIC_ALL_REDUCE_BYTES)
+    logger.info("rank %d of %d: all-reduce by %s", args.rank, size, type(fast).__name__ if fast else "the backend")
     return TensorParallel(args.rank, size, fast=fast, clock=AllReduceClock(timed=not cuda))
 
 

@@ -1,0 +1,200 @@
+"""All-reduce over the GPUs of one host in one launch, through peer-mapped (symmetric) memory: one-shot
+and two-shot.
+
+API::
+
+    peer_all_reduce(x, buffer_ptrs, flag_ptrs, epochs, rank, world, max_programs, two_shot=False) -> x  (in place)
+
+    x:           [N] contiguous fp16 / bf16 / fp32 on this rank's GPU, N a multiple of VEC: this rank's
+                 partial sums in, the sum out
+    buffer_ptrs: [world] int64, the address of every rank's staging buffer (>= N elements of x's dtype,
+                 16-byte aligned), readable from this GPU (``torch.distributed._symmetric_memory``)
+    flag_ptrs:   [world] int64, the address of every rank's int32 flags, [SLOTS, max_programs, world]
+                 each, zero before the first call
+    epochs:      [max_programs] int32 of this rank only, zero before the first call: the call count of
+                 each program
+
+one-shot: each rank copies its ``x`` into its staging buffer, then sums the whole message over every
+rank's buffer. two-shot: the message in ``world`` segments; rank r sums segment r over every rank's
+buffer into its own buffer (reduce-scatter), then every rank copies the other segments' sums from
+their owners' buffers (all-gather): (world - 1) / world of the message crosses the links twice,
+instead of (world - 1) times. Either way the sums are fp32 in rank order and every rank ends with
+bitwise the same result.
+
+Program ``b`` of every rank handles the same elements (``b * BLOCK`` onwards every ``programs * BLOCK``,
+within the message or within each segment), so the ranks synchronise program by program, never the
+whole grid: between phases, program b tells program b of every rank that it reached the phase of
+call ``epoch`` (a release store of the epoch into its flag in every rank's pad: one round trip, every
+rank at once) and waits until all of them told it (acquire reads of its own pad). The last phase's
+signal says its reads of the others' buffers are done, so no rank's next call overwrites a buffer
+another still reads. The grid must not exceed the programs the GPU keeps resident (one per SM here),
+or a program could wait for a peer program that never gets an SM. ``sync=False`` skips the signals
+(the CPU interpreter runs one launch at a time: only the arithmetic is testable there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrelay.kernels._common import FLOAT_DTYPES, check
+
+BLOCK = 2048            # elements per program per iteration (8 warps: 16-byte loads)
+NUM_WARPS = 8
+VEC = 8                 # a message is a multiple of VEC elements
+_VEC = tl.constexpr(VEC)
+
+
+@triton.jit
+def _exchange(flag_ptrs, slot, pid, epoch, rank: tl.constexpr, world: tl.constexpr, max_programs):
+    # Tell program ``pid`` of every rank that this one reached ``slot`` of call ``epoch`` (a release store of
+    # the epoch into this rank's flag in every pad: [slot, pid, rank]), then wait until each of them told
+    # this one (acquire reads of [slot, pid, peer] in this rank's pad until all hold the epoch). One
+    # round trip: every peer is signalled at once, one thread each. This rank's own flag is set and read
+    # too (no branch on the peer). A peer cannot be a call ahead: it would first need this rank's next
+    # signal, so equality is enough and the int32 epoch may wrap.
+    tl.debug_barrier()                     # every thread's writes (and reads) of this program are done
+    peers = tl.arange(0, world)
+    at = (slot * max_programs + pid) * world
+    pads = tl.load(flag_ptrs + peers).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(pads + at + rank, tl.full([world], 0, tl.int32) + epoch, sem="release", scope="sys")
+    mine = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32)) + at + peers
+    nothing = tl.full([world], 0, tl.int32)
+    arrived = 0
+    while arrived == 0:                    # (the loop carries a scalar: triton 3.6 cannot carry the tensor)
+        seen = tl.atomic_add(mine, nothing, sem="acquire", scope="sys")
+        arrived = tl.min((seen == epoch).to(tl.int32), axis=0)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rank_buffer(buffer_ptrs, rank, dtype):
+    # rank ``rank``'s staging buffer; its address is 16-byte aligned (symmetric memory allocations are)
+    return tl.multiple_of(tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world: tl.constexpr, BLOCK: tl.constexpr):
+    # the ranks' values at ``offs``, added in rank order in fp32
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for peer in tl.static_range(world):
+        buf = _rank_buffer(buffer_ptrs, peer, dtype)
+        acc += tl.load(buf + offs, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+# The size varies per call (rows of a step): not specialised, so one variant serves every size; it is
+# passed in vectors of VEC elements (every message is a multiple: rows x hidden).
+@triton.jit(do_not_specialize=["vectors"])
+def _one_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
+                     rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):
+    # grid: (programs,); program b: elements [b * BLOCK + k * programs * BLOCK, + BLOCK) for k = 0, 1, ...
+    numel = vectors * _VEC                 # a multiple of VEC, known to the compiler: 16-byte accesses
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    dtype = x.dtype.element_ty
+    epoch = tl.load(epochs + pid) + 1
+    own = _rank_buffer(buffer_ptrs, rank, dtype)
+    for start in range(pid * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < numel
+        tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
+    for start in range(pid * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < numel
+        tl.store(x + offs, _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 1, pid, epoch, rank, world, max_programs)
+    tl.store(epochs + pid, epoch)
+
+
+@triton.jit(do_not_specialize=["vectors"])
+def _two_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
+                     rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):
+    # The message in ``world`` segments of ``seg`` elements; rank r sums segment r (reduce-scatter), then
+    # every rank reads the others' sums (all-gather). Program b: offsets [b * BLOCK + k * programs * BLOCK,
+    # + BLOCK) within every segment, so the programs that exchange signals touch the same elements.
+    numel = vectors * _VEC
+    seg = tl.cdiv(vectors, world) * _VEC   # segments of whole vectors; the last may be short or empty
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    dtype = x.dtype.element_ty
+    epoch = tl.load(epochs + pid) + 1
+    own = _rank_buffer(buffer_ptrs, rank, dtype)
+    for start in range(pid * BLOCK, seg, step):
+        offs = start + tl.arange(0, BLOCK)
+        for s in tl.static_range(world):
+            at = s * seg + offs
+            ok = (offs < seg) & (at < numel)
+            tl.store(own + at, tl.load(x + at, mask=ok), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
+    for start in range(pid * BLOCK, seg, step):
+        offs = start + tl.arange(0, BLOCK)
+        at = rank * seg + offs
+        ok = (offs < seg) & (at < numel)
+        total = _sum_over_ranks(buffer_ptrs, at, ok, dtype, world, BLOCK).to(dtype)
+        tl.store(own + at, total, mask=ok)
+        tl.store(x + at, total, mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 1, pid, epoch, rank, world, max_programs)
+    for start in range(pid * BLOCK, seg, step):
+        offs = start + tl.arange(0, BLOCK)
+        for peer in tl.static_range(world):
+            if peer != rank:
+                at = peer * seg + offs
+                ok = (offs < seg) & (at < numel)
+                buf = _rank_buffer(buffer_ptrs, peer, dtype)
+                tl.store(x + at, tl.load(buf + at, mask=ok), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 2, pid, epoch, rank, world, max_programs)
+    tl.store(epochs + pid, epoch)
+
+
+def programs_for(numel: int, max_programs: int) -> int:
+    """The grid of a call: one program per BLOCK elements, at most ``max_programs``."""
+    return max(1, min(max_programs, triton.cdiv(numel, BLOCK)))
+
+
+SLOTS = 3             # signals per call: two-shot's three (one-shot uses two)
+
+
+def flag_count(world: int, max_programs: int) -> int:
+    """int32 flags each rank's pad needs."""
+    return SLOTS * max_programs * world
+
+
+def peer_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
+                    rank: int, world: int, max_programs: int, two_shot: bool = False,
+                    sync: bool = True) -> torch.Tensor:
+    """See the module docstring. The caller guarantees the buffers hold ``x.numel()`` elements of its dtype,
+    the flags ``flag_count(world, max_programs)`` int32 each, and ``epochs`` (this rank's, ``max_programs``
+    int32, zero at first like the flags) is used by nothing else."""
+    name = "peer_all_reduce"
+    check(x.dtype in FLOAT_DTYPES, f"{name}: dtype {x.dtype} not supported (fp16, bf16, fp32)")
+    check(x.is_contiguous(), f"{name}: x must be contiguous")
+    check(0 <= rank < world, f"{name}: rank {rank} outside [0, {world})")
+    check(world & (world - 1) == 0, f"{name}: {world} ranks; needs a power of two")
+    check(buffer_ptrs.shape == (world,) and flag_ptrs.shape == (world,)
+          and buffer_ptrs.dtype == flag_ptrs.dtype == torch.int64,
+          f"{name}: buffer_ptrs and flag_ptrs must be [{world}] int64")
+    check(epochs.dtype == torch.int32 and epochs.numel() >= max_programs, f"{name}: epochs must be "
+          f">= {max_programs} int32")
+    numel = x.numel()
+    check(numel % VEC == 0, f"{name}: {numel} elements; needs a multiple of {VEC}")
+    if numel:
+        vectors = numel // VEC
+        kernel, per_program = ((_two_shot_kernel, triton.cdiv(vectors, world) * VEC) if two_shot
+                               else (_one_shot_kernel, numel))
+        kernel[(programs_for(per_program, max_programs),)](
+            x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs, rank=rank, world=world, SYNC=sync,
+            BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return x
+
+
+def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' partial sums added in rank order in float64, rounded to their dtype."""
+    return torch.stack([p.double() for p in parts]).sum(0).to(parts[0].dtype)

@@ -1,0 +1,98 @@
+"""The peer all-reduce kernels' arithmetic and indexing (one-shot and two-shot) under the Triton
+interpreter, one rank at a time (``sync=False``: the interpreter runs one launch at a time and is not
+thread-safe, so ranks cannot wait for each other here). The other ranks' staging buffers are filled
+with what they hold when this rank reads them: their own part (one-shot; two-shot's reduce-scatter),
+and, in their own segment, the sum they computed (two-shot's all-gather). The cross-GPU signalling is
+checked on CUDA: tests/engine/test_tensor_parallel_gpu.py and benchmarks/kernels/bench_all_reduce.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrelay.kernels.all_reduce import (BLOCK, VEC, all_reduce_reference, flag_count, peer_all_reduce,
+                                           programs_for)
+
+PAD = 8          # elements past the message in every buffer: never written
+
+
+def _ptrs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def _segment(numel: int, world: int) -> int:
+    return -(-numel // VEC // world) * VEC         # whole vectors
+
+
+def _as_seen_by_others(parts: list[torch.Tensor], total: torch.Tensor, two_shot: bool) -> list[torch.Tensor]:
+    world, numel = len(parts), parts[0].numel()
+    seg = _segment(numel, world)
+    buffers = []
+    for p, part in enumerate(parts):
+        buf = torch.cat([part, torch.full((PAD,), 7.0, dtype=part.dtype)])
+        if two_shot:
+            buf[p * seg:min(numel, (p + 1) * seg)] = total[p * seg:(p + 1) * seg]
+        buffers.append(buf)
+    return buffers
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one-shot", "two-shot"])
+@pytest.mark.parametrize("world,dtype,numel,max_programs", [
+    (2, torch.float32, 5 * VEC, 4),             # the last segment short
+    (4, torch.bfloat16, 4 * BLOCK + 5 * VEC, 3),  # several iterations per program, ragged segments
+])
+def test_each_rank_gets_the_rank_order_sum(world: int, dtype: torch.dtype, numel: int, max_programs: int,
+                                           two_shot: bool) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    parts = [torch.randn(numel, generator=gen).to(dtype) for _ in range(world)]
+    want = all_reduce_reference(parts)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2        # (the interpreter rounds fp32 -> bf16 its own way)
+    seg = _segment(numel, world)
+    # two-shot: a first round gives each rank's own segment of the sum; the second reads them as peers would
+    total = want
+    for _ in range(2 if two_shot else 1):
+        outs, sums = [], torch.empty_like(want)
+        for rank in range(world):
+            buffers = _as_seen_by_others(parts, total, two_shot)
+            buffers[rank].fill_(-3.0)                                      # this rank's: garbage until it copies
+            flags = torch.zeros(flag_count(world, max_programs), dtype=torch.int32)
+            epochs = torch.zeros(max_programs, dtype=torch.int32)
+            x = parts[rank].clone()
+            assert peer_all_reduce(x, _ptrs(buffers), _ptrs([flags] * world), epochs, rank, world, max_programs,
+                                   two_shot=two_shot, sync=False) is x
+            staged = buffers[rank][:numel].clone()
+            if two_shot:                # its own segment now holds the sum, the rest its part
+                mine = slice(rank * seg, (rank + 1) * seg)
+                sums[mine] = staged[mine]
+                staged[mine] = parts[rank][mine]
+            assert torch.equal(staged, parts[rank])
+            assert buffers[rank][numel:].eq(-3.0).all()                   # nothing written past the message
+            grid = programs_for(seg if two_shot else numel, max_programs)
+            assert epochs[:grid].eq(1).all() and epochs[grid:].eq(0).all()   # one call of each launched program
+            outs.append(x)
+        torch.testing.assert_close(outs[0], want, atol=tol, rtol=tol)
+        total = sums
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])                 # bitwise the same on every rank
+    if two_shot:
+        assert torch.equal(outs[0], sums)
+
+
+def test_grid_is_capped_and_covers_small_messages() -> None:
+    assert programs_for(1, 132) == 1
+    assert programs_for(BLOCK * 1000, 132) == 132
+    assert programs_for(BLOCK + 1, 132) == 2
+
+
+def test_bad_arguments_are_refused() -> None:
+    ptrs, epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        peer_all_reduce(torch.zeros(8), ptrs, ptrs, epochs, 2, 2, 4)
+    with pytest.raises(ValueError, match="int64"):
+        peer_all_reduce(torch.zeros(8), ptrs.int(), ptrs, epochs, 0, 2, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        peer_all_reduce(torch.zeros(8, 2).t(), ptrs, ptrs, epochs, 0, 2, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        peer_all_reduce(torch.zeros(12), ptrs, ptrs, epochs, 0, 2, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        three = torch.zeros(3, dtype=torch.int64)
+        peer_all_reduce(torch.zeros(8), three, three, epochs, 0, 3, 4)
