@@ -36,16 +36,27 @@ VOCAB = 128256                                          # Llama-3's vocabulary (
 # -- the models and the server -------------------------------------------------------------------
 
 
-def llama3_8b_dir(path: Path, layers: int, vocab: int) -> Path:
-    """A config.json of Llama-3-8B's shapes (dummy weights need nothing else)."""
+# Llama-3 shapes by name: hidden, MLP, query heads, KV heads (head dim 128), layers of the real model.
+LLAMA3_SHAPES = {"8b": (4096, 14336, 32, 8, 32), "70b": (8192, 28672, 64, 8, 80)}
+
+
+def llama3_dir(path: Path, shape: str, layers: int | None, vocab: int) -> Path:
+    """A config.json of Llama-3 ``shape`` ("8b" or "70b"; ``layers`` None: the real model's), for dummy
+    weights (they need nothing else)."""
+    hidden, mlp, heads, kv_heads, full_layers = LLAMA3_SHAPES[shape]
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_size": hidden, "intermediate_size": mlp, "num_hidden_layers": layers or full_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 128,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 32768,
         "tie_word_embeddings": False}, indent=1))
     return path
+
+
+def llama3_8b_dir(path: Path, layers: int, vocab: int) -> Path:
+    """A config.json of Llama-3-8B's shapes (dummy weights need nothing else)."""
+    return llama3_dir(path, "8b", layers, vocab)
 
 
 LLAMA3_8B_SHAPES = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -150,12 +161,18 @@ class Server:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-_SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples only
+_SAMPLE = re.compile(r"^(radixrelay_[A-Za-z0-9_]+)\s+(\S+)$")   # unlabelled samples
+_RANK_SAMPLE = re.compile(r'^radixrelay_worker_rank_device_seconds_total\{rank="(\d+)"\}\s+(\S+)$')
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """Unlabelled samples by name, and each rank's device seconds as
+    ``radixrelay_worker_rank<r>_device_seconds_total``."""
     text = (await http.get(f"{base_url}/metrics", timeout=30)).text
-    return {m[1]: float(m[2]) for line in text.splitlines() if (m := _SAMPLE.match(line))}
+    out = {m[1]: float(m[2]) for line in text.splitlines() if (m := _SAMPLE.match(line))}
+    out.update({f"radixrelay_worker_rank{m[1]}_device_seconds_total": float(m[2])
+                for line in text.splitlines() if (m := _RANK_SAMPLE.match(line))})
+    return out
 
 
 

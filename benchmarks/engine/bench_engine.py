@@ -24,6 +24,9 @@ import tempfile
 import time
 
 from benchmarks.common import RESULTS, ROOT, VOCAB, model_dir
+
+SHAPES = {"8b": {}, "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                            "num_key_value_heads": 8}}
 from radixrelay import Engine, SamplingParams
 from radixrelay.bench.provenance import source_commit, write_device_results
 
@@ -84,6 +87,7 @@ def _round(mode: str, outs, wall: float, before: dict, after: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("8b", "70b"), default="8b", help="Llama-3 shapes (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--doc", type=int, default=16384)
     ap.add_argument("--questions", type=int, default=256)
@@ -114,7 +118,7 @@ def main() -> None:
     kv_tokens = args.doc + 2 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = model_dir(tmp, args.layers)
+        path = model_dir(tmp, args.layers, **SHAPES[args.shape])
         for tp in map(int, args.tp.split(",")):
             for mode in args.modes.split(","):
                 rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
@@ -122,7 +126,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
-             f"Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
+             f"Llama-3-{args.shape.upper()} shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
              f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
              f"{args.max_tokens} output tokens each (greedy, EOS ignored), after an untimed warm-up round of as many "
              f"other questions; timed: the questions from submission to the last token, their prefill included "

