@@ -93,7 +93,22 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
         disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
-        context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp)
+        context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp,
+        kv_events=getattr(args, "kv_events", None), kv_events_name=_kv_events_name(args))
+
+
+def _kv_events_name(args: argparse.Namespace) -> str | None:
+    """``--kv-events-name``, else the server's own URL (a wildcard address named by this host's name)."""
+    if getattr(args, "kv_events", None) is None:
+        return None
+    if args.kv_events_name:
+        return args.kv_events_name.rstrip("/")
+    host = args.host
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.getfqdn()
+    return f"http://{'[' + host + ']' if ':' in host else host}:{args.port}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    g.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
+                   help="publish the radix tree's page keys and the server's load to this Redis store, for "
+                        "routers in precise mode (docs/router.md) (default: none)")
+    g.add_argument("--kv-events-name", default=None, metavar="URL",
+                   help="the URL routers know this server by, in its KV events (default: http://HOST:PORT)")
 
     router = sub.add_parser("router", help="route requests over several servers by cached prefix",
                             description="Run an OpenAI-compatible router in front of several radixrelay "
@@ -132,8 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     g = router.add_argument_group("router")
     g.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
                    help="a replica's base URL, e.g. http://127.0.0.1:30000 (repeat for each)")
-    g.add_argument("--mode", default="approximate", choices=("approximate", "round-robin"),
-                   help="approximate: by what this router sent where; round-robin: in turn (default: %(default)s)")
+    g.add_argument("--mode", default="approximate", choices=("precise", "approximate", "round-robin"),
+                   help="precise: by what the replicas report holding (KV events in --store); approximate: by "
+                        "what this router sent where; round-robin: in turn (default: %(default)s)")
+    g.add_argument("--store", default=None, metavar="redis://HOST:PORT/DB",
+                   help="the Redis store the replicas publish KV events to (--kv-events); needed by --mode precise")
     g.add_argument("--tokenizer", default="default",
                    help="the replicas' tokenizer: a .gguf file, a Hugging Face directory, or 'default' (the "
                         "embedded model's) (default: %(default)s)")
@@ -200,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"radixrelay: error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "serve" and engine_config.kv_events is not None:
+        from radixrelay.router.events import connect
+
+        try:
+            connect(engine_config.kv_events).close()      # before loading anything: a clear start-up error
+        except ConnectionError as exc:
+            print(f"radixrelay: error: --kv-events: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -217,15 +248,20 @@ def _router(args: argparse.Namespace) -> int:
     from radixrelay.text.tokenizer import load_tokenizer
 
     try:
-        config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode)
+        config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode, store=args.store)
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
         template = _template_text(args.chat_template)
         chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
+        events = None
+        if config.store is not None:
+            from radixrelay.router.events import KVEventIndex
+
+            events = KVEventIndex(config.store)            # ConnectionError (an OSError) if it does not answer
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"radixrelay router: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level)
+    return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level, events)
 
 
 def generate_prompt(tokenizer, text: str, *, raw: bool, chat_template: str | None = None) -> str | list[int]:

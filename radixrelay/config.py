@@ -63,6 +63,10 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many worker processes, one per device (rank r on
     # cuda:r; gloo on the CPU), that run every step together (``radixrelay.model.parallel``).
     tp: int = 1
+    # KV events (``radixrelay.router.events``): a redis://HOST:PORT/DB store the scheduler publishes its
+    # radix tree's page keys and its load to, under the name routers know this server by.
+    kv_events: str | None = None
+    kv_events_name: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -98,6 +102,13 @@ class EngineConfig:
             raise bad("host_kv_gib", f"must be >= 0 (0: no host tier), got {self.host_kv_gib}")
         if not 0 <= self.disk_kv_gib < 1 << 30:
             raise bad("disk_kv_gib", f"must be >= 0, got {self.disk_kv_gib}")
+        if self.kv_events is not None:
+            from radixrelay.router.events import check_store_url
+
+            try:
+                check_store_url(self.kv_events)
+            except ValueError as exc:
+                raise bad("kv_events", str(exc)) from None
         if self.disk_kv_path is not None and not self.disk_kv_path:
             raise bad("disk_kv_path", "must be non-empty when set (None: no disk tier)")
         if self.disk_kv_path is not None and self.host_kv_gib == 0:

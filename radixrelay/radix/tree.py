@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -77,6 +77,9 @@ class RadixTree:
         self._evictable_leaves: set[RadixNode] = set()
         self._cached_tokens = 0
         self._evictable_tokens = 0
+        # Called with each leaf eviction is about to detach (its path to the root still intact): KV
+        # events (``radixrelay.scheduler.kv_events``).
+        self.on_evict: Callable[[RadixNode], None] | None = None
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -240,6 +243,8 @@ class RadixTree:
                 self._evictable_leaves.add(self._split(leaf, keep * self.page_size))
             parent = leaf.parent
             assert parent is not None  # roots are never in _evictable_leaves
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             del parent.children[tuple(leaf.key[: self.page_size])]
             self._evictable_leaves.discard(leaf)
             self._cached_tokens -= len(leaf.key)

@@ -24,7 +24,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
-from radixrelay.router.prompt import PAGE_TOKENS, PromptKeys
+from radixrelay.router.events import KVEventIndex
+from radixrelay.router.prompt import PAGE_TOKENS, Prompt, PromptKeys
 from radixrelay.router.replicas import Pool, Replica
 
 logger = logging.getLogger("radixrelay.router")
@@ -44,6 +45,7 @@ class RouterConfig:
     replicas: tuple[str, ...]
     mode: str = "approximate"
     index_capacity: int = 1 << 20          # page keys remembered per replica
+    store: str | None = None               # redis://... of the replicas' KV events (precise mode)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -52,6 +54,12 @@ class RouterConfig:
             raise ValueError("a replica is given twice")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "precise" and self.store is None:
+            raise ValueError("--mode precise reads the replicas' KV events: give --store redis://HOST:PORT/DB")
+        if self.store is not None:
+            from radixrelay.router.events import check_store_url
+
+            check_store_url(self.store)
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
@@ -60,9 +68,10 @@ def _error(status: int, message: str, type_: str = "invalid_request_error") -> R
 
 
 class Router:
-    def __init__(self, config: RouterConfig, prompt_keys: PromptKeys) -> None:
+    def __init__(self, config: RouterConfig, prompt_keys: PromptKeys, events: KVEventIndex | None = None) -> None:
         self.config = config
         self.prompt_keys = prompt_keys
+        self.events = events                   # the replicas' KV events (precise mode)
         self.index = PrefixIndex(config.index_capacity)
         self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url))
         self.client: httpx.AsyncClient | None = None
@@ -86,12 +95,19 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def pick(self, keys: list[bytes]) -> tuple[Replica, int] | None:
-        """(replica, the prompt tokens it is expected to hold), or None when no replica is healthy."""
+    def pick(self, keys: list[bytes], prompt: Prompt | None = None) -> tuple[Replica, int] | None:
+        """(replica, the prompt tokens it is expected to hold), or None when no replica is healthy.
+        ``keys``: the router's own page keys of the prompt (approximate); ``prompt``: its tokens and salt
+        (precise: looked up under each replica's own page keys)."""
         healthy = self.pool.healthy()
         if not healthy:
             return None
-        candidates = [Candidate(r.url, self.index.matched(r.url, keys) * PAGE_TOKENS, r.in_flight) for r in healthy]
+        if self.config.mode == "precise" and self.events is not None:
+            held = [self.events.matched_tokens(r.url, prompt.token_ids, prompt.salt) if prompt else 0
+                    for r in healthy]
+        else:
+            held = [self.index.matched(r.url, keys) * PAGE_TOKENS for r in healthy]
+        candidates = [Candidate(r.url, n, r.in_flight) for r, n in zip(healthy, held, strict=True)]
         chosen = choose(self.config.mode, candidates, self._turn)
         self._turn += 1
         return next(r for r in healthy if r.url == chosen.replica), chosen.matched_tokens
@@ -104,9 +120,10 @@ class Router:
             return _error(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        keys = await asyncio.to_thread(self.prompt_keys.keys, endpoint, body) if len(raw) > 65536 else \
-            self.prompt_keys.keys(endpoint, body)
-        picked = self.pick(keys)
+        prompt = await asyncio.to_thread(self.prompt_keys.prompt, endpoint, body) if len(raw) > 65536 else \
+            self.prompt_keys.prompt(endpoint, body)
+        keys = self.prompt_keys.keys_of(prompt) if prompt is not None and self.config.mode != "precise" else []
+        picked = self.pick(keys, prompt)
         if picked is None:
             return _error(503, "no replica is available", "service_unavailable")
         replica, expected = picked
@@ -210,12 +227,19 @@ class _PoolCollector:
                                       "This router's requests sent to the replica and not yet answered.",
                                       labels=["replica"])
         indexed = GaugeMetricFamily("radixrelay_router_index_pages",
-                                    "Page keys the approximate index holds for the replica.", labels=["replica"])
+                                    "Page keys the router's index holds for the replica (precise: from its KV "
+                                    "events; approximate: what this router sent it).", labels=["replica"])
+        events = self.router.events
         for r in self.router.pool.replicas:
             healthy.add_metric([r.url], int(r.healthy))
             in_flight.add_metric([r.url], r.in_flight)
-            indexed.add_metric([r.url], self.router.index.size(r.url))
+            indexed.add_metric([r.url], events.holds(r.url) if events is not None else self.router.index.size(r.url))
         yield from (healthy, in_flight, indexed)
+        if events is not None:
+            yield GaugeMetricFamily("radixrelay_router_kv_events_read", "KV events read from the store.",
+                                    value=events.events)
+            yield GaugeMetricFamily("radixrelay_router_kv_event_lag_seconds",
+                                    "Age of the latest KV event when this router read it.", value=events.lag_s)
 
 
 def build_app(router: Router) -> FastAPI:
@@ -224,6 +248,8 @@ def build_app(router: Router) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits) as client:
             router.client = client
+            if router.events is not None:
+                await asyncio.to_thread(router.events.start)     # what the stream holds so far, then a reader
             await router.pool.poll_once(client)          # the pool as of start-up
             if not router.pool.healthy():
                 logger.warning("no replica answers /health yet: requests get 503 until one does")
@@ -234,6 +260,8 @@ def build_app(router: Router) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                if router.events is not None:
+                    router.events.close()
 
     app = FastAPI(title="radixrelay router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -262,10 +290,11 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-def run_router(config: RouterConfig, prompt_keys: PromptKeys, host: str, port: int, log_level: str) -> int:
+def run_router(config: RouterConfig, prompt_keys: PromptKeys, host: str, port: int, log_level: str,
+               events: KVEventIndex | None = None) -> int:
     import uvicorn
 
-    app = build_app(Router(config, prompt_keys))
+    app = build_app(Router(config, prompt_keys, events))
     logger.info("routing to %s (%s)", ", ".join(config.replicas), config.mode)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     return 0

@@ -1,6 +1,8 @@
 """Which replica gets a request.
 
 Modes:
+- ``precise``: as approximate, but matched tokens are the prompt's leading pages the replica reports
+  holding (its KV events, ``radixrelay.router.events``), not what this router sent it.
 - ``approximate``: each healthy replica scores ``matched_tokens - LOAD_TOKENS x in_flight`` (matched:
   the prompt's leading tokens the router sent it before, ``PrefixIndex``; in flight: this router's
   requests not yet answered there); the best score wins, ties go to the replica with fewer requests in
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("approximate", "round-robin")
+MODES = ("precise", "approximate", "round-robin")
 # Tokens of cached prefix one request in flight is worth: ~ the prefill one queued request costs a replica.
 LOAD_TOKENS = 256
 
@@ -34,6 +36,6 @@ def choose(mode: str, candidates: list[Candidate], turn: int) -> Candidate:
     rotated = [candidates[(turn + i) % n] for i in range(n)]
     if mode == "round-robin":
         return rotated[0]
-    if mode != "approximate":
+    if mode not in ("precise", "approximate"):
         raise ValueError(f"routing mode must be one of {MODES}, got {mode!r}")
     return max(rotated, key=lambda c: (c.matched_tokens - LOAD_TOKENS * c.in_flight, -c.in_flight))

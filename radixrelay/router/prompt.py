@@ -4,6 +4,7 @@ different salts never share a route's cached tokens."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from radixrelay.radix.page_keys import chain_seed, extend_keys
@@ -13,6 +14,12 @@ from radixrelay.text.tokenizer import Tokenizer
 # The router's own page size for its index (the replicas' pages may differ: a match is a guess anyway).
 PAGE_TOKENS = 16
 NAMESPACE = "radixrelay-router"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    salt: str | None
 
 
 class PromptKeys:
@@ -37,10 +44,20 @@ class PromptKeys:
             return None
         return None
 
-    def keys(self, endpoint: str, body: dict[str, Any]) -> list[bytes]:
+    def prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt | None:
+        """The request's prompt tokens and salt, or None when its tokens cannot be known here."""
         ids = self.token_ids(endpoint, body)
         if not ids:
-            return []
+            return None
         salt = body.get("cache_salt")
-        seed = chain_seed(NAMESPACE, salt if isinstance(salt, str) else None)
-        return extend_keys([], seed, ids, PAGE_TOKENS, len(ids) // PAGE_TOKENS)
+        return Prompt(ids, salt if isinstance(salt, str) else None)
+
+    @staticmethod
+    def keys_of(prompt: Prompt) -> list[bytes]:
+        """The router's own page keys of ``prompt`` (its approximate index)."""
+        seed = chain_seed(NAMESPACE, prompt.salt)
+        return extend_keys([], seed, prompt.token_ids, PAGE_TOKENS, len(prompt.token_ids) // PAGE_TOKENS)
+
+    def keys(self, endpoint: str, body: dict[str, Any]) -> list[bytes]:
+        prompt = self.prompt(endpoint, body)
+        return [] if prompt is None else self.keys_of(prompt)

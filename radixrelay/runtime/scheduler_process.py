@@ -102,6 +102,7 @@ class SchedulerLoop:
                 return 1
             # idle: nothing arrived for POLL_MS and nothing is running or waiting
             self.collector.poll(idle=not events and not self.scheduler.has_work())
+            self.scheduler.publish_load()
             if self.worker_in in events:
                 self._drain_worker()
             self._drain_frontend()
@@ -313,6 +314,16 @@ def _wait_for_worker(args: ChildArgs, worker_in: zmq.Socket) -> WorkerReady | Ru
     return message
 
 
+def _kv_events(cfg, ready: WorkerReady):
+    """The replica's KV event publisher (``--kv-events``), or None; ``ConnectionError`` when the store
+    does not answer (a start-up error)."""
+    if cfg.kv_events is None:
+        return None
+    from radixrelay.router.events import KVEventPublisher
+
+    return KVEventPublisher(cfg.kv_events, cfg.kv_events_name or "", ready.kv_namespace, cfg.page_size)
+
+
 def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     ep = args.endpoints
     frontend_in = bind_pull(ctx, ep.frontend_to_scheduler)
@@ -341,7 +352,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                             schedule_policy=cfg.schedule_policy,
                             disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos,
                             kv_namespace=ready.kv_namespace, kv_page_bytes=ready.page_bytes),
-            detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready))
+            detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready), events=_kv_events(cfg, ready))
         planner = make_cascade_planner(cfg.cascade, cfg.page_size)
         scheduler.set_cascade_planner(planner)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it

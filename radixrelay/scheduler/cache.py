@@ -28,11 +28,13 @@ from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import KVHold, Request
+from radixrelay.scheduler.kv_events import KVEventHook, Publisher
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
 
 
 class CacheManager:
-    def __init__(self, config: SchedulerConfig, tiers: KVTiers | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, tiers: KVTiers | None = None,
+                 events: Publisher | None = None) -> None:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
@@ -40,6 +42,9 @@ class CacheManager:
         # the lower tiers' coordinator (None: no tiers): saves, promotion's host side, prefetch, acks
         self.tiers = (TierCoordinator(config, tiers, self.tree)
                       if tiers is not None and not config.disable_radix_cache else None)
+        # KV events: what enters and leaves the tree, for precise routers (None: not published)
+        self.events = (KVEventHook(events, self.tree, config.kv_namespace)
+                       if events is not None and not config.disable_radix_cache else None)
 
     @property
     def available_pages(self) -> int:
@@ -69,6 +74,7 @@ class CacheManager:
             hold.num_shared_pages = len(matched.pages)
             hold.lock_node = matched.node
             hold.kv_len = hold.kv_committed = matched.num_tokens
+        req.events_told = hold.num_shared_pages          # the tree holds (and events told) the match
 
     def missing_modules(self, req: Request) -> list[ModuleSpan]:
         """The spans of a modular request that the tree does not hold whole."""
@@ -173,6 +179,8 @@ class CacheManager:
             self.tree.unlock(hold.lock_node)
         hold.lock_node = node
         hold.num_shared_pages = num_full
+        if self.events is not None:
+            self.events.stored(req, num_full)
         if self.tiers is not None:
             self.tiers.save(req, node, hold.pages[:num_full])
 
@@ -201,6 +209,8 @@ class CacheManager:
             # pages[existing // ps:num_full] now belong to the tree.
             self.allocator.free(hold.pages[own_from: existing // ps])
             self.allocator.free(hold.pages[num_full:])
+            if self.events is not None:
+                self.events.stored(req, num_full)
             if self.tiers is not None and num_full:
                 n = num_full * ps
                 found = (self.tree.match_prefix_below(req.token_ids, hold.lock_node, req.salt, length=n)
@@ -258,6 +268,8 @@ class CacheManager:
         hold.lock_node = node
         hold.num_shared_pages = have + len(slots)
         hold.kv_len = hold.kv_committed = n
+        if self.events is not None:
+            self.events.stored(req, hold.num_shared_pages)
         return len(slots)
 
     def check_integrity(self, running: Iterable[Request]) -> None:

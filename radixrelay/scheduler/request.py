@@ -91,6 +91,7 @@ class Request:
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
     # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
     page_keys: list[bytes] = field(default_factory=list)
+    events_told: int = 0                  # leading whole pages KV events said the tree holds (kv_events)
     # Truncated prompt (radix/truncation.py): tokens dropped since the previous truncation point (at
     # ``shifted_at``), and the content keys of whole pages of the previous sequence
     # ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` (where its cached KV lives).

@@ -30,6 +30,7 @@ from radixrelay.protocol.step import (
     AdmittedRequest, ExtendItem, ModuleSpan, PageAppend, StepOutput, StepPlan, needs_all_tokens, needs_outputs,
 )
 from radixrelay.radix.tiers import KVTiers
+from radixrelay.scheduler.kv_events import Publisher
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import audit_kv
 from radixrelay.scheduler.cache import CacheManager
@@ -64,9 +65,9 @@ class _InFlight:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, detokenize: Detokenize | None = None,
-                 tiers: KVTiers | None = None) -> None:
+                 tiers: KVTiers | None = None, events: Publisher | None = None) -> None:
         self.config = config
-        self.cache = CacheManager(config, tiers)
+        self.cache = CacheManager(config, tiers, events)
         self._tiers = self.cache.tiers                # the lower tiers' coordinator (None: no tiers)
         self._stop = StopChecker(config.eos_token_ids, detokenize)
         self._prefill = PrefillManager(config, self.cache)
@@ -189,7 +190,15 @@ class Scheduler:
         if self._requests:
             return False
         self.cache.allocator.free(self.cache.tree.evict(self.cache.tree.evictable_pages))
+        if self.cache.events is not None:
+            self.cache.events.cleared()
         return True
+
+    def publish_load(self) -> None:
+        """KV events: running and waiting requests and KV use (at most once a second; no-op without events)."""
+        if self.cache.events is not None:
+            used = 1.0 - self.cache.available_pages / max(1, self.config.num_pages)
+            self.cache.events.load(len(self._running), len(self._waiting), used)
 
     def set_cascade_planner(self, planner: CascadePlanner | None) -> None:
         """``planner(rows)`` sees each step's decode rows with their radix paths; its result

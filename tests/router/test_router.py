@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.router.redis_server import RedisServer
 from tests.runtime.server_process import ServerProcess, free_port, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,11 +27,11 @@ TENANTS = [f"You are the assistant of tenant {t}. " + " ".join(f"rule{t}x{i} app
 
 
 class RouterProcess:
-    def __init__(self, tmp_path, *replicas: str, mode: str = "approximate") -> None:
+    def __init__(self, tmp_path, *replicas: str, mode: str = "approximate", store: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp_path / f"router-{mode}.log", "wb")
-        args = [a for url in replicas for a in ("--replica", url)]
+        args = [a for url in replicas for a in ("--replica", url)] + (["--store", store] if store else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "radixrelay.cli", "router", *args, "--mode", mode,
                                       "--port", str(self.port), "--log-level", "warning"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -62,8 +63,16 @@ class RouterProcess:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), "--kv-cache-tokens", "8192") for i in range(2)]
+def store(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, store):
+    servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), "--kv-cache-tokens", "8192",
+                             "--kv-events", store.url) for i in range(2)]
     try:
         yield [s.wait_ready() for s in servers]
     finally:
@@ -78,28 +87,65 @@ def router(replicas, tmp_path_factory):
     r.stop()
 
 
-def _ask(client: openai.OpenAI, tenant: int, question: str, salt: str | None = None):
+@pytest.fixture(scope="module")
+def precise(replicas, store, tmp_path_factory):
+    r = RouterProcess(tmp_path_factory.mktemp("precise"), *(s.base_url for s in replicas), mode="precise",
+                      store=store.url)
+    yield r
+    r.stop()
+
+
+def _ask(client: openai.OpenAI, tenant: int, question: str, salt: str | None = None, tenants=TENANTS):
     extra = {"cache_salt": salt} if salt is not None else None
     return client.chat.completions.create(
         model="default", max_tokens=2, temperature=0, extra_body=extra,
-        messages=[{"role": "system", "content": TENANTS[tenant]}, {"role": "user", "content": question}])
+        messages=[{"role": "system", "content": tenants[tenant]}, {"role": "user", "content": question}])
+
+
+def _mostly_cached(replies) -> None:
+    """The tenant's system prompt (~220 of ~235 tokens) cached on the replica each request went to."""
+    held = [r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens for r in replies]
+    assert sum(held) >= 0.9 * len(replies), [(r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens)
+                                             for r in replies]
 
 
 def test_tenants_stick_to_the_replica_that_holds_their_prefix(router):
     client = router.client()
     for tenant in range(len(TENANTS)):                           # each tenant's first request: computed
         _ask(client, tenant, "Who are you?")
-    later = [_ask(client, tenant, f"Question {q}: what applies?") for q in range(3) for tenant in range(len(TENANTS))]
-    # the tenant's system prompt (~220 of ~235 tokens) cached on the replica the request went to
-    held = [r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens for r in later]
-    assert sum(held) >= 0.9 * len(later), [(r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens)
-                                           for r in later]
+    _mostly_cached([_ask(client, tenant, f"Question {q}: what applies?") for q in range(3)
+                    for tenant in range(len(TENANTS))])
     text = router.metrics()
     per_replica = [line for line in text.splitlines() if line.startswith("radixrelay_router_requests_total{")]
     assert len(per_replica) == 2 and all(float(line.rsplit(" ", 1)[1]) >= 2 for line in per_replica)
     predicted = float(next(line for line in text.splitlines()
                            if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
     assert predicted > 0
+
+
+PRECISE_TENANTS = [t.replace("rule", "law") for t in TENANTS]     # prompts neither replica has seen
+
+
+def test_precise_routing_follows_the_replicas_kv_events_and_survives_a_router_restart(precise, replicas, store,
+                                                                                     tmp_path):
+    client = precise.client()
+    for tenant in range(len(TENANTS)):                           # nothing held anywhere: by load
+        _ask(client, tenant, "Who are you?", tenants=PRECISE_TENANTS)
+    _mostly_cached([_ask(client, tenant, f"Question {q}?", tenants=PRECISE_TENANTS) for q in range(2)
+                    for tenant in range(len(TENANTS))])
+    text = precise.metrics()
+    assert 'radixrelay_router_requests_total{mode="precise"' in text
+    assert all(f'radixrelay_router_index_pages{{replica="{r.base_url}"}} 0.0' not in text for r in replicas)
+    predicted = float(next(line for line in text.splitlines()
+                           if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
+    assert predicted >= 0.8 * 200 * 2 * len(TENANTS)          # the later questions' held prefixes, foreseen
+    # a second router started now reads the stream from its start and routes as the first does
+    again = RouterProcess(tmp_path, *(s.base_url for s in replicas), mode="precise", store=store.url)
+    try:
+        _mostly_cached([_ask(again.client(), tenant, "After a restart?", tenants=PRECISE_TENANTS)
+                        for tenant in range(len(TENANTS))])
+    finally:
+        again.stop()
 
 
 def test_salts_do_not_share_a_route_s_cache(router):
@@ -147,11 +193,21 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(router, replicas
     assert "radixrelay_router_client_disconnects_total 1.0" in router.metrics()
 
 
-def test_bad_replica_urls_are_refused_at_start():
+def test_bad_replica_urls_and_stores_are_refused_at_start():
+    def refused(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "radixrelay.cli", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2, (args, done.stderr)
+        return done.stderr
+
     for url in ("ftp://127.0.0.1:1", "127.0.0.1:30000", "http://127.0.0.1:30000/v1", "http://h:99999"):
-        done = subprocess.run([sys.executable, "-m", "radixrelay.cli", "router", "--replica", url],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and "radixrelay router: error: replica" in done.stderr, (url, done.stderr)
+        assert "radixrelay router: error: replica" in refused("router", "--replica", url), url
+    one = ("router", "--replica", "http://127.0.0.1:1")
+    assert "give --store" in refused(*one, "--mode", "precise")
+    assert "redis://HOST:PORT/DB" in refused(*one, "--mode", "precise", "--store", "http://127.0.0.1:6379")
+    assert "does not answer" in refused(*one, "--mode", "precise", "--store", "redis://127.0.0.1:1/0")
+    assert "--kv-events: the store redis://127.0.0.1:1/0 does not answer" in refused(
+        "serve", "--kv-events", "redis://127.0.0.1:1/0")
 
 
 def test_a_killed_replica_leaves_the_pool_and_its_stream_ends(replicas, tmp_path):

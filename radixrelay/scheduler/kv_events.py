@@ -1,0 +1,74 @@
+"""The scheduler's side of KV events (``radixrelay.router.events``): the page keys of what enters the
+radix tree and of what eviction takes out of it, handed to a ``KVEventPublisher`` (which never blocks).
+
+Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the
+request's salt): a request's are kept on it (``Request.page_keys``, shared with the tiers), a node's on
+the node (``RadixNode.page_keys``), so a prefix is hashed once whichever needs it first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.tree import RadixNode, RadixTree
+from radixrelay.scheduler.request import Request
+
+LOAD_EVERY_S = 1.0             # load events at most this often
+
+
+class Publisher(Protocol):
+    def stored(self, keys: list[bytes]) -> None: ...
+    def removed(self, keys: list[bytes]) -> None: ...
+    def cleared(self) -> None: ...
+    def load(self, running: int, waiting: int, kv_usage: float) -> None: ...
+
+
+class KVEventHook:
+    def __init__(self, publisher: Publisher, tree: RadixTree, namespace: str) -> None:
+        self.publisher = publisher
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.namespace = namespace
+        self._seeds: dict[str | None, bytes] = {}
+        self._load_at = 0.0
+        tree.on_evict = self._evicted
+
+    def _seed(self, salt: str | None) -> bytes:
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = chain_seed(self.namespace, salt)
+        return seed
+
+    def stored(self, req: Request, num_pages: int) -> None:
+        """``req``'s first ``num_pages`` whole pages are in the tree; those not yet told are published."""
+        if num_pages <= req.events_told:
+            return
+        keys = extend_keys(req.page_keys, self._seed(req.salt), req.token_ids, self.page_size, num_pages)
+        self.publisher.stored(keys[req.events_told:num_pages])
+        req.events_told = num_pages
+
+    def _evicted(self, leaf: RadixNode) -> None:
+        """``leaf`` is about to leave the tree (still attached: its path gives its keys)."""
+        path: list[RadixNode] = []
+        node = leaf
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        prev = self._seed(node.salt)
+        for nd in reversed(path):
+            if nd.page_keys is None:
+                nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
+            prev = nd.page_keys[-1]
+        self.publisher.removed(list(leaf.page_keys))
+
+    def cleared(self) -> None:
+        self.publisher.cleared()
+
+    def load(self, running: int, waiting: int, kv_usage: float) -> None:
+        """At most once per ``LOAD_EVERY_S``."""
+        now = time.monotonic()
+        if now - self._load_at >= LOAD_EVERY_S:
+            self._load_at = now
+            self.publisher.load(running, waiting, kv_usage)

@@ -1,0 +1,84 @@
+"""KV events through a real redis-server: a replica's publisher and a router's index agree on what the
+replica holds (stored, removed, cleared, a restarted replica), a restarted index rebuilds from the
+stream, salts and namespaces never match each other, and a store that does not answer is a clear error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.router.events import KVEventIndex, KVEventPublisher, check_store_url, connect
+from tests.router.redis_server import RedisServer
+
+PS = 4
+NS = "model-a/layout-1"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+def _keys(tokens: list[int], salt: str | None = None, namespace: str = NS) -> list[bytes]:
+    return extend_keys([], chain_seed(namespace, salt), tokens, PS, len(tokens) // PS)
+
+
+def _until(index: KVEventIndex, check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the index did not see the events"
+        index.catch_up(100)
+
+
+def test_the_index_follows_what_a_replica_stores_and_evicts(store):
+    tokens = list(range(100, 124))                       # 6 pages
+    pub = KVEventPublisher(store.url, "http://r1:1", NS, PS)
+    index = KVEventIndex(store.url)
+    try:
+        pub.stored(_keys(tokens)[:4])
+        _until(index, lambda: index.matched_tokens("http://r1:1", tokens, None) == 16)
+        assert index.matched_tokens("http://r1:1", tokens, "tenant-b") == 0      # another salt
+        assert index.matched_tokens("http://r2:1", tokens, None) == 0            # another replica
+        pub.removed(_keys(tokens)[2:4])                    # the tail evicted
+        _until(index, lambda: index.matched_tokens("http://r1:1", tokens, None) == 8)
+        pub.load(3, 5, 0.5)
+        _until(index, lambda: index.replicas["http://r1:1"].load.get("waiting") == 5)
+        pub.cleared()
+        _until(index, lambda: index.matched_tokens("http://r1:1", tokens, None) == 0)
+        assert pub.dropped == 0 and pub.failed == 0
+    finally:
+        pub.close()
+        index.close()
+
+
+def test_a_restarted_index_rebuilds_and_a_restarted_replica_starts_empty(store):
+    tokens = list(range(500, 532))
+    first = KVEventPublisher(store.url, "http://r3:1", NS, PS)
+    first.stored(_keys(tokens))
+    first.close()
+    index = KVEventIndex(store.url)                        # a router started after the events
+    index.start()
+    try:
+        _until(index, lambda: index.matched_tokens("http://r3:1", tokens, None) == 32)
+        again = KVEventPublisher(store.url, "http://r3:1", "model-b/layout-1", PS)   # restarted, another model
+        try:
+            _until(index, lambda: index.replicas["http://r3:1"].instance == again.instance)
+            assert index.matched_tokens("http://r3:1", tokens, None) == 0
+            again.stored(_keys(tokens, namespace="model-b/layout-1")[:2])
+            _until(index, lambda: index.matched_tokens("http://r3:1", tokens, None) == 8)
+        finally:
+            again.close()
+    finally:
+        index.close()
+
+
+def test_store_urls_are_checked_and_an_unreachable_store_is_a_clear_error():
+    for bad in ("http://127.0.0.1:6379", "redis://", "redis://h:99999/0", "redis://h:1/x"):
+        with pytest.raises(ValueError, match="store"):
+            check_store_url(bad)
+    with pytest.raises(ConnectionError, match="does not answer"):
+        connect("redis://127.0.0.1:1/0", timeout=0.5)
