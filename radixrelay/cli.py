@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixrelay: error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve" and engine_config.kv_events is not None:
-        from radixrelay.router.events import connect
+        from radixrelay.kv_events import connect
 
         try:
             connect(engine_config.kv_events).close()      # before loading anything: a clear start-up error
@@ -254,7 +254,7 @@ def _router(args: argparse.Namespace) -> int:
         chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
         events = None
         if config.store is not None:
-            from radixrelay.router.events import KVEventIndex
+            from radixrelay.kv_events import KVEventIndex
 
             events = KVEventIndex(config.store)            # ConnectionError (an OSError) if it does not answer
     except (ValueError, RuntimeError, OSError) as exc:

@@ -63,7 +63,7 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many worker processes, one per device (rank r on
     # cuda:r; gloo on the CPU), that run every step together (``radixrelay.model.parallel``).
     tp: int = 1
-    # KV events (``radixrelay.router.events``): a redis://HOST:PORT/DB store the scheduler publishes its
+    # KV events (``radixrelay.kv_events``): a redis://HOST:PORT/DB store the scheduler publishes its
     # radix tree's page keys and its load to, under the name routers know this server by.
     kv_events: str | None = None
     kv_events_name: str | None = None
@@ -103,7 +103,7 @@ class EngineConfig:
         if not 0 <= self.disk_kv_gib < 1 << 30:
             raise bad("disk_kv_gib", f"must be >= 0, got {self.disk_kv_gib}")
         if self.kv_events is not None:
-            from radixrelay.router.events import check_store_url
+            from radixrelay.kv_events import check_store_url
 
             try:
                 check_store_url(self.kv_events)

@@ -27,14 +27,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("scheduler and worker", ("radixrelay.scheduler", "radixrelay.worker")),
     ("components", ("radixrelay.cascade", "radixrelay.modules", "radixrelay.structured", "radixrelay.model",
                     "radixrelay.attention", "radixrelay.kernels")),
-    ("base", ("radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.radix", "radixrelay.config", "radixrelay.env",
+    ("base", ("radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.radix", "radixrelay.config", "radixrelay.env", "radixrelay.kv_events",
               "radixrelay.sampling_params", "radixrelay.outputs", "radixrelay.structured.spec")),
 ]
 # Packages of one layer that never import each other: the scheduler stays CPU-only and talks to the
 # worker through radixrelay.protocol alone.
 APART = [("radixrelay.scheduler", "radixrelay.worker")]
 # Packages that import no torch (every process and every CPU test uses them).
-TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router"]
+TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router",
+              "radixrelay.kv_events"]
 
 
 def modules() -> dict[str, Path]:

@@ -24,7 +24,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
-from radixrelay.router.events import KVEventIndex
+from radixrelay.kv_events import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, Prompt, PromptKeys
 from radixrelay.router.replicas import Pool, Replica
 
@@ -57,7 +57,7 @@ class RouterConfig:
         if self.mode == "precise" and self.store is None:
             raise ValueError("--mode precise reads the replicas' KV events: give --store redis://HOST:PORT/DB")
         if self.store is not None:
-            from radixrelay.router.events import check_store_url
+            from radixrelay.kv_events import check_store_url
 
             check_store_url(self.store)
 

@@ -319,7 +319,7 @@ def _kv_events(cfg, ready: WorkerReady):
     does not answer (a start-up error)."""
     if cfg.kv_events is None:
         return None
-    from radixrelay.router.events import KVEventPublisher
+    from radixrelay.kv_events import KVEventPublisher
 
     return KVEventPublisher(cfg.kv_events, cfg.kv_events_name or "", ready.kv_namespace, cfg.page_size)
 

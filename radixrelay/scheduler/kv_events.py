@@ -1,4 +1,4 @@
-"""The scheduler's side of KV events (``radixrelay.router.events``): the page keys of what enters the
+"""The scheduler's side of KV events (``radixrelay.kv_events``): the page keys of what enters the
 radix tree and of what eviction takes out of it, handed to a ``KVEventPublisher`` (which never blocks).
 
 Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from radixrelay.router.events import KVEventIndex, KVEventPublisher
+from radixrelay.kv_events import KVEventIndex, KVEventPublisher
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from tests.router.redis_server import RedisServer

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from radixrelay.radix.page_keys import chain_seed, extend_keys
-from radixrelay.router.events import KVEventIndex, KVEventPublisher, check_store_url, connect
+from radixrelay.kv_events import KVEventIndex, KVEventPublisher, check_store_url, connect
 from tests.router.redis_server import RedisServer
 
 PS = 4

@@ -1,4 +1,5 @@
-"""KV events through Redis: what each replica's radix tree holds, for routers that route precisely.
+"""KV events through Redis: what each replica's radix tree holds, for routers that route precisely
+(the publisher runs in a replica's scheduler, ``scheduler.kv_events``; the index in a router, ``router.app``).
 
 A replica (``radixrelay serve --kv-events redis://HOST:PORT/DB``) appends to one Redis Stream
 (``STREAM``), from a background thread (a step never waits for Redis; a full queue drops events and
