@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "servers (replicas): each request goes to the replica most likely to "
                                         "hold its prompt's prefix, weighed against load (docs/router.md).")
     g = router.add_argument_group("router")
-    g.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
-                   help="a replica's base URL, e.g. http://127.0.0.1:30000 (repeat for each)")
+    g.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="a replica's base URL, e.g. http://127.0.0.1:30000 (repeat for each); with --mode precise, "
+                        "replicas started with --kv-events also announce themselves")
     g.add_argument("--mode", default="approximate", choices=("precise", "approximate", "round-robin"),
                    help="precise: by what the replicas report holding (KV events in --store); approximate: by "
                         "what this router sent where; round-robin: in turn (default: %(default)s)")

@@ -265,6 +265,21 @@ class KVEventIndex:
             except ValueError:
                 pass
 
+    def replica_names(self) -> list[str]:
+        """Replicas that announced themselves (a ``hello`` read)."""
+        with self._lock:
+            return [name for name, held in self.replicas.items() if held.page_size]
+
+    def reported_load(self, replica: str) -> int:
+        """Requests running and waiting on ``replica`` as of its latest ``load`` event (0 before any)."""
+        with self._lock:
+            held = self.replicas.get(replica)
+            load = held.load if held is not None else {}
+        try:
+            return int(load.get("running", 0)) + int(load.get("waiting", 0))
+        except (TypeError, ValueError):
+            return 0
+
     def holds(self, replica: str) -> int:
         with self._lock:
             held = self.replicas.get(replica)

@@ -48,8 +48,9 @@ class RouterConfig:
     store: str | None = None               # redis://... of the replicas' KV events (precise mode)
 
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("the router needs at least one --replica")
+        if not self.replicas and not (self.mode == "precise" and self.store is not None):
+            raise ValueError("the router needs at least one --replica (or --mode precise with --store: replicas "
+                             "started with --kv-events announce themselves)")
         if len(set(self.replicas)) != len(self.replicas):
             raise ValueError("a replica is given twice")
         if self.mode not in MODES:
@@ -73,7 +74,9 @@ class Router:
         self.prompt_keys = prompt_keys
         self.events = events                   # the replicas' KV events (precise mode)
         self.index = PrefixIndex(config.index_capacity)
-        self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url))
+        discover = events.replica_names if events is not None and config.mode == "precise" else None
+        self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url),
+                         discover=discover)
         self.client: httpx.AsyncClient | None = None
         self._turn = 0
         self.registry = CollectorRegistry()
@@ -105,9 +108,13 @@ class Router:
         if self.config.mode == "precise" and self.events is not None:
             held = [self.events.matched_tokens(r.url, prompt.token_ids, prompt.salt) if prompt else 0
                     for r in healthy]
+            # load: this router's requests in flight there, or what the replica last reported running and
+            # waiting (other routers' requests included), whichever is larger
+            load = [max(r.in_flight, self.events.reported_load(r.url)) for r in healthy]
         else:
             held = [self.index.matched(r.url, keys) * PAGE_TOKENS for r in healthy]
-        candidates = [Candidate(r.url, n, r.in_flight) for r, n in zip(healthy, held, strict=True)]
+            load = [r.in_flight for r in healthy]
+        candidates = [Candidate(r.url, n, q) for r, n, q in zip(healthy, held, load, strict=True)]
         chosen = choose(self.config.mode, candidates, self._turn)
         self._turn += 1
         return next(r for r in healthy if r.url == chosen.replica), chosen.matched_tokens

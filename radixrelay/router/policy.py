@@ -2,7 +2,9 @@
 
 Modes:
 - ``precise``: as approximate, but matched tokens are the prompt's leading pages the replica reports
-  holding (its KV events, ``radixrelay.kv_events``), not what this router sent it.
+  holding (its KV events, ``radixrelay.kv_events``), not what this router sent it, and in flight is the
+  larger of this router's requests there and the requests the replica last reported running and waiting
+  (other routers' included; reported every second).
 - ``approximate``: each healthy replica scores ``matched_tokens - LOAD_TOKENS x in_flight`` (matched:
   the prompt's leading tokens the router sent it before, ``PrefixIndex``; in flight: this router's
   requests not yet answered there); the best score wins, ties go to the replica with fewer requests in

@@ -1,6 +1,7 @@
 """The replicas behind the router and their health.
 
-Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
+Replicas come from ``--replica`` URLs and, in precise mode, from the names replicas announce in their KV
+events (``radixrelay.kv_events``). Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
 ``HEALTH_TIMEOUT_S``) or a connection error while proxying takes it out of the pool at once (within
 about a second of it stopping), and its index entries are dropped; it rejoins on its next healthy poll.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -48,7 +49,29 @@ class Replica:
 class Pool:
     replicas: list[Replica]
     on_leave: Callable[[Replica], None] = lambda replica: None
+    # Replicas that announce themselves (their KV events' names, precise mode): asked before every poll;
+    # a new, well-formed URL joins the pool (healthy once its /health answers).
+    discover: Callable[[], Iterable[str]] | None = None
     _task: asyncio.Task | None = field(default=None, repr=False)
+    _refused: set[str] = field(default_factory=set, repr=False)
+
+    def add_discovered(self) -> None:
+        if self.discover is None:
+            return
+        known = {r.url for r in self.replicas}
+        for name in self.discover():
+            if name in known or name in self._refused:
+                continue
+            try:
+                url = check_replica_url(name)
+            except ValueError as exc:
+                self._refused.add(name)
+                logger.warning("a replica announced itself as %r, which is no replica URL: %s", name, exc)
+                continue
+            if url not in known:
+                self.replicas.append(Replica(url))
+                known.add(url)
+                logger.info("replica %s announced itself", url)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -61,6 +84,8 @@ class Pool:
             self.on_leave(replica)
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
+        self.add_discovered()
+
         async def one(replica: Replica) -> None:
             try:
                 ok = (await client.get(f"{replica.url}/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200

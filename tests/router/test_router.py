@@ -126,7 +126,7 @@ def test_tenants_stick_to_the_replica_that_holds_their_prefix(router):
 PRECISE_TENANTS = [t.replace("rule", "law") for t in TENANTS]     # prompts neither replica has seen
 
 
-def test_precise_routing_follows_the_replicas_kv_events_and_survives_a_router_restart(precise, replicas, store,
+def test_precise_routing_follows_the_replicas_kv_events_and_a_new_router_finds_them_in_the_store(precise, replicas, store,
                                                                                      tmp_path):
     client = precise.client()
     for tenant in range(len(TENANTS)):                           # nothing held anywhere: by load
@@ -139,8 +139,9 @@ def test_precise_routing_follows_the_replicas_kv_events_and_survives_a_router_re
     predicted = float(next(line for line in text.splitlines()
                            if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
     assert predicted >= 0.8 * 200 * 2 * len(TENANTS)          # the later questions' held prefixes, foreseen
-    # a second router started now reads the stream from its start and routes as the first does
-    again = RouterProcess(tmp_path, *(s.base_url for s in replicas), mode="precise", store=store.url)
+    # a second router started now, given no replica: they announce themselves in the stream, which it reads
+    # from its start, so it routes as the first does
+    again = RouterProcess(tmp_path, mode="precise", store=store.url)
     try:
         _mostly_cached([_ask(again.client(), tenant, "After a restart?", tenants=PRECISE_TENANTS)
                         for tenant in range(len(TENANTS))])
