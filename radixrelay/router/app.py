@@ -243,6 +243,12 @@ class _PoolCollector:
             indexed.add_metric([r.url], events.holds(r.url) if events is not None else self.router.index.size(r.url))
         yield from (healthy, in_flight, indexed)
         if events is not None:
+            reported = GaugeMetricFamily("radixrelay_router_replica_reported_load",
+                                         "Requests the replica last reported running and waiting (its KV events).",
+                                         labels=["replica"])
+            for r in self.router.pool.replicas:
+                reported.add_metric([r.url], events.reported_load(r.url))
+            yield reported
             yield GaugeMetricFamily("radixrelay_router_kv_events_read", "KV events read from the store.",
                                     value=events.events)
             yield GaugeMetricFamily("radixrelay_router_kv_event_lag_seconds",

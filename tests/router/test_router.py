@@ -135,6 +135,8 @@ def test_precise_routing_follows_the_replicas_kv_events_and_a_new_router_finds_t
                     for tenant in range(len(TENANTS))])
     text = precise.metrics()
     assert 'radixrelay_router_requests_total{mode="precise"' in text
+    assert all(f'radixrelay_router_replica_reported_load{{replica="{r.base_url}"}}' in text for r in replicas)
+    assert "radixrelay_router_kv_event_lag_seconds" in text
     assert all(f'radixrelay_router_index_pages{{replica="{r.base_url}"}} 0.0' not in text for r in replicas)
     predicted = float(next(line for line in text.splitlines()
                            if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
