@@ -212,6 +212,18 @@ def _enable_symmetric_memory(symm_mem: Any, group_name: str) -> None:
             symm_mem.enable_symm_mem_for_group(group_name)
 
 
+def _or_none(cls: type, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int):
+    """``cls(...)``, or None (logged) where it cannot be built here: the caller keeps NCCL."""
+    import logging
+
+    try:
+        return cls(group, device, dtype, max_bytes)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: use NCCL
+        logging.getLogger("radixrelay.worker").warning(
+            "%s unavailable (%s: %s); all-reduces use NCCL", cls.__name__, type(exc).__name__, exc)
+        return None
+
+
 class SymmetricAllReduce:
     """A one-shot all-reduce for small messages on the GPUs of one host: every rank copies its tensor
     into a buffer of symmetric memory (``torch.distributed._symmetric_memory``: mapped on every rank of
@@ -235,16 +247,9 @@ class SymmetricAllReduce:
         self._op = getattr(torch.ops.symm_mem, "one_shot_all_reduce_out", None)
 
     @classmethod
-    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> SymmetricAllReduce | None:
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int):
         """None where symmetric memory is not available (the caller keeps NCCL), with the reason logged."""
-        import logging
-
-        try:
-            return cls(group, device, dtype, max_bytes)
-        except Exception as exc:  # noqa: BLE001 - any failure here means: use NCCL
-            logging.getLogger("radixrelay.worker").warning(
-                "symmetric-memory all-reduce unavailable (%s: %s); all-reduces use NCCL", type(exc).__name__, exc)
-            return None
+        return _or_none(cls, group, device, dtype, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
@@ -302,16 +307,9 @@ class PeerAllReduce:
         self.two_shot_bytes = self.TWO_SHOT_BYTES if self.world > 2 else max_bytes + 1
 
     @classmethod
-    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> PeerAllReduce | None:
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int):
         """None where symmetric memory is not available (the caller keeps NCCL), with the reason logged."""
-        import logging
-
-        try:
-            return cls(group, device, dtype, max_bytes)
-        except Exception as exc:  # noqa: BLE001 - any failure here means: use NCCL
-            logging.getLogger("radixrelay.worker").warning(
-                "peer all-reduce unavailable (%s: %s); all-reduces use NCCL", type(exc).__name__, exc)
-            return None
+        return _or_none(cls, group, device, dtype, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
         from radixrelay.kernels.all_reduce import VEC

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.runtime.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,3 +63,11 @@ class RedisServer:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_store(tmp_path_factory):
+    """A redis-server for the tests of a module (import this fixture where it is used)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

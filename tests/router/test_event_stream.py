@@ -10,17 +10,15 @@ import pytest
 
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.kv_events import KVEventIndex, KVEventPublisher, check_store_url, connect
-from tests.router.redis_server import RedisServer
+from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
 
 PS = 4
 NS = "model-a/layout-1"
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+def store(redis_store):
+    return redis_store
 
 
 def _keys(tokens: list[int], salt: str | None = None, namespace: str = NS) -> list[bytes]:

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.redis_server import RedisServer
+from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
 from tests.runtime.server_process import ServerProcess, free_port, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -63,10 +63,8 @@ class RouterProcess:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+def store(redis_store):
+    return redis_store
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from radixrelay.kv_events import KVEventIndex, KVEventPublisher
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from tests.router.redis_server import RedisServer
+from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
 from tests.scheduler.fake_worker import FakeWorker, drive
 
 PS = 4
@@ -19,10 +19,8 @@ NS = "test-model/layout"
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+def store(redis_store):
+    return redis_store
 
 
 def _settled(index: KVEventIndex, name: str, want, timeout: float = 10.0) -> None:
