@@ -1,0 +1,75 @@
+"""FP8 quantization arithmetic (``radixrelay.model.fp8``) against a float64 reference: the e4m3 grid and
+its rounding, per-channel and per-token scales, clamping, all-zero and all-equal rows, the emulated
+FP8 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrelay.model.fp8 import (E4M3, E4M3_MAX, dequantize, emulated_linear, quantize, quantize_tokens,
+                                  quantize_weight, round_e4m3_reference, row_scales)
+
+
+def test_the_cast_rounds_to_the_nearest_e4m3_value_ties_to_even():
+    grid = torch.arange(256, dtype=torch.uint8).view(E4M3).double()
+    grid = grid[torch.isfinite(grid)].unique()                    # every e4m3fn value (no NaN)
+    assert grid.max() == E4M3_MAX and grid.min() == -E4M3_MAX
+    mids = (grid[1:] + grid[:-1]) / 2                              # exact ties
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([grid, mids, (torch.rand(20000, generator=gen, dtype=torch.float64) * 2 - 1) * E4M3_MAX,
+                        torch.randn(5000, generator=gen, dtype=torch.float64) * 2.0 ** -7])   # subnormals
+    want = round_e4m3_reference(values)
+    got = values.to(E4M3).double()
+    assert torch.equal(got, want)
+    assert set(want.tolist()) <= set(grid.tolist())
+
+
+def test_each_channel_s_largest_value_lands_on_the_format_s_largest():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 64, generator=gen, dtype=torch.float64) * torch.logspace(-3, 2, 8, dtype=torch.float64)[:, None]
+    q, scale = quantize_weight(w)
+    assert q.dtype == E4M3 and scale.dtype == torch.float32 and scale.shape == (8,)
+    torch.testing.assert_close(scale.double(), w.abs().amax(1) / E4M3_MAX, rtol=1e-7, atol=0)
+    assert torch.equal(q.double().abs().amax(1), torch.full((8,), E4M3_MAX, dtype=torch.float64))
+    want = round_e4m3_reference((w / scale.double()[:, None]).clamp(-E4M3_MAX, E4M3_MAX))
+    torch.testing.assert_close(q.double(), want, rtol=0, atol=0)        # float32 division: same grid point
+    rel = (dequantize(q, scale).double() - w).abs() / w.abs().amax(1, keepdim=True)
+    assert rel.max() <= 2.0 ** -4                                       # half a step of 3 mantissa bits
+
+
+def test_zero_and_all_equal_rows_are_exact():
+    w = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [-3.0, -3.0, -3.0, -3.0]])
+    q, scale = quantize_weight(w)
+    assert scale[0] == 1.0 and torch.equal(q[0].float(), torch.zeros(4))
+    assert torch.equal(dequantize(q, scale), w)                         # +-448 * amax / 448, exactly
+    assert torch.equal(q[1:].float().abs(), torch.full((2, 4), E4M3_MAX))
+
+
+def test_values_past_the_scale_saturate_instead_of_becoming_nan():
+    x = torch.tensor([[1.0, -1e6, 1e6, 3.0]])
+    q = quantize(x, torch.tensor([0.01]))
+    assert torch.isfinite(q.float()).all()
+    assert q.float().tolist() == [[96.0, -E4M3_MAX, E4M3_MAX, 288.0]]
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="2-D"):
+        row_scales(torch.zeros(3))
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_weight(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="scale must be"):
+        quantize(torch.zeros(2, 3), torch.ones(3))
+
+
+def test_the_emulated_product_is_the_dequantized_operands_product():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=gen)
+    w = torch.randn(32, 96, generator=gen) * 0.05
+    q_w, s_w = quantize_weight(w)
+    y = emulated_linear(x, q_w, s_w)
+    q_x, s_x = quantize_tokens(x)
+    want = dequantize(q_x, s_x).double() @ dequantize(q_w, s_w).double().t()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6)
+    exact = x.double() @ w.double().t()
+    assert ((y.double() - exact).norm() / exact.norm()) < 0.05          # FP8's error on a random product
