@@ -12,7 +12,7 @@ each tenant on one replica fits them all. Reported per mode and rate: output tok
 the client sees (cached prompt tokens over prompt tokens), TTFT p50 / p90.
 
     python -m benchmarks.router.bench_router_gpu [--replicas 2] [--tenants 60] [--context-len 6000]
-        [--kv-cache-tokens 220000] [--rates 8,200] [--requests 200] [--out-dir DIR]
+        [--kv-cache-tokens 220000] [--zipf 1.1] [--rates 8,200] [--requests 200] [--out-dir DIR]
 
 redis-server: the one on PATH, else ``.whl/redis`` (``bash scripts/fetch_redis.sh .whl``: Debian's package
 unpacked, carried to a GPU machine without network), else ``.venv/redis``.
@@ -143,7 +143,7 @@ def write(rows: list[dict], args, n: int) -> None:
              f"{n} replicas (one per GPU), Llama-3-8B shapes ({args.layers} layers, dummy bf16 weights), "
              f"{args.kv_cache_tokens:,} KV tokens each, no host tier, KV events into a local redis-server. "
              f"multi-tenant: {args.tenants} tenants x {args.context_len} context tokens (working set "
-             f"{args.tenants * args.context_len:,} tokens), Zipf popularity, 64-token questions, 128 output "
+             f"{args.tenants * args.context_len:,} tokens), Zipf popularity {args.zipf:g}, 64-token questions, 128 output "
              f"tokens; per mode a fresh router, caches flushed, one untimed request per tenant, then "
              f"{args.requests} requests per Poisson rate.", "",
              "| mode | rate | done/failed | req/s | out tok/s | cache hit | TTFT p50 ms | TTFT p90 ms |",
@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--tenants", type=int, default=60)
     p.add_argument("--context-len", type=int, default=6000)
+    p.add_argument("--zipf", type=float, default=1.1,
+                   help="tenant popularity exponent (default: %(default)s; lower: flatter, more of the working set hot)")
     p.add_argument("--kv-cache-tokens", type=int, default=220_000, help="per replica")
     p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[8.0, 200.0])
     p.add_argument("--requests", type=int, default=200, help="per rate")
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n = args.replicas or torch.cuda.device_count()
     cpu = args.device == "cpu"
-    workload = MultiTenant(tenants=args.tenants, context_len=args.context_len)
+    workload = MultiTenant(tenants=args.tenants, context_len=args.context_len, zipf=args.zipf)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     counter = token_counter(None)
     rows: list[dict] = []
