@@ -287,19 +287,33 @@ class KVEventIndex:
 
     def matched_tokens(self, replica: str, token_ids: list[int], salt: str | None) -> int:
         """Leading tokens of ``token_ids`` (under ``salt``) whose pages ``replica`` holds, by its events."""
+        return self.matched_tokens_many([replica], token_ids, salt)[0]
+
+    def matched_tokens_many(self, replicas: list[str], token_ids: list[int], salt: str | None) -> list[int]:
+        """``matched_tokens`` for each of ``replicas``; the prompt's page keys are computed once per
+        (namespace, page size) the replicas use, not once per replica."""
         with self._lock:
-            held = self.replicas.get(replica)
-            if held is None or not held.page_size or not held.keys:
-                return 0
-            namespace, ps, keys = held.namespace, held.page_size, held.keys
-        seed = self._seeds.get((namespace, salt))
-        if seed is None:
-            seed = self._seeds[(namespace, salt)] = chain_seed(namespace, salt)
-        # hash page by page and stop at the first page the replica does not hold
-        prev, n = seed, 0
-        for i in range(len(token_ids) // ps):
-            page = extend_keys([], prev, token_ids[i * ps:(i + 1) * ps], ps, 1)[0]
-            if page not in keys:
-                break
-            prev, n = page, n + 1
-        return n * ps
+            holdings = [self.replicas.get(name) for name in replicas]
+            views = [(h.namespace, h.page_size, h.keys) if h is not None and h.page_size and h.keys else None
+                     for h in holdings]
+        keys_by_layout: dict[tuple[str, int], list[bytes]] = {}
+        out = []
+        for view in views:
+            if view is None:
+                out.append(0)
+                continue
+            namespace, ps, held = view
+            seed = self._seeds.get((namespace, salt))
+            if seed is None:
+                seed = self._seeds[(namespace, salt)] = chain_seed(namespace, salt)
+            keys = keys_by_layout.setdefault((namespace, ps), [])
+            n, pages = 0, len(token_ids) // ps
+            # hashed lazily: as far as the longest match among the replicas of this layout goes
+            while n < pages:
+                if n == len(keys):
+                    extend_keys(keys, seed, token_ids, ps, n + 1)
+                if keys[n] not in held:
+                    break
+                n += 1
+            out.append(n * ps)
+        return out

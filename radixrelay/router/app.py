@@ -106,8 +106,8 @@ class Router:
         if not healthy:
             return None
         if self.config.mode == "precise" and self.events is not None:
-            held = [self.events.matched_tokens(r.url, prompt.token_ids, prompt.salt) if prompt else 0
-                    for r in healthy]
+            held = (self.events.matched_tokens_many([r.url for r in healthy], prompt.token_ids, prompt.salt)
+                    if prompt else [0] * len(healthy))
             # load: this router's requests in flight there, or what the replica last reported running and
             # waiting (other routers' requests included), whichever is larger
             load = [max(r.in_flight, self.events.reported_load(r.url)) for r in healthy]

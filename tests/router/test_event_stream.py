@@ -80,3 +80,21 @@ def test_store_urls_are_checked_and_an_unreachable_store_is_a_clear_error():
             check_store_url(bad)
     with pytest.raises(ConnectionError, match="does not answer"):
         connect("redis://127.0.0.1:1/0", timeout=0.5)
+
+
+def test_many_replicas_are_matched_under_each_one_s_layout(store):
+    tokens = list(range(900, 932))                       # 32 tokens
+    four = KVEventPublisher(store.url, "http://m1:1", NS, 4)
+    eight = KVEventPublisher(store.url, "http://m2:1", NS, 8)
+    index = KVEventIndex(store.url)
+    try:
+        four.stored(_keys(tokens)[:5])                    # 20 tokens in pages of 4
+        eight.stored(extend_keys([], chain_seed(NS, None), tokens, 8, 4)[:2])   # 16 tokens in pages of 8
+        names = ["http://m1:1", "http://m2:1", "http://unknown:1"]
+        _until(index, lambda: index.matched_tokens_many(names, tokens, None) == [20, 16, 0])
+        assert index.matched_tokens_many(names, tokens, "salted") == [0, 0, 0]
+        assert [index.matched_tokens(n, tokens, None) for n in names] == [20, 16, 0]
+    finally:
+        four.close()
+        eight.close()
+        index.close()
