@@ -5,7 +5,9 @@ Per tensor-parallel size (one process per GPU, NCCL group, NVLink multicast off)
 ``[rows, hidden]`` bf16:
   check   every method's result against NCCL's (within bf16 rounding), ours bitwise the same on every
           rank, eagerly and after ``--stress`` replays of a CUDA graph of back-to-back calls (a hang
-          or a lost signal shows here);
+          or a lost signal shows here); the all-reduce joined to the residual add and RMSNorm
+          (``PeerAllReduce.add``, one kernel) against the same three ops unfused (our all-reduce, then
+          ``rms_norm`` with its residual), where the one-shot sizes allow it;
   time    a CUDA graph of 16 calls per method, replayed (3 untimed, then ``--replays`` timed with CUDA
           events): the median per call, the slowest rank's. Back-to-back calls: no compute between
           them, so ranks arrive together (in a model step they arrive as their GEMMs finish).
@@ -80,9 +82,42 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, results:
             rows_out.append(row)
             if rank == 0:
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            _fused_rows(row, peer, src, rows, hidden, device, world, args)
+            if rank == 0:
+                print({k: v for k, v in row.items() if k.startswith(("fused", "unfused"))}, flush=True)
     if rank == 0:
         results["rows"] = rows_out
     dist.destroy_process_group()
+
+
+def _fused_rows(row: dict, peer, src: torch.Tensor, rows: int, hidden: int, device: torch.device, world: int,
+                args: argparse.Namespace) -> None:
+    """all-reduce + residual add + RMSNorm, fused and unfused: the difference, bitwise agreement across
+    ranks, a stressed graph, and the time per call of each."""
+    from radixrelay.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(rows)          # the residual stream: the same on every rank
+    residual = torch.randn(rows, hidden, generator=gen, device=device).to(src.dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(src.dtype)
+    eps = 1e-5
+    if peer.add(src.clone(), residual, (weight, eps)) is None:
+        return                                                       # two-shot sizes: not fused
+    unfused = lambda x: rms_norm(peer(x), weight, eps, residual)     # noqa: E731
+    fused = lambda x: peer.add(x, residual, (weight, eps))           # noqa: E731
+    want, got = unfused(src.clone()), fused(src.clone())
+    row["fused_err"] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+    row["fused_same_on_ranks"] = all(_same_on_every_rank(t, world) for t in got)
+    graph, out = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            out = fused(src)
+    for _ in range(args.stress):
+        graph.replay()
+    torch.cuda.synchronize()
+    row["fused_stress_err"] = max((g.float() - w.float()).abs().max().item() for g, w in zip(out, want))
+    del graph
+    row["unfused_us"] = _time(unfused, src, args.replays)
+    row["fused_us"] = _time(fused, src, args.replays)
 
 
 def _same_on_every_rank(x: torch.Tensor, world: int) -> bool:
@@ -146,9 +181,13 @@ def report(results: dict[int, list[dict]], args: argparse.Namespace) -> list[str
              "(`radixrelay.kernels.all_reduce`, one launch each): peer1 one-shot, peer2 two-shot, peer what serving "
              "picks by size (`PeerAllReduce`). Checks: max abs difference from NCCL's result, eager "
              f"and after {args.stress} replays of a graph of {CALLS} calls; ours bitwise equal on every rank.",
+             "Fused: all-reduce + residual add + RMSNorm in one kernel (`PeerAllReduce.add`) against our all-reduce "
+             "then `rms_norm` with its residual (unfused), one-shot sizes only; max difference of (y, s) from the "
+             "unfused ops.",
              "", "| tp | hidden | rows | MB | nccl us | symm us | peer1 us | peer2 us | peer us | peer / nccl | peer / symm "
-             "| max diff (eager; stressed) | ours same on ranks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max diff (eager; stressed) | ours same on ranks "
+             "| unfused us | fused us | fused / unfused | fused diff (eager; stressed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for world, rows in results.items():
         for r in rows:
             diff = max(r[f"{m}_err"] for m in METHODS[1:])
@@ -156,7 +195,10 @@ def report(results: dict[int, list[dict]], args: argparse.Namespace) -> list[str
             lines.append(f"| {world} | {r['hidden']} | {r['rows']} | {r['bytes'] / 2**20:.2f} | {r['nccl_us']:.1f} "
                          f"| {r['symm_us']:.1f} | {r['peer1_us']:.1f} | {r['peer2_us']:.1f} | {r['peer_us']:.1f} "
                          f"| {r['peer_us'] / r['nccl_us']:.2f} "
-                         f"| {r['peer_us'] / r['symm_us']:.2f} | {diff:.3g}; {stressed:.3g} | {r['peer_same_on_ranks']} |")
+                         f"| {r['peer_us'] / r['symm_us']:.2f} | {diff:.3g}; {stressed:.3g} | {r['peer_same_on_ranks']} "
+                         + (f"| {r['unfused_us']:.1f} | {r['fused_us']:.1f} | {r['fused_us'] / r['unfused_us']:.2f} "
+                            f"| {r['fused_err']:.3g}; {r['fused_stress_err']:.3g} |" if "fused_us" in r
+                            else "| - | - | - | - |"))
     return lines
 
 
@@ -180,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {write_device_results(args.out_dir, 'all_reduce', torch.cuda.get_device_name(0), lines)}")
     print("\n".join(lines))
     bad = [r for rows in results.values() for r in rows
-           if not r["peer_same_on_ranks"] or max(r[f"{m}_stress_err"] for m in METHODS) > 0.5]
+           if not r["peer_same_on_ranks"] or max(r[f"{m}_stress_err"] for m in METHODS) > 0.5
+           or not r.get("fused_same_on_ranks", True) or r.get("fused_stress_err", 0.0) > 0.05]
     return 1 if bad else 0
 
 

@@ -4,6 +4,8 @@ and two-shot.
 API::
 
     peer_all_reduce(x, buffer_ptrs, flag_ptrs, epochs, rank, world, max_programs, two_shot=False) -> x  (in place)
+    peer_all_reduce_add(x, residual, buffer_ptrs, flag_ptrs, epochs, rank, world, max_programs,
+                        norm=None) -> s, or (y, s) with norm=(weight, eps)
 
     x:           [N] contiguous fp16 / bf16 / fp32 on this rank's GPU, N a multiple of VEC: this rank's
                  partial sums in, the sum out
@@ -20,6 +22,11 @@ buffer into its own buffer (reduce-scatter), then every rank copies the other se
 their owners' buffers (all-gather): (world - 1) / world of the message crosses the links twice,
 instead of (world - 1) times. Either way the sums are fp32 in rank order and every rank ends with
 bitwise the same result.
+
+``peer_all_reduce_add`` is one-shot with the layer's next ops fused (the decoder's residual add, and the
+RMSNorm after it): x [rows, hidden] the partial sums, residual [rows, hidden]; s = sum + residual and
+y = RMSNorm(s) * weight, new tensors, with the roundings of the unfused ops (the sum rounded to the dtype,
+then ``radixrelay.kernels.rms_norm`` with its residual). Program b handles whole rows b, b + programs, ...
 
 Program ``b`` of every rank handles the same elements (``b * BLOCK`` onwards every ``programs * BLOCK``,
 within the message or within each segment), so the ranks synchronise program by program, never the
@@ -154,6 +161,41 @@ def _two_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
     tl.store(epochs + pid, epoch)
 
 
+# Rows vary per step: not specialised (one variant per model: HIDDEN is its hidden size).
+@triton.jit(do_not_specialize=["rows"])
+def _one_shot_add_kernel(x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epochs, rows, max_programs, eps,
+                         rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, HAS_NORM: tl.constexpr,
+                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    # grid: (programs,); program b: rows b, b + programs, ... of HIDDEN contiguous elements each
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = x.dtype.element_ty
+    epoch = tl.load(epochs + pid) + 1
+    own = _rank_buffer(buffer_ptrs, rank, dtype)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < HIDDEN
+    for row in range(pid, rows, programs):
+        offs = row * HIDDEN + cols             # < the staging buffer's elements: int32 is enough
+        tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
+    for row in range(pid, rows, programs):
+        offs = row * HIDDEN + cols             # < the staging buffer's elements: int32 is enough
+        total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype)    # the all-reduce
+        r = tl.load(residual + offs, mask=ok, other=0.0)
+        sv = (total.to(tl.float32) + r.to(tl.float32)).to(dtype)                       # + residual, rounded
+        tl.store(s + offs, sv, mask=ok)
+        if HAS_NORM:                                   # radixrelay.kernels.rms_norm's arithmetic
+            sf = sv.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / HIDDEN + eps)
+            normed = (sf * inv).to(dtype)
+            w = tl.load(weight + cols, mask=ok, other=0.0)
+            tl.store(y + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=ok)
+    if SYNC:
+        _exchange(flag_ptrs, 1, pid, epoch, rank, world, max_programs)
+    tl.store(epochs + pid, epoch)
+
+
 def programs_for(numel: int, max_programs: int) -> int:
     """The grid of a call: one program per BLOCK elements, at most ``max_programs``."""
     return max(1, min(max_programs, triton.cdiv(numel, BLOCK)))
@@ -193,6 +235,47 @@ def peer_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch
             x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs, rank=rank, world=world, SYNC=sync,
             BLOCK=BLOCK, num_warps=NUM_WARPS)
     return x
+
+
+MAX_HIDDEN = 16384     # ``peer_all_reduce_add``: a row is one tile
+
+
+def peer_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
+                        epochs: torch.Tensor, rank: int, world: int, max_programs: int,
+                        norm: tuple[torch.Tensor, float] | None = None, sync: bool = True):
+    """See the module docstring: s = (x summed over the ranks) + residual, or (RMSNorm(s), s) with
+    ``norm`` = (weight [hidden], eps). ``x`` is left as it was. The caller guarantees what
+    ``peer_all_reduce`` asks of the buffers, flags and epochs."""
+    name = "peer_all_reduce_add"
+    check(x.dim() == 2 and x.is_contiguous(), f"{name}: x must be a contiguous [rows, hidden], got shape "
+          f"{tuple(x.shape)}")
+    rows, hidden = x.shape
+    check(x.dtype in FLOAT_DTYPES, f"{name}: dtype {x.dtype} not supported (fp16, bf16, fp32)")
+    check(hidden % VEC == 0 and hidden <= MAX_HIDDEN, f"{name}: hidden {hidden}; needs a multiple of {VEC} "
+          f"up to {MAX_HIDDEN}")
+    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(),
+          f"{name}: residual must be a contiguous {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
+          f"{residual.dtype}")
+    check(0 <= rank < world and world & (world - 1) == 0, f"{name}: rank {rank} of {world} (a power of two)")
+    check(buffer_ptrs.shape == (world,) and flag_ptrs.shape == (world,)
+          and buffer_ptrs.dtype == flag_ptrs.dtype == torch.int64,
+          f"{name}: buffer_ptrs and flag_ptrs must be [{world}] int64")
+    check(epochs.dtype == torch.int32 and epochs.numel() >= max_programs, f"{name}: epochs must be "
+          f">= {max_programs} int32")
+    weight, eps = norm if norm is not None else (x, 0.0)
+    if norm is not None:
+        check(weight.shape == (hidden,) and weight.dtype == x.dtype and weight.is_contiguous(),
+              f"{name}: norm weight must be a contiguous [{hidden}] {x.dtype}, got {tuple(weight.shape)} "
+              f"{weight.dtype}")
+    s = torch.empty_like(x)
+    y = torch.empty_like(x) if norm is not None else s
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _one_shot_add_kernel[(max(1, min(max_programs, rows)),)](
+            x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epochs, rows, max_programs, eps, rank=rank,
+            world=world, SYNC=sync, HAS_NORM=norm is not None, HIDDEN=hidden, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)))
+    return s if norm is None else (y, s)
 
 
 def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -60,7 +60,12 @@ class Attention(nn.Module):
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o: attention output [T, Hq, D] -> [T, hidden] (summed over the ranks' heads)."""
-        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        return self.tp.all_reduce(self.partial_output(o))
+
+    def partial_output(self, o: torch.Tensor) -> torch.Tensor:
+        """o: attention output [T, Hq, D] -> this rank's share of the output [T, hidden] (the ranks' shares
+        sum to it)."""
+        return self.o_proj(o.reshape(-1, self.q_size))
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
                          kv_cache: KVCache) -> torch.Tensor:
@@ -90,10 +95,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> this rank's share of the MLP's output [T, hidden] (the ranks' shares sum to it)."""
         if fused(x):
             from radixrelay.kernels.silu_mul import silu_mul
 
-            return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         if x.device.type == "cpu" and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
             # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
@@ -101,7 +110,7 @@ class MLP(nn.Module):
             gate, up = F.linear(x, w[:self.intermediate_size]), F.linear(x, w[self.intermediate_size:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                   # [T, inter] each
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -127,9 +136,10 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: the layer's input [T, hidden]; o: attention output [T, Hq, D] -> the layer's output."""
-        # the residual add and the norm after it are one op (one kernel when fused)
-        h, x = self.post_attention_layernorm(self.self_attn.output(o), x)
-        return x + self.mlp(h)
+        # Each row-parallel output joins the residual stream in one op: its all-reduce, the residual add
+        # and (after attention) the norm that follows are one kernel where they can be (TensorParallel).
+        h, x = self.self_attn.tp.all_reduce_add(self.self_attn.partial_output(o), x, self.post_attention_layernorm)
+        return self.mlp.tp.all_reduce_add(self.mlp.partial(h), x)
 
 
 class LlamaModel(nn.Module):

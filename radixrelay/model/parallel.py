@@ -115,6 +115,20 @@ class TensorParallel:
         self.clock.add(time.perf_counter() - start)
         return x
 
+    def all_reduce_add(self, x: torch.Tensor, residual: torch.Tensor, norm: Any = None):
+        """The decoder's row-parallel output joined to its residual stream: s = (x summed over the ranks)
+        + residual, and with ``norm`` (an ``RMSNorm``: ``weight``, ``eps``, ``norm(x, residual)``) the pair
+        (norm(s), s). One kernel where the fast all-reduce takes the message (``PeerAllReduce.add``: the
+        sum, the add and the norm fused, same roundings), else the all-reduce, then the add and norm as
+        the layer ran them. Size 1: just the add (and norm). ``x`` may be overwritten."""
+        if self.enabled and self.fast is not None:
+            fused = getattr(self.fast, "add", None)
+            out = None if fused is None else fused(x, residual, None if norm is None else (norm.weight, norm.eps))
+            if out is not None:
+                return out
+        x = self.all_reduce(x)
+        return residual + x if norm is None else norm(x, residual)
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., n] on every rank -> [..., size * n], rank r's columns at ``[r * n, (r + 1) * n)``."""
         if not self.enabled:
@@ -325,6 +339,19 @@ class PeerAllReduce:
             two_shot = x.numel() * x.element_size() >= self.two_shot_bytes
         return peer_all_reduce(x, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank, self.world,
                                self.max_programs, two_shot=two_shot)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None):
+        """``TensorParallel.all_reduce_add`` in one launch (``peer_all_reduce_add``), or None where that
+        kernel does not take the message (two-shot sizes, another dtype or layout): the caller runs the
+        steps apart."""
+        from radixrelay.kernels.all_reduce import MAX_HIDDEN, peer_all_reduce_add
+
+        if (x.dim() != 2 or not self.fits(x) or x.numel() * x.element_size() >= self.two_shot_bytes
+                or x.shape[1] > MAX_HIDDEN or residual.shape != x.shape or residual.dtype != x.dtype
+                or not residual.is_contiguous() or (norm is not None and norm[0].dtype != x.dtype)):
+            return None
+        return peer_all_reduce_add(x, residual, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank,
+                                   self.world, self.max_programs, norm=norm)
 
 
 FAST_ALL_REDUCES = {"peer": PeerAllReduce, "symm": SymmetricAllReduce}

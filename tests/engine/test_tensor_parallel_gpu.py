@@ -83,3 +83,5 @@ def test_peer_all_reduce_matches_nccl_and_survives_graph_replays():
         assert row["peer_same_on_ranks"], row
         assert max(row[f"{m}_err"] for m in METHODS[1:]) < 0.1, row
         assert max(row[f"{m}_stress_err"] for m in METHODS) < 0.1, row
+        # the all-reduce fused with the residual add and RMSNorm: the unfused ops' numbers, on both ranks
+        assert row["fused_same_on_ranks"] and row["fused_err"] < 0.05 and row["fused_stress_err"] < 0.05, row

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from radixrelay.kernels.all_reduce import (BLOCK, VEC, all_reduce_reference, flag_count, peer_all_reduce,
-                                           programs_for)
+                                           peer_all_reduce_add, programs_for)
+from radixrelay.kernels.rms_norm import rms_norm_reference
 
 PAD = 8          # elements past the message in every buffer: never written
 
@@ -75,6 +76,56 @@ def test_each_rank_gets_the_rank_order_sum(world: int, dtype: torch.dtype, numel
     assert all(torch.equal(o, outs[0]) for o in outs[1:])                 # bitwise the same on every rank
     if two_shot:
         assert torch.equal(outs[0], sums)
+
+
+@pytest.mark.parametrize("with_norm", [True, False], ids=["add+norm", "add"])
+@pytest.mark.parametrize("world,dtype,rows,hidden,max_programs", [
+    (2, torch.float32, 5, 24, 3),               # hidden not a power of two; programs with two rows
+    (4, torch.bfloat16, 3, 64, 4),              # more programs than rows
+])
+def test_fused_add_and_norm_equal_the_unfused_ops(world: int, dtype: torch.dtype, rows: int, hidden: int,
+                                                  max_programs: int, with_norm: bool) -> None:
+    """The all-reduce joined to the residual add and the RMSNorm after it: the sum in rank order, then
+    the unfused ops' roundings, on every rank alike; x and the other ranks' buffers untouched."""
+    gen = torch.Generator().manual_seed(rows * hidden)
+    parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    total = all_reduce_reference(parts)
+    want_y, want_s = rms_norm_reference(total, weight, 1e-5, residual)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    outs = []
+    for rank in range(world):
+        buffers = [torch.cat([p.flatten(), torch.full((PAD,), 7.0, dtype=dtype)]) for p in parts]
+        buffers[rank].fill_(-3.0)
+        flags = torch.zeros(flag_count(world, max_programs), dtype=torch.int32)
+        epochs = torch.zeros(max_programs, dtype=torch.int32)
+        x = parts[rank].clone()
+        out = peer_all_reduce_add(x, residual, _ptrs(buffers), _ptrs([flags] * world), epochs, rank, world,
+                                  max_programs, norm=(weight, 1e-5) if with_norm else None, sync=False)
+        y, s = out if with_norm else (None, out)
+        assert torch.equal(x, parts[rank])                                   # x left as it was
+        assert torch.equal(buffers[rank][:rows * hidden], parts[rank].flatten())
+        assert buffers[rank][rows * hidden:].eq(-3.0).all()
+        assert epochs[:min(rows, max_programs)].eq(1).all() and epochs[rows:].eq(0).all()
+        torch.testing.assert_close(s, want_s, atol=tol, rtol=tol)
+        if with_norm:
+            torch.testing.assert_close(y, want_y, atol=tol, rtol=tol)
+        outs.append((y, s))
+    assert all(torch.equal(s, outs[0][1]) for _, s in outs)
+    if with_norm:
+        assert all(torch.equal(y, outs[0][0]) for y, _ in outs)
+
+
+def test_fused_add_refuses_bad_shapes() -> None:
+    ptrs, epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+    x = torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="residual must be"):
+        peer_all_reduce_add(x, torch.zeros(2, 8), ptrs, ptrs, epochs, 0, 2, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        peer_all_reduce_add(torch.zeros(2, 12), torch.zeros(2, 12), ptrs, ptrs, epochs, 0, 2, 4)
+    with pytest.raises(ValueError, match="norm weight"):
+        peer_all_reduce_add(x, x, ptrs, ptrs, epochs, 0, 2, 4, norm=(torch.ones(8), 1e-5))
 
 
 def test_grid_is_capped_and_covers_small_messages() -> None:
