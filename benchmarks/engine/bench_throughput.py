@@ -11,7 +11,8 @@ would hold), so the numbers are decode throughput, not prefill.
 Workloads:
   (a) one shared prefix {1K, 2K, 8K, 16K} x batch {32, 64, 128, 256, 512}, each request 16 own prompt tokens;
   (b) two levels: 2K few-shot prefix -> 32 problems of 512 tokens -> 16 samples each (512 requests);
-  (c) a 20K-token document -> 256 questions of 32 tokens.
+  (c) a 20K-token document -> 256 questions of 32 tokens;
+  (t) the serving benchmark's tree: 2K prefix -> 16 problems of 256 tokens -> 16 samples each (256 requests).
 Modes:
   no-cache   every request holds its own copy of the prefix KV, flat attention;
   flat       radix cache: prefix pages shared, flat attention (each request reads them);
@@ -22,8 +23,12 @@ Columns: tokens/s over the timed steps (after --warmup steps), ms per step, the 
 attention (1 - no-attn time / mode time), throughput over the ceiling (Hydragen's "fraction of the
 no-attention throughput"), cascade over flat, groups per step / levels, CUDA graphs captured.
 
+With ``--tp N`` (N GPUs of one host, one process per GPU, NCCL, NVLink multicast off): every rank runs the
+same steps on its slice of the model (``TensorParallel``, all-reduces by ``PeerAllReduce`` as serving
+picks them); rank 0 times them and writes ``throughput_tp<N>_<device>.md``.
+
     python -m benchmarks.engine.bench_throughput [--layers 4] [--output 128] [--quick] [--only abc] [--cascade auto|on]
-                                          [--modes no-cache,flat,cascade,no-attn] [--out-dir DIR]
+                                          [--modes no-cache,flat,cascade,no-attn] [--tp N] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import RESULTS
+from benchmarks.common import LLAMA3_SHAPES, RESULTS
 from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.cascade.planner import make_cascade_planner
@@ -53,9 +58,11 @@ PAGE = 16
 MODES = ("no-cache", "flat", "cascade", "no-attn")
 
 
-def llama3_8b(layers: int) -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+def llama3(shape: str, layers: int) -> ModelConfig:
+    """Llama-3 ``shape`` ("8b" or "70b") with ``layers`` decoder layers."""
+    hidden, mlp, heads, kv_heads, _ = LLAMA3_SHAPES[shape]
+    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=mlp,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=128, rope_theta=500000.0,
                        max_position_embeddings=32768)
 
 
@@ -80,6 +87,7 @@ def workloads(quick: bool, smoke: bool = False) -> list[Workload]:
     prefixes = (1024, 8192) if quick else (1024, 2048, 8192, 16384)
     batches = (64, 256) if quick else (32, 64, 128, 256, 512)
     return [Workload("(b) 2K -> 32 x 512 -> 16", ((2048, 32), (512, 16)), 16),
+            Workload("(t) 2K -> 16 x 256 -> 16", ((2048, 16), (256, 16)), 16),
             Workload("(c) 20K doc x 256 q", ((20480, 256),), 32),
             *(Workload(f"(a) {p // 1024}K x {b}", ((p, b),), 16) for p in prefixes for b in batches)]
 
@@ -148,6 +156,17 @@ def _finished(launched) -> None:
         raise RuntimeError(out.error)
 
 
+def _everywhere(ok: bool, model) -> bool:
+    """``ok`` on every rank (each rank checks its own memory; they must agree or a rank waits forever)."""
+    if not model.tp.enabled:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def kv_bytes(cfg: ModelConfig, num_pages: int) -> int:
     return 2 * cfg.num_layers * num_pages * PAGE * cfg.num_kv_heads * cfg.head_dim * 2
 
@@ -159,11 +178,12 @@ def sync(device: torch.device) -> None:
 
 def run(model, w: Workload, mode: str, output: int, warmup: int, graphs: bool,
         cascade_mode: str = "auto") -> Result | None:
-    cfg = model.config
+    cfg = model.local_config                 # this rank's KV heads (the whole model's at tp=1)
     param = next(model.parameters())
     device = param.device
     lay = layout(w, output, shared=mode != "no-cache")
-    if device.type == "cuda" and kv_bytes(cfg, lay.num_pages + 1) > 0.85 * torch.cuda.mem_get_info()[0]:
+    if not _everywhere(device.type != "cuda" or kv_bytes(cfg, lay.num_pages + 1) <= 0.85 * torch.cuda.mem_get_info()[0],
+                       model):
         return None
     kv = KVCache(num_layers=cfg.num_layers, num_pages=lay.num_pages + 1, page_size=PAGE,
                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=param.dtype, device=device)
@@ -220,6 +240,7 @@ def run(model, w: Workload, mode: str, output: int, warmup: int, graphs: bool,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(LLAMA3_SHAPES), default="8b", help="Llama-3 shapes")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--output", type=int, default=128, help="decode steps (tokens per request)")
     ap.add_argument("--warmup", type=int, default=8, help="untimed first steps (graph capture, compilation)")
@@ -231,20 +252,62 @@ def main() -> None:
                     help="runs of every mode, interleaved (mode order rotates); the median run is reported")
     ap.add_argument("--only", default="", help="workload letters to run, e.g. 'bc' (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs of this host)")
     ap.add_argument("--out-dir", default=str(RESULTS / "engine"))
     args = ap.parse_args()
+    if args.tp > 1:
+        _spawn_ranks(args)
+        return
+    _bench(args, None)
 
+
+def _spawn_ranks(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"bench_throughput: --tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")                  # no NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(args, f"file://{tmp}/rendezvous"), nprocs=args.tp, join=True)
+
+
+def _rank_main(rank: int, args: argparse.Namespace, init: str) -> None:
+    import torch.distributed as dist
+
+    from radixrelay.model.parallel import PeerAllReduce, TensorParallel
+    from radixrelay.runtime.worker_process import SYMMETRIC_ALL_REDUCE_BYTES
+
+    torch.cuda.set_device(rank)
+    device = torch.device(f"cuda:{rank}")
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=args.tp, device_id=device)
+    fast = PeerAllReduce.create(None, device, torch.bfloat16, SYMMETRIC_ALL_REDUCE_BYTES)
+    _bench(args, TensorParallel(rank, args.tp, fast=fast))
+    dist.destroy_process_group()
+
+
+def _bench(args: argparse.Namespace, tp) -> None:
+    rank = tp.rank if tp is not None else 0
     if args.smoke:
         device, cfg = "cpu (smoke)", ModelConfig(architecture="llama", vocab_size=256, hidden_size=64,
                                                 intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
                                                 head_dim=16)
         model, _ = load_model(cfg, device="cpu", dtype=torch.float32)
     else:
-        device, cfg = torch.cuda.get_device_name(), llama3_8b(args.layers)
-        model, _ = load_model(cfg, device="cuda", dtype=torch.bfloat16)
+        device, cfg = torch.cuda.get_device_name(), llama3(args.shape, args.layers)
+        model, _ = load_model(cfg, device=f"cuda:{rank}", dtype=torch.bfloat16, tp=tp)
     modes = args.modes.split(",")
+    if rank:                                        # the other ranks run the same steps; rank 0 reports
+        for w in workloads(args.quick, args.smoke):
+            if not args.only or w.name[1] in args.only:
+                run_interleaved(model, w, modes, args)
+        return
+    tp_size = tp.size if tp is not None else 1
     header = (f"# Decode throughput, shared prefixes ({device})\n\n"
-              f"{'tiny fp32 model' if args.smoke else f'Llama-3-8B shapes, {args.layers} layers, dummy bf16 weights'}, "
+              f"{'tiny fp32 model' if args.smoke else f'Llama-3-{args.shape.upper()} shapes, {args.layers} layers, dummy bf16 weights'}, "
+              f"{f'tensor parallel over {tp_size} GPUs, ' if tp_size > 1 else ''}"
               f"cascade planner {args.cascade}, {args.output} output tokens per "
               f"request ({args.warmup} untimed), median of {args.repeats} interleaved runs per mode, page {PAGE}, CUDA graphs {'off' if args.no_graphs else 'on'}; "
               f"torch {torch.__version__}. Command: `python -m benchmarks.engine.bench_throughput "
@@ -253,7 +316,8 @@ def main() -> None:
               " groups/levels | graphs | launch ms/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     os.makedirs(args.out_dir, exist_ok=True)
     slug = device.lower().replace("nvidia ", "").replace(" ", "_").replace("(", "").replace(")", "")
-    path = os.path.join(args.out_dir, f"throughput_{slug}.md")
+    variant = (f"{args.shape}_" if args.shape != "8b" else "") + (f"tp{tp_size}_" if tp_size > 1 else "")
+    path = os.path.join(args.out_dir, f"throughput_{variant}{slug}.md")
     with open(path, "w") as f:                      # written row by row: a cut-off run keeps its rows
         emit(f, header)
         for w in workloads(args.quick, args.smoke):
