@@ -53,6 +53,9 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, results:
 
     methods = {"nccl": nccl, "symm": symm, "peer1": lambda x: peer(x, two_shot=False),
                "peer2": lambda x: peer(x, two_shot=True), "peer": peer}
+    methods["peer1_push"] = lambda x: peer(x, two_shot=False, push=True)
+    for block in getattr(args, "blocks", []):    # the one-shot kernel with other tile sizes (tuning)
+        methods[f"peer1_b{block}"] = lambda x, b=block: peer(x, two_shot=False, block=b)
     rows_out = []
     for hidden in args.hidden:
         for rows in args.rows:
@@ -104,6 +107,7 @@ def _fused_rows(row: dict, peer, src: torch.Tensor, rows: int, hidden: int, devi
         return                                                       # two-shot sizes: not fused
     unfused = lambda x: rms_norm(peer(x), weight, eps, residual)     # noqa: E731
     fused = lambda x: peer.add(x, residual, (weight, eps))           # noqa: E731
+    other = lambda x: peer.add(x, residual, (weight, eps), push=not peer.PUSH)   # noqa: E731
     want, got = unfused(src.clone()), fused(src.clone())
     row["fused_err"] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
     row["fused_same_on_ranks"] = all(_same_on_every_rank(t, world) for t in got)
@@ -118,6 +122,8 @@ def _fused_rows(row: dict, peer, src: torch.Tensor, rows: int, hidden: int, devi
     del graph
     row["unfused_us"] = _time(unfused, src, args.replays)
     row["fused_us"] = _time(fused, src, args.replays)
+    row["fused_other_err"] = max((g.float() - w.float()).abs().max().item() for g, w in zip(other(src.clone()), want))
+    row["fused_other_us"] = _time(other, src, args.replays)      # the other one-shot layout (push / pull)
 
 
 def _same_on_every_rank(x: torch.Tensor, world: int) -> bool:
@@ -208,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=ints, default=None, help="sizes (default: 2 and every visible GPU)")
     p.add_argument("--rows", type=ints, default=[1, 64, 256, 512])
     p.add_argument("--hidden", type=ints, default=[4096, 8192])
+    p.add_argument("--blocks", type=ints, default=[], help="also time the one-shot kernel with these tiles "
+                   "(elements per program and iteration)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--stress", type=int, default=200, help="graph replays of the stress check")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or str(RESULTS / "kernels"))

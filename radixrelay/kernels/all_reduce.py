@@ -93,9 +93,28 @@ def _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world: tl.constexpr, BLOCK: tl
 
 # The size varies per call (rows of a step): not specialised, so one variant serves every size; it is
 # passed in vectors of VEC elements (every message is a multiple: rows x hidden).
+@triton.jit
+def _sum_slots(own, slot_stride, offs, ok, world: tl.constexpr, BLOCK: tl.constexpr):
+    # push layout: the ranks' values at ``offs`` in this rank's own buffer, slot p = rank p's, in rank order (fp32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for peer in tl.static_range(world):
+        acc += tl.load(own + peer * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _push(buffer_ptrs, values, slot_stride, offs, ok, dtype, rank: tl.constexpr, world: tl.constexpr):
+    # push layout: ``values`` into slot ``rank`` of every rank's buffer (stores over the links; this rank's own too)
+    for peer in tl.static_range(world):
+        tl.store(_rank_buffer(buffer_ptrs, peer, dtype) + rank * slot_stride + offs, values, mask=ok)
+
+
+# The size varies per call (rows of a step): not specialised, so one variant serves every size; it is
+# passed in vectors of VEC elements (every message is a multiple: rows x hidden).
 @triton.jit(do_not_specialize=["vectors"])
 def _one_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
-                     rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):
+                     rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, PUSH: tl.constexpr,
+                     BLOCK: tl.constexpr):
     # grid: (programs,); program b: elements [b * BLOCK + k * programs * BLOCK, + BLOCK) for k = 0, 1, ...
     numel = vectors * _VEC                 # a multiple of VEC, known to the compiler: 16-byte accesses
     pid = tl.program_id(0)
@@ -106,13 +125,20 @@ def _one_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
     for start in range(pid * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < numel
-        tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+        if PUSH:
+            _push(buffer_ptrs, tl.load(x + offs, mask=ok), numel, offs, ok, dtype, rank, world)
+        else:
+            tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
     if SYNC:
         _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
     for start in range(pid * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < numel
-        tl.store(x + offs, _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype), mask=ok)
+        if PUSH:
+            total = _sum_slots(own, numel, offs, ok, world, BLOCK)
+        else:
+            total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK)
+        tl.store(x + offs, total.to(dtype), mask=ok)
     if SYNC:
         _exchange(flag_ptrs, 1, pid, epoch, rank, world, max_programs)
     tl.store(epochs + pid, epoch)
@@ -164,8 +190,8 @@ def _two_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
 # Rows vary per step: not specialised (one variant per model: HIDDEN is its hidden size).
 @triton.jit(do_not_specialize=["rows"])
 def _one_shot_add_kernel(x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epochs, rows, max_programs, eps,
-                         rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, HAS_NORM: tl.constexpr,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+                         rank: tl.constexpr, world: tl.constexpr, SYNC: tl.constexpr, PUSH: tl.constexpr,
+                         HAS_NORM: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
     # grid: (programs,); program b: rows b, b + programs, ... of HIDDEN contiguous elements each
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -174,14 +200,21 @@ def _one_shot_add_kernel(x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epoc
     own = _rank_buffer(buffer_ptrs, rank, dtype)
     cols = tl.arange(0, BLOCK)
     ok = cols < HIDDEN
+    numel = rows * HIDDEN                      # the push layout's slot stride
     for row in range(pid, rows, programs):
         offs = row * HIDDEN + cols             # < the staging buffer's elements: int32 is enough
-        tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+        if PUSH:
+            _push(buffer_ptrs, tl.load(x + offs, mask=ok), numel, offs, ok, dtype, rank, world)
+        else:
+            tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
     if SYNC:
         _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
     for row in range(pid, rows, programs):
-        offs = row * HIDDEN + cols             # < the staging buffer's elements: int32 is enough
-        total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype)    # the all-reduce
+        offs = row * HIDDEN + cols
+        if PUSH:
+            total = _sum_slots(own, numel, offs, ok, world, BLOCK).to(dtype)             # the all-reduce
+        else:
+            total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype)
         r = tl.load(residual + offs, mask=ok, other=0.0)
         sv = (total.to(tl.float32) + r.to(tl.float32)).to(dtype)                       # + residual, rounded
         tl.store(s + offs, sv, mask=ok)
@@ -196,9 +229,9 @@ def _one_shot_add_kernel(x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epoc
     tl.store(epochs + pid, epoch)
 
 
-def programs_for(numel: int, max_programs: int) -> int:
-    """The grid of a call: one program per BLOCK elements, at most ``max_programs``."""
-    return max(1, min(max_programs, triton.cdiv(numel, BLOCK)))
+def programs_for(numel: int, max_programs: int, block: int = BLOCK) -> int:
+    """The grid of a call: one program per ``block`` elements, at most ``max_programs``."""
+    return max(1, min(max_programs, triton.cdiv(numel, block)))
 
 
 SLOTS = 3             # signals per call: two-shot's three (one-shot uses two)
@@ -211,7 +244,7 @@ def flag_count(world: int, max_programs: int) -> int:
 
 def peer_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
                     rank: int, world: int, max_programs: int, two_shot: bool = False,
-                    sync: bool = True) -> torch.Tensor:
+                    sync: bool = True, block: int = BLOCK, push: bool = False) -> torch.Tensor:
     """See the module docstring. The caller guarantees the buffers hold ``x.numel()`` elements of its dtype,
     the flags ``flag_count(world, max_programs)`` int32 each, and ``epochs`` (this rank's, ``max_programs``
     int32, zero at first like the flags) is used by nothing else."""
@@ -231,9 +264,9 @@ def peer_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch
         vectors = numel // VEC
         kernel, per_program = ((_two_shot_kernel, triton.cdiv(vectors, world) * VEC) if two_shot
                                else (_one_shot_kernel, numel))
-        kernel[(programs_for(per_program, max_programs),)](
+        kernel[(programs_for(per_program, max_programs, block),)](
             x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs, rank=rank, world=world, SYNC=sync,
-            BLOCK=BLOCK, num_warps=NUM_WARPS)
+            BLOCK=block, num_warps=NUM_WARPS, **({} if two_shot else {"PUSH": push}))
     return x
 
 
@@ -242,7 +275,7 @@ MAX_HIDDEN = 16384     # ``peer_all_reduce_add``: a row is one tile
 
 def peer_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
                         epochs: torch.Tensor, rank: int, world: int, max_programs: int,
-                        norm: tuple[torch.Tensor, float] | None = None, sync: bool = True):
+                        norm: tuple[torch.Tensor, float] | None = None, sync: bool = True, push: bool = False):
     """See the module docstring: s = (x summed over the ranks) + residual, or (RMSNorm(s), s) with
     ``norm`` = (weight [hidden], eps). ``x`` is left as it was. The caller guarantees what
     ``peer_all_reduce`` asks of the buffers, flags and epochs."""
@@ -273,7 +306,7 @@ def peer_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, buffer_ptrs: to
         block = triton.next_power_of_2(hidden)
         _one_shot_add_kernel[(max(1, min(max_programs, rows)),)](
             x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epochs, rows, max_programs, eps, rank=rank,
-            world=world, SYNC=sync, HAS_NORM=norm is not None, HIDDEN=hidden, BLOCK=block,
+            world=world, SYNC=sync, PUSH=push, HAS_NORM=norm is not None, HIDDEN=hidden, BLOCK=block,
             num_warps=min(16, max(1, block // 512)))
     return s if norm is None else (y, s)
 

@@ -128,18 +128,24 @@ class DecoderLayer(nn.Module):
 
     # The same layer in two halves around attention (piecewise CUDA graphs capture the halves and
     # launch attention between them): forward(x) == after_attention(x, attention(before_attention(x))).
+    # A model runs the halves of consecutive layers back to back and passes the next layer's input norm to
+    # ``after_attention``, which joins it to its last op; ``before_attention`` then takes that as ``normed``.
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
-                         kv_cache: KVCache) -> torch.Tensor:
-        """x: [T, hidden] (the layer's input) -> q: [T, Hq, D]; writes the new K/V."""
-        return self.self_attn.before_attention(self.input_layernorm(x), cos, sin, out_slots, kv_cache)
+                         kv_cache: KVCache, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] (the layer's input) -> q: [T, Hq, D]; writes the new K/V. ``normed``: this layer's
+        input norm of ``x`` where the previous layer computed it (``after_attention``'s ``next_norm``)."""
+        h = self.input_layernorm(x) if normed is None else normed
+        return self.self_attn.before_attention(h, cos, sin, out_slots, kv_cache)
 
-    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x: the layer's input [T, hidden]; o: attention output [T, Hq, D] -> the layer's output."""
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor, next_norm: RMSNorm | None = None):
+        """x: the layer's input [T, hidden]; o: attention output [T, Hq, D] -> the layer's output; with
+        ``next_norm`` (the next layer's input norm): (next_norm(output), output)."""
         # Each row-parallel output joins the residual stream in one op: its all-reduce, the residual add
-        # and (after attention) the norm that follows are one kernel where they can be (TensorParallel).
+        # and the norm that follows are one kernel where they can be (TensorParallel.all_reduce_add); at
+        # one rank, the add and the norm.
         h, x = self.self_attn.tp.all_reduce_add(self.self_attn.partial_output(o), x, self.post_attention_layernorm)
-        return self.mlp.tp.all_reduce_add(self.mlp.partial(h), x)
+        return self.mlp.tp.all_reduce_add(self.mlp.partial(h), x, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -178,9 +184,20 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"forward: {input_ids.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
         cos, sin = self.rotary(batch.rope_positions)                            # [T, D] each
         x = self.embed(input_ids)                                               # [T, hidden]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, kv_cache, backend)
+        layers, h = self.model.layers, None
+        for i, layer in enumerate(layers):
+            q = layer.before_attention(x, cos, sin, batch.out_slots, kv_cache, normed=h)
+            o = backend.forward(q, layer.self_attn.layer_id, kv_cache, batch)
+            h, x = self.next_layer_input(i, x, o)
         return self.logits(x[batch.logits_indices])
+
+    def next_layer_input(self, i: int, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Layer ``i``'s second half: x its input [T, hidden], o its attention output -> (the next layer's
+        input norm of the output, or None after the last layer (``logits`` norms its rows), the output)."""
+        layers = self.model.layers
+        if i + 1 == len(layers):
+            return None, layers[i].after_attention(x, o)
+        return layers[i].after_attention(x, o, layers[i + 1].input_layernorm)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [R, hidden] (last layer's output rows) -> logits [R, vocab], float32 (float64 for a

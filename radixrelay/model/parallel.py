@@ -301,7 +301,10 @@ class PeerAllReduce:
         _enable_symmetric_memory(symm_mem, self.group_name)
         self.dtype = dtype
         self.max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        self.capacity = max_bytes // dtype.itemsize            # elements of the largest message
+        world = dist.get_world_size(group)
+        # a slot per rank (the push layout: rank p's message in slot p of every buffer); pull uses slot 0
+        self.buffer = symm_mem.empty(world * self.capacity, dtype=dtype, device=device)
         buffers = symm_mem.rendezvous(self.buffer, self.group_name)
         if buffers is None:
             raise RuntimeError("symmetric memory rendezvous failed")
@@ -328,19 +331,25 @@ class PeerAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         from radixrelay.kernels.all_reduce import VEC
 
-        return (x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.numel() % VEC == 0
+        return (x.dtype == self.dtype and x.numel() <= self.capacity and x.numel() % VEC == 0
                 and x.is_contiguous())
 
-    def __call__(self, x: torch.Tensor, two_shot: bool | None = None) -> torch.Tensor:
-        """x: a contiguous tensor of ``dtype`` -> x summed over the ranks, in place (``two_shot`` None: by size)."""
-        from radixrelay.kernels.all_reduce import peer_all_reduce
+    PUSH = True            # one-shot: ranks push their message into every buffer (else each pulls the others')
+
+    def __call__(self, x: torch.Tensor, two_shot: bool | None = None, block: int | None = None,
+                 push: bool | None = None) -> torch.Tensor:
+        """x: a contiguous tensor of ``dtype`` -> x summed over the ranks, in place (``two_shot`` None: by size;
+        ``block``: elements per program and iteration, None for the kernel's default; ``push`` None: ``PUSH``)."""
+        from radixrelay.kernels.all_reduce import BLOCK, peer_all_reduce
 
         if two_shot is None:
             two_shot = x.numel() * x.element_size() >= self.two_shot_bytes
         return peer_all_reduce(x, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank, self.world,
-                               self.max_programs, two_shot=two_shot)
+                               self.max_programs, two_shot=two_shot, block=block or BLOCK,
+                               push=self.PUSH if push is None else push)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None):
+    def add(self, x: torch.Tensor, residual: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+            push: bool | None = None):
         """``TensorParallel.all_reduce_add`` in one launch (``peer_all_reduce_add``), or None where that
         kernel does not take the message (two-shot sizes, another dtype or layout): the caller runs the
         steps apart."""
@@ -351,7 +360,7 @@ class PeerAllReduce:
                 or not residual.is_contiguous() or (norm is not None and norm[0].dtype != x.dtype)):
             return None
         return peer_all_reduce_add(x, residual, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank,
-                                   self.world, self.max_programs, norm=norm)
+                                   self.world, self.max_programs, norm=norm, push=self.PUSH if push is None else push)
 
 
 FAST_ALL_REDUCES = {"peer": PeerAllReduce, "symm": SymmetricAllReduce}

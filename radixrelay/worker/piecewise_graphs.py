@@ -7,9 +7,9 @@ For a model of L layers, a step of T tokens padded to the bucket T_b >= T runs
 
     piece 0:    cos, sin = rotary(positions); x = embed(ids); q = layer 0 before_attention(x)
     attention:  o[:T] = backend.forward(q[:T], 0, kv_cache, batch)            (eager, real rows)
-    piece l:    x = layer l-1 after_attention(x, o); q = layer l before_attention(x)    1 <= l < L
+    piece l:    h, x = model.next_layer_input(l-1, x, o); q = layer l before_attention(x, normed=h)   1 <= l < L
     attention:  o[:T] = backend.forward(q[:T], l, kv_cache, batch)
-    piece L:    x = layer L-1 after_attention(x, o)
+    piece L:    _, x = model.next_layer_input(L-1, x, o)
     logits = model.logits(x[batch.logits_indices])                             (eager, [R, V])
 
 which is ``model(ids, batch, kv_cache, backend)`` op for op, over T_b rows instead of T. Every op in
@@ -211,15 +211,17 @@ class PiecewiseGraphs:
         """Piece ``i`` over the first ``n`` rows; reads and writes only the static buffers (and the KV
         cache at ``out_slots``), so that nothing allocated inside a graph outlives it."""
         x, cos, sin, slots = self._x[:n], self._cos[:n], self._sin[:n], self._out_slots[:n]
+        h = None                                    # layer i's input norm, where layer i - 1 computed it
         if i == 0:
             c, s = self.model.rotary(self._positions[:n])                       # [n, D] each
             cos.copy_(c)
             sin.copy_(s)
             x.copy_(self.model.embed(self._ids[:n]))               # [n, hidden]
         else:
-            x.copy_(self.layers[i - 1].after_attention(x, self._o[:n]))
+            h, out = self.model.next_layer_input(i - 1, x, self._o[:n])
+            x.copy_(out)
         if i < len(self.layers):
-            self._q[:n].copy_(self.layers[i].before_attention(x, cos, sin, slots, self.kv_cache))   # [n, Hq, D]
+            self._q[:n].copy_(self.layers[i].before_attention(x, cos, sin, slots, self.kv_cache, normed=h))
 
     @torch.inference_mode()
     def _capture(self, n: int) -> None:

@@ -128,6 +128,42 @@ def test_fused_add_refuses_bad_shapes() -> None:
         peer_all_reduce_add(x, x, ptrs, ptrs, epochs, 0, 2, 4, norm=(torch.ones(8), 1e-5))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["all-reduce", "add+norm"])
+def test_push_layout_writes_every_buffer_and_sums_its_own(fused: bool) -> None:
+    """One-shot, push: rank r stores its message into slot r of every rank's buffer (slots of the message's
+    size), then sums its own buffer's slots in rank order: the pull kernel's result, bit for bit."""
+    world, rows, hidden, max_programs = 4, 3, 16, 2
+    numel = rows * hidden
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(rows, hidden, generator=gen) for _ in range(world)]
+    residual, weight = torch.randn(rows, hidden, generator=gen), torch.rand(hidden, generator=gen) + 0.5
+    want = all_reduce_reference(parts)
+    for rank in range(world):
+        # what the others pushed: every slot but this rank's own holds its owner's part; the rest is garbage
+        buffers = [torch.full((world * numel + PAD,), 9.0) for _ in range(world)]
+        for p in range(world):
+            if p != rank:
+                buffers[rank][p * numel:(p + 1) * numel] = parts[p].flatten()
+        flags = torch.zeros(flag_count(world, max_programs), dtype=torch.int32)
+        epochs = torch.zeros(max_programs, dtype=torch.int32)
+        x = parts[rank].clone()
+        args = (_ptrs(buffers), _ptrs([flags] * world), epochs, rank, world, max_programs)
+        if fused:
+            y, s = peer_all_reduce_add(x, residual, *args, norm=(weight, 1e-6), sync=False, push=True)
+            want_y, want_s = rms_norm_reference(want, weight, 1e-6, residual)
+            torch.testing.assert_close(s, want_s, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+        else:
+            peer_all_reduce(x.view(-1), *args, sync=False, push=True)
+            torch.testing.assert_close(x, want, atol=1e-6, rtol=1e-6)
+        for q in range(world):                    # pushed into slot ``rank`` of every buffer, nothing else written
+            assert torch.equal(buffers[q][rank * numel:(rank + 1) * numel], parts[rank].flatten())
+            assert buffers[q][world * numel:].eq(9.0).all()
+            if q != rank:
+                others = [buffers[q][p * numel:(p + 1) * numel] for p in range(world) if p not in (rank, q)]
+                assert all(o.eq(9.0).all() for o in others)
+
+
 def test_grid_is_capped_and_covers_small_messages() -> None:
     assert programs_for(1, 132) == 1
     assert programs_for(BLOCK * 1000, 132) == 132
