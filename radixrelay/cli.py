@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from radixrelay.config import (
-    ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS, EngineConfig,
+    ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS,
+    QUANTIZATIONS, EngineConfig,
     ServerConfig,
 )
 from radixrelay.env import api_key_env
@@ -41,6 +42,16 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="split the model over this many GPUs (one worker process each; rank r on cuda:r), or "
                         "processes on the CPU (default: %(default)s)")
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="fp8: the decoder's linear layers in float8 e4m3 (weights per output channel, inputs per "
+                        "token; bf16 checkpoints quantized at load, FP8 checkpoints loaded as they are); needs FP8 "
+                        "tensor cores, e.g. H100 (default: the model dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="fp8: K and V stored in float8 e4m3 with per-layer scales; auto: the model dtype "
+                        "(default: %(default)s)")
+    g.add_argument("--fp8-emulation", action="store_true",
+                   help="run --quantization / --kv-cache-dtype fp8 as quantize-then-dequantize in float32: FP8's "
+                        "numbers without FP8 hardware (e.g. on the CPU, to check accuracy), not its speed")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-running-requests", type=int, default=256,
                    help="most requests decoding at once (default: %(default)s)")
@@ -94,7 +105,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
         context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp,
-        kv_events=getattr(args, "kv_events", None), kv_events_name=_kv_events_name(args))
+        kv_events=getattr(args, "kv_events", None), kv_events_name=_kv_events_name(args),
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, fp8_emulation=args.fp8_emulation)
 
 
 def _kv_events_name(args: argparse.Namespace) -> str | None:

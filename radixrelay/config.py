@@ -16,6 +16,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")   # auto: triton on CUDA, torch
 CASCADE_MODES = ("auto", "on", "off")
 KV_TIER_POLICIES = ("scheduler", "lru")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+QUANTIZATIONS = ("fp8",)             # weights (None: the model dtype); radixrelay.model.quantization
+KV_CACHE_DTYPES = ("auto", "fp8")    # auto: the model dtype
 
 
 def _bad(cls: str, field: str, why: str) -> ValueError:
@@ -67,6 +69,13 @@ class EngineConfig:
     # radix tree's page keys and its load to, under the name routers know this server by.
     kv_events: str | None = None
     kv_events_name: str | None = None
+    # FP8 (``radixrelay.model.quantization``): "fp8" runs the decoder's linear layers in float8 e4m3 (None: the
+    # model dtype); kv_cache_dtype "fp8" stores K/V in e4m3 ("auto": the model dtype). They need FP8 tensor
+    # cores (CUDA, compute capability 8.9+) unless fp8_emulation runs them as quantize-then-dequantize in
+    # float32 (the numbers of FP8 without its speed: tests and accuracy runs).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    fp8_emulation: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -130,6 +139,14 @@ class EngineConfig:
             raise bad("startup_timeout", f"must be > 0, got {self.startup_timeout}")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise bad("tp", f"must be an integer >= 1, got {self.tp!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.device == "cpu" and not self.fp8_emulation and (self.quantization or self.kv_cache_dtype == "fp8"):
+            field = "quantization" if self.quantization else "kv_cache_dtype"
+            raise bad(field, "FP8 needs a CUDA device with FP8 tensor cores (compute capability 8.9+); on the CPU "
+                             "only its emulation runs (fp8_emulation=True: quantize-then-dequantize in float32)")
         if self.tp > 1 and self.device.startswith("cuda:"):
             raise bad("tp", f"with tp > 1, rank r runs on cuda:r: use device 'cuda' or 'auto', not {self.device!r}")
 

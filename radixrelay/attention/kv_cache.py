@@ -38,6 +38,9 @@ class KVCache:
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.layer_ready: list | None = None     # see wait_for_layer
+        # FP8 KV emulated (``radixrelay.model.quantization``): per layer (K scale, V scale); every write
+        # stores the values an e4m3 cache with those scales gives back. None: stored as they are.
+        self.fp8_emulation: list[tuple[float, float]] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -65,6 +68,11 @@ class KVCache:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V. slots: int64 [T]; k, v: [T, num_kv_heads, head_dim]."""
+        if self.fp8_emulation is not None:
+            from radixrelay.model.quantization import fake_quantize_kv
+
+            k_scale, v_scale = self.fp8_emulation[layer_id]
+            k, v = fake_quantize_kv(k, k_scale), fake_quantize_kv(v, v_scale)
         self.k[layer_id].index_copy_(0, slots, k.to(self.dtype))
         self.v[layer_id].index_copy_(0, slots, v.to(self.dtype))
 

@@ -23,7 +23,9 @@ from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
+from radixrelay.model.fp8 import E4M3
 from radixrelay.model.parallel import TensorParallel
+from radixrelay.model.quantization import Fp8Linear, Precision, dequantize_checkpoint, per_channel_scale
 
 # HF projection name -> (our fused parameter, shard index within it).
 _FUSED_SHARDS = {
@@ -35,10 +37,18 @@ _FUSED_SHARDS = {
 }
 
 
+def _linear(in_features: int, out_features: int, bias: bool, precision: Precision, **factory) -> nn.Module:
+    """A decoder projection: FP8 where ``precision.weights`` says so (``Fp8Linear``), else the model dtype."""
+    if precision.weights == "fp8":
+        return Fp8Linear(in_features, out_features, bias, emulate=precision.emulate, **factory)
+    return Linear(in_features, out_features, bias=bias, **factory)
+
+
 class Attention(nn.Module):
     """``config``: one rank's shapes (its query and KV heads; ``TensorParallel.local_config``)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, **factory) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, precision: Precision,
+                 **factory) -> None:
         super().__init__()
         self.tp = tp
         self.layer_id = layer_id
@@ -46,9 +56,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias, **factory)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
+                                precision, **factory)
+        self.o_proj = _linear(self.q_size, config.hidden_size, False, precision, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -71,7 +81,7 @@ class Attention(nn.Module):
                          kv_cache: KVCache) -> torch.Tensor:
         """x: [T, hidden] -> q: [T, Hq, D], with the new K/V written at ``out_slots`` (int64 [T])."""
         qkv = self.qkv_proj(x)                                                  # [T, (Hq + 2 Hkv) * D]
-        if fused(qkv):
+        if fused(qkv) and kv_cache.fp8_emulation is None:
             from radixrelay.kernels.rope_store import rope_and_store
 
             return rope_and_store(qkv, cos, sin, out_slots, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id],
@@ -86,13 +96,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``config``: one rank's shapes (its slice of the MLP width)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel, **factory) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, precision: Precision, **factory) -> None:
         super().__init__()
         self.tp = tp
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
-                                      **factory)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, precision, **factory)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, precision, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(x))
@@ -103,7 +112,7 @@ class MLP(nn.Module):
             from radixrelay.kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        if x.device.type == "cpu" and not uses_onednn(x):
+        if x.device.type == "cpu" and isinstance(self.gate_up_proj, Linear) and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
             # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
             w = self.gate_up_proj.weight
@@ -114,12 +123,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, **factory) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, precision: Precision,
+                 **factory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(config, layer_id, tp, **factory)
+        self.self_attn = Attention(config, layer_id, tp, precision, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, tp, **factory)
+        self.mlp = MLP(config, tp, precision, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -151,22 +161,27 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """``local``: one rank's shapes (``TensorParallel.local_config``; the whole model's at tp=1)."""
 
-    def __init__(self, local: ModelConfig, tp: TensorParallel, **factory) -> None:
+    def __init__(self, local: ModelConfig, tp: TensorParallel, precision: Precision, **factory) -> None:
         super().__init__()
         self.embed_tokens = Embedding(tp.vocab_rows(local.vocab_size)[1], local.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, **factory) for i in range(local.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, precision, **factory)
+                                    for i in range(local.num_layers))
         self.norm = RMSNorm(local.hidden_size, local.rms_norm_eps, **factory)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp: TensorParallel | None = None) -> None:
+                 device: torch.device | str | None = None, tp: TensorParallel | None = None,
+                 precision: Precision | None = None) -> None:
         super().__init__()
         self.config = config                       # the whole model's shapes
         self.tp = tp or TensorParallel()
+        self.precision = precision or Precision()
         self.local_config = self.tp.local_config(config)     # this rank's heads and MLP width
         factory = {"dtype": dtype, "device": device}
-        self.model = LlamaModel(self.local_config, self.tp, **factory)
+        self.model = LlamaModel(self.local_config, self.tp, self.precision, **factory)
+        # per layer: (K scale, V scale) of an FP8 KV cache, from the checkpoint where it has them
+        self.kv_scales: dict[int, tuple[float, float]] = {}
         self.rotary = RotaryEmbedding(config, device=device)
         vocab_rows = self.tp.vocab_rows(config.vocab_size)[1]
         self.lm_head = (None if config.tie_word_embeddings
@@ -240,38 +255,115 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, converting dtype/device. Raises
         ``ValueError`` on an unknown name, a shape mismatch, or a parameter left unloaded. The
-        extra name ``rope_freqs`` (GGUF llama3 models) divides the RoPE frequencies."""
+        extra name ``rope_freqs`` (GGUF llama3 models) divides the RoPE frequencies.
+
+        FP8: a full-precision weight of an ``Fp8Linear`` is quantized per output channel as it is
+        loaded; an e4m3 checkpoint weight (with its ``weight_scale``, per tensor or per channel) is
+        loaded as it is into an ``Fp8Linear``, and dequantized into a model that does not run in FP8.
+        ``input_scale`` (static activation scales) is not used: inputs are scaled per token at run time;
+        ``self_attn.k_scale`` / ``v_scale`` become the layer's FP8 KV cache scales."""
         params = dict(self.named_parameters())
         expected = {(name, shard) for name in params for shard in self._shards_of(name)}
         loaded: set[tuple[str, int]] = set()
+        fp8_parts: dict[str, dict[str, torch.Tensor]] = {}     # e4m3 weight name -> its weight and scale
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / tied to the embedding
             if name == "rope_freqs":
                 self.rotary.set_freq_factors(tensor)
                 continue
-            target, shard = name, -1
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
-                fused, shard = _FUSED_SHARDS[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            if target not in params:
-                raise ValueError(f"load_weights: unexpected tensor {name!r}")
-            tensor = self.tp.weight_slice(name, tensor, self.config)           # this rank's part
-            dst = params[target].data
-            if shard >= 0:
-                start, size = self._shard_range(target, shard)
-                dst = dst.narrow(0, start, size)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add((target, shard))
+            if name.endswith(".input_scale"):
+                continue  # dynamic per-token activation scales instead
+            if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
+            if tensor.dtype == E4M3 or name.endswith(".weight_scale"):
+                weight_name = name.removesuffix("_scale")
+                parts = fp8_parts.setdefault(weight_name, {})
+                parts["scale" if name.endswith("_scale") else "weight"] = tensor
+                if len(parts) == 2:
+                    del fp8_parts[weight_name]
+                    self._load_fp8_weight(weight_name, parts["weight"], parts["scale"], params, loaded)
+                continue
+            self._load_tensor(name, tensor, params, loaded)
+        if fp8_parts:
+            raise ValueError(f"load_weights: FP8 weights without their scale, or scales without their weight: "
+                             f"{sorted(fp8_parts)[:8]}")
         missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"load_weights: {len(missing)} parameters not in the checkpoint: {missing[:8]}")
 
+    def _target(self, name: str, params: dict) -> tuple[str, int]:
+        """(our parameter, shard index or -1) of the HF tensor ``name``."""
+        target, shard = name, -1
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+        if target not in params:
+            raise ValueError(f"load_weights: unexpected tensor {name!r}")
+        return target, shard
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict, loaded: set) -> None:
+        target, shard = self._target(name, params)
+        tensor = self.tp.weight_slice(name, tensor, self.config)           # this rank's part
+        start, size = self._shard_range(target, shard) if shard >= 0 else (0, params[target].shape[0])
+        module = self.get_submodule(target.rsplit(".", 1)[0])
+        if isinstance(module, Fp8Linear) and target.endswith(".weight"):
+            if tensor.shape != (size, module.in_features):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{(size, module.in_features)}")
+            module.load_rows(start, tensor)                                   # quantized per output channel
+            loaded.update({(target, shard), (target + "_scale", shard)})
+            return
+        dst = params[target].data
+        if shard >= 0:
+            dst = dst.narrow(0, start, size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        loaded.add((target, shard))
+
+    def _load_fp8_weight(self, name: str, weight: torch.Tensor, scale: torch.Tensor, params: dict,
+                         loaded: set) -> None:
+        """An e4m3 checkpoint weight (HF name ``name``) and its scale."""
+        if weight.dtype != E4M3:
+            raise ValueError(f"load_weights: {name!r} has a weight_scale but dtype {weight.dtype}, not float8 e4m3")
+        target, shard = self._target(name, params)
+        module = self.get_submodule(target.rsplit(".", 1)[0])
+        if not isinstance(module, Fp8Linear):             # this model runs in its dtype: dequantize
+            self._load_tensor(name, dequantize_checkpoint(weight, scale, name, params[target].dtype), params, loaded)
+            return
+        scale = per_channel_scale(scale, weight.shape[0], name + "_scale")
+        weight = self.tp.weight_slice(name, weight, self.config)
+        if name.split(".")[-2] not in ("o_proj", "down_proj"):    # row-parallel layers keep every output channel
+            scale = self.tp.weight_slice(name, scale, self.config)
+        start, size = self._shard_range(target, shard) if shard >= 0 else (0, module.out_features)
+        if weight.shape != (size, module.in_features) or scale.shape != (size,):
+            raise ValueError(f"load_weights: {name!r} has shape {tuple(weight.shape)} with {scale.shape[0]} scales, "
+                             f"expected {(size, module.in_features)}")
+        module.load_rows(start, weight)
+        module.load_scale_rows(start, scale)
+        loaded.update({(target, shard), (target + "_scale", shard)})
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        parts = name.split(".")
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+        if not 0 <= layer < self.config.num_layers or tensor.numel() != 1:
+            raise ValueError(f"load_weights: {name!r}: expected one scale of a layer below {self.config.num_layers}")
+        value = float(tensor.reshape(()).float())
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"load_weights: {name!r} = {value}: a KV scale must be positive and finite")
+        k, v = self.kv_scales.get(layer, (1.0, 1.0))
+        self.kv_scales[layer] = (value, v) if name.endswith("k_scale") else (k, value)
+
+    def enable_kv_emulation(self, kv_cache: KVCache) -> None:
+        """An FP8 KV cache emulated (``precision.kv`` "fp8" with ``emulate``): ``kv_cache`` stores what e4m3
+        with this model's per-layer scales keeps (1.0 where the checkpoint gave none)."""
+        kv_cache.fp8_emulation = [self.kv_scales.get(i, (1.0, 1.0)) for i in range(self.config.num_layers)]
+
     def _shards_of(self, param_name: str) -> tuple[int, ...]:
-        leaf = param_name.split(".")[-2]
+        leaf = param_name.split(".")[-2] if "." in param_name else param_name
         if leaf == "qkv_proj":
             return (0, 1, 2)
         if leaf == "gate_up_proj":

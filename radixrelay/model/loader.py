@@ -17,6 +17,7 @@ from radixrelay.model.config import ModelConfig
 from radixrelay.model.layers import uninitialised_parameters
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.model.parallel import TensorParallel
+from radixrelay.model.quantization import Precision
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.model.weights_gguf import open_gguf
 from radixrelay.model.weights_hf import iter_safetensors_weights, read_hf_config
@@ -37,23 +38,27 @@ def load_model(
     load_format: LoadFormat = "auto",
     seed: int = 0,
     tp: TensorParallel | None = None,
+    precision: Precision | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model in eval mode. ``dtype`` defaults to float32 on CPU, bfloat16 on
     CUDA; ``seed`` only matters for ``dummy`` weights. With ``tp``, this rank's slice of the model:
     checkpoints are read one tensor at a time and each is cut to the rank's part before it is kept;
-    dummy weights equal the slices of the single-rank model with the same seed."""
+    dummy weights equal the slices of the single-rank model with the same seed. ``precision``: FP8
+    weights (``radixrelay.model.quantization``), quantized as they are loaded (dummy weights too)."""
     dtype = dtype or default_dtype(device)
     tp = tp or TensorParallel()
+    precision = precision or Precision()
+    precision.check_device(torch.device(device))
     if isinstance(model, ModelConfig):
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_model: a ModelConfig can only be loaded with dummy weights, not {load_format!r}")
-        return _dummy(model, device, dtype, seed, tp), model
+        return _dummy(model, device, dtype, seed, tp, precision), model
 
     path = resolve_model_path(model)
     fmt = _detect_format(path) if load_format == "auto" else load_format
     if fmt == "dummy":
         config = open_gguf(_gguf_file(path))[0] if _is_gguf(path) else read_hf_config(path)
-        return _dummy(config, device, dtype, seed, tp), config
+        return _dummy(config, device, dtype, seed, tp, precision), config
     if fmt == "safetensors":
         if not path.is_dir():
             raise ValueError(f"load_model: safetensors needs a model directory, got {path}")
@@ -63,7 +68,7 @@ def load_model(
         config, weights = open_gguf(_gguf_file(path))
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
-    net = _uninitialised(config, device, dtype, tp)
+    net = _uninitialised(config, device, dtype, tp, precision)
     net.load_weights(weights)
     return net.eval().requires_grad_(False), config
 
@@ -92,10 +97,10 @@ def _gguf_file(path: Path) -> Path:
 
 @torch.no_grad()
 def _dummy(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int,
-           tp: TensorParallel) -> LlamaForCausalLM:
+           tp: TensorParallel, precision: Precision) -> LlamaForCausalLM:
     """Random weights created on the device: norms 1, biases 0, matrices N(0, DUMMY_STD)."""
-    net = _uninitialised(config, device, dtype, tp)
-    if tp.enabled:
+    net = _uninitialised(config, device, dtype, tp, precision)
+    if tp.enabled or precision.weights is not None:       # through the loader: sliced, or quantized
         net.load_weights(dummy_weights(config, device, dtype, seed))
         return net.eval().requires_grad_(False)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -139,8 +144,8 @@ def dummy_weights(config: ModelConfig, device: torch.device | str, dtype: torch.
 
 
 def _uninitialised(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                   tp: TensorParallel) -> LlamaForCausalLM:
+                   tp: TensorParallel, precision: Precision | None = None) -> LlamaForCausalLM:
     """The model (this rank's slice) with its parameters allocated on ``device`` but not filled (the
     callers write every one)."""
     with uninitialised_parameters():
-        return LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
+        return LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp, precision=precision)

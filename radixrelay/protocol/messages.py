@@ -118,6 +118,7 @@ class RuntimeReady(msgspec.Struct, tag="ready", frozen=True):
     kv_cache_tokens: int              # KV capacity (whole pages)
     max_context: int                  # model's maximum positions
     vocab_size: int
+    precision: dict[str, str] = {}    # the precision each part of the model runs in (Precision.describe)
 
 
 class RuntimeFailed(msgspec.Struct, tag="failed", frozen=True):
@@ -151,6 +152,7 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", frozen=True):
     kv_namespace: str = ""            # model + KV layout identity (keys of the lower tiers)
     page_bytes: int = 0               # bytes of one page's KV (all layers, K and V)
     gc_frozen: int = 0                # start-up objects the worker froze out of the garbage collector
+    precision: dict[str, str] = {}    # the precision each part of the model runs in (Precision.describe)
 
 
 class WorkerStepDone(msgspec.Struct, tag="step_done", frozen=True):

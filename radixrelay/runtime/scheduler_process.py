@@ -361,7 +361,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     collector = GcControl("scheduler", gc_mode(), logger)
     collector.settle()                 # the tokenizer and the scheduler's structures: never scanned again
     frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
-                                          ready.vocab_size)))
+                                          ready.vocab_size, ready.precision)))
     return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
                          ready.vocab_size, collector, GcStats(frozen=ready.gc_frozen)).run()
 

@@ -31,6 +31,7 @@ from radixrelay.env import (
 )
 from radixrelay.model.loader import default_dtype, load_model
 from radixrelay.model.parallel import FAST_ALL_REDUCES, AllReduceClock, TensorParallel
+from radixrelay.model.quantization import Precision
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
@@ -58,10 +59,13 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     tp = tp or TensorParallel()
     device = torch.device(pick_device(cfg.device, tp))
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    precision = Precision(cfg.quantization, cfg.kv_cache_dtype, cfg.fp8_emulation)
     model, mc = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format,
-                           seed=cfg.seed, tp=tp)
+                           seed=cfg.seed, tp=tp, precision=precision)
     local = model.local_config                     # this rank's KV heads
-    kv_dtype = next(model.parameters()).dtype
+    kv_dtype = model.model.embed_tokens.weight.dtype          # the model dtype (not an FP8 weight's)
+    parts = precision.describe(kv_dtype)
+    logger.info("precision: %s", "; ".join(f"{part} {what}" for part, what in parts.items()))
     if tp.enabled and device.type == "cuda":
         from radixrelay.worker.tp_calibration import calibrate_all_reduce
 
@@ -75,6 +79,8 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages + 1, page_size=cfg.page_size,
                        num_kv_heads=local.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
                        device=device)
+    if precision.kv == "fp8":                      # emulated (Precision.check_device refuses the rest)
+        model.enable_kv_emulation(kv_cache)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)
     backend = make_backend(backend_name, device)
     if device.type == "cuda" and backend_name == "triton":
@@ -130,7 +136,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
                              f"({max_context})")
         max_context = cfg.context_length
     ready = WorkerReady(num_pages, max_context, mc.vocab_size, list(mc.eos_token_ids),
-                        host_pages, disk_pages, namespace, page_bytes(kv_cache))
+                        host_pages, disk_pages, namespace, page_bytes(kv_cache), precision=parts)
     return runner, ready
 
 

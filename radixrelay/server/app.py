@@ -371,7 +371,9 @@ def build_app(state: ServerState) -> FastAPI:
             stats = await state.client.stats()
             frontend = msgspec.structs.replace(stats.frontend, gc=state.collector.stats())
             stats = msgspec.structs.replace(stats, frontend=frontend)
-        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        info = state.client.info if state.client is not None else None
+        return Response(state.metrics.render(stats, info.precision if info is not None else None),
+                        media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

@@ -31,8 +31,16 @@ class _RuntimeCollector(Collector):
 
     def __init__(self) -> None:
         self.stats: RuntimeStats | None = None
+        self.precision: dict[str, str] = {}
 
     def collect(self) -> Iterator[Metric]:
+        if self.precision:
+            info = GaugeMetricFamily(f"{PREFIX}_precision_info", "The precision each part of the model runs in "
+                                     "(linear layers, KV cache, attention, embedding / LM head / norms): 1 per part.",
+                                     labels=["part", "precision"])
+            for part, precision in sorted(self.precision.items()):
+                info.add_metric([part, precision], 1)
+            yield info
         if self.stats is None:
             return
         by_metric: dict[str, Reading] = {}
@@ -105,9 +113,11 @@ class ServerMetrics:
                                      "Time between consecutive output tokens of a request.",
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
 
-    def render(self, stats: RuntimeStats | None) -> bytes:
-        """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics."""
+    def render(self, stats: RuntimeStats | None, precision: dict[str, str] | None = None) -> bytes:
+        """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics;
+        ``precision``: what each part of the model runs in (``radixrelay_precision_info``)."""
         self._runtime.stats = stats
+        self._runtime.precision = precision or {}
         return generate_latest(self.registry)
 
 

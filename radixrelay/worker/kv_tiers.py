@@ -658,9 +658,11 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
     k = kv.k[0]
     seed = f";seed={cfg.seed}" if cfg.load_format == "dummy" else ""
     tp = f";tp={cfg.tp}" if cfg.tp > 1 else ""           # kv_heads: a rank's share
+    # FP8 weights change every K/V; an FP8 KV cache (emulated in a wider dtype too) stores other values
+    fp8 = (";weights=fp8-e4m3" if cfg.quantization == "fp8" else "") + (";kv=fp8-e4m3" if cfg.kv_cache_dtype == "fp8" else "")
     return (f"kvfile=layer-major-v1;model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
             f"layers={kv.num_layers};page_size={kv.page_size};kv_heads={k.shape[1]};head_dim={k.shape[2]};"
-            f"vocab={mc.vocab_size}{tp}")
+            f"vocab={mc.vocab_size}{tp}{fp8}")
 
 
 def host_tier_bytes(cfg, device: torch.device) -> int:

@@ -1,0 +1,150 @@
+"""FP8 weights and KV cache: what runs in which precision, and the linear layer that runs in FP8.
+
+``Precision`` says how a model runs: ``weights`` "fp8" quantizes the decoder's linear layers (q/k/v, o,
+gate/up, down) to float8 e4m3 with one scale per output channel (``radixrelay.model.fp8``), their inputs
+per token at run time; embeddings, norms, attention and the LM head stay in the model dtype. ``kv``
+"fp8" stores K and V in e4m3 with one scale per layer for K and one for V (1.0 unless the checkpoint
+gives ``k_scale`` / ``v_scale``), the attention arithmetic in the model dtype. ``emulate`` runs either on
+the CPU as quantize-then-dequantize in float32: the numbers of the FP8 path without FP8 hardware (tests,
+``benchmarks/model/bench_fp8_accuracy.py``); without it, FP8 needs a CUDA device with FP8 tensor cores.
+
+``Fp8Linear`` holds ``weight`` [out, in] (e4m3 on the GPU; on the emulation path float32 holding exactly
+the e4m3 values) and ``weight_scale`` [out] float32. On the GPU its product is ``torch._scaled_mm`` of the
+token-quantized input and the weight with both scale vectors (fp32 accumulation, the model dtype out);
+emulated, the same quantization and the product of the e4m3 values in float32, scaled afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from radixrelay.model.fp8 import E4M3, E4M3_MAX, quantize_weight
+
+
+@dataclass(frozen=True)
+class Precision:
+    weights: str | None = None     # None or "fp8"
+    kv: str = "auto"               # "auto" or "fp8"
+    emulate: bool = False          # FP8 as quantize-dequantize in float32 (no FP8 hardware needed)
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and self.weights not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.weights!r}")
+        if self.kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv!r}")
+
+    @property
+    def any_fp8(self) -> bool:
+        return self.weights == "fp8" or self.kv == "fp8"
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``ValueError`` where this precision cannot run on ``device``."""
+        if not self.any_fp8 or self.emulate:
+            return
+        what = " and ".join(f for f, on in (("quantization fp8", self.weights == "fp8"),
+                                            ("kv_cache_dtype fp8", self.kv == "fp8")) if on)
+        if device.type != "cuda":
+            raise ValueError(f"{what}: FP8 needs a CUDA device with FP8 tensor cores (compute capability 8.9 or "
+                             f"higher, e.g. H100); this runtime is on {device.type}")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"{what}: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) "
+                             f"has no FP8 tensor cores; FP8 needs 8.9 or higher (Ada, Hopper)")
+        if self.kv == "fp8":
+            raise ValueError("kv_cache_dtype fp8: not available on CUDA yet (the attention kernels read the "
+                             "model dtype); use the default KV dtype")
+
+    def describe(self, dtype: torch.dtype) -> dict[str, str]:
+        """Which precision each part runs in (the start-up log and ``/metrics``)."""
+        model = str(dtype).removeprefix("torch.")
+        fp8 = "fp8-e4m3-emulated" if self.emulate else "fp8-e4m3"
+        return {"linear": f"{fp8} (per channel) x {fp8} (per token)" if self.weights == "fp8" else model,
+                "kv_cache": f"{fp8} (per-layer scale)" if self.kv == "fp8" else model,
+                "attention": model if model != "float32" else "float32", "embedding_lm_head_norms": model}
+
+
+def token_scales(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, in] -> [T, 1] float32: each row's largest magnitude over E4M3_MAX, 1 for an all-zero row.
+    No host synchronisation (CUDA graphs): a non-finite row yields non-finite outputs, as it would in
+    the model dtype."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with FP8 weights (see the module docstring). ``weight`` is loaded through
+    ``load_rows`` (full-precision rows are quantized per row, e4m3 rows copied with their scales)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, emulate: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.emulate = in_features, out_features, emulate
+        store = torch.float32 if emulate else E4M3
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=store, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @torch.no_grad()
+    def load_rows(self, start: int, tensor: torch.Tensor) -> None:
+        """Rows ``[start, start + len(tensor))`` of the weight from a checkpoint tensor: full precision is
+        quantized per row (and sets those rows' scales); e4m3 is copied as it is (its scales come through
+        ``load_scale_rows``)."""
+        rows = slice(start, start + tensor.shape[0])
+        if tensor.dtype == E4M3:
+            self.weight[rows] = tensor.to(self.weight.device).to(self.weight.dtype)
+            return
+        q, scale = quantize_weight(tensor.to(self.weight.device))
+        self.weight[rows] = q.to(self.weight.dtype)
+        self.weight_scale[rows] = scale
+
+    @torch.no_grad()
+    def load_scale_rows(self, start: int, scale: torch.Tensor) -> None:
+        """A checkpoint's scales of e4m3 rows ``[start, start + len(scale))``."""
+        self.weight_scale[start:start + scale.shape[0]] = scale.to(self.weight_scale.device, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)                                   # [T, in]
+        s_x = token_scales(x2)                                                  # [T, 1]
+        q_x = (x2.float() / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        if self.emulate:
+            out = (q_x.float() @ self.weight.t()) * s_x * self.weight_scale[None, :]
+            out = out.to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = torch._scaled_mm(q_x, self.weight.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
+                                   bias=self.bias, out_dtype=x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {'emulated' if self.emulate else 'e4m3'}")
+
+
+def per_channel_scale(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's weight scale (per tensor: [] or [1]; per channel: [rows] or [rows, 1]) -> [rows] float32."""
+    flat = scale.reshape(-1).float()
+    if flat.numel() == 1:
+        return flat.expand(rows).clone()
+    if flat.numel() == rows:
+        return flat
+    raise ValueError(f"load_weights: {name!r} has {flat.numel()} scales for {rows} output channels (expected 1 "
+                     f"or {rows})")
+
+
+def dequantize_checkpoint(weight: torch.Tensor, scale: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """An e4m3 checkpoint weight [out, in] with its scale -> ``dtype`` (a model that does not run in FP8)."""
+    return (weight.float() * per_channel_scale(scale, weight.shape[0], name)[:, None]).to(dtype)
+
+
+def fake_quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """K or V [T, H, D] -> the values an e4m3 cache with ``scale`` gives back, in x's dtype (the emulation)."""
+    return ((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale).to(x.dtype)

@@ -1,0 +1,58 @@
+"""FP8 on the GPU (``-m gpu``, FP8 tensor cores: H100): the FP8 linear layer through ``torch._scaled_mm``
+against its CPU emulation, inside a CUDA graph too, and a model quantized at load against the emulated
+one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrelay.model import ModelConfig, load_model
+from radixrelay.model.quantization import Fp8Linear, Precision
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_fp8_linear_on_cuda_equals_its_emulation(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(384, 256, generator=gen) * 0.05
+    x = torch.randn(rows, 256, generator=gen)
+    emulated = Fp8Linear(256, 384, emulate=True)
+    emulated.load_rows(0, w)
+    cuda = Fp8Linear(256, 384, dtype=torch.bfloat16, device="cuda")
+    cuda.load_rows(0, w.cuda())
+    assert torch.equal(cuda.weight.float().cpu(), emulated.weight) and torch.equal(cuda.weight_scale.cpu(), emulated.weight_scale)
+    want = emulated(x.bfloat16().float())
+    got = cuda(x.cuda().bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)      # bf16 output rounding
+    graph, static = torch.cuda.CUDAGraph(), x.cuda().bfloat16()
+    with torch.cuda.graph(graph):
+        out = cuda(static)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
+def test_model_in_fp8_on_cuda_tracks_its_emulation_and_bf16():
+    """Same dummy weights (same device, same seed): FP8 on the tensor cores against the emulation of the same
+    quantization (in bf16 on the GPU) and against the unquantized bf16 model."""
+    from radixrelay.attention import BatchRequest, KVCache, TorchBackend, build_forward_batch
+
+    cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32)
+
+    def logits(precision):
+        net, _ = load_model(cfg, device="cuda", seed=0, precision=precision)
+        cache = KVCache(num_layers=2, num_pages=4, page_size=16, num_kv_heads=2, head_dim=32,
+                        dtype=torch.bfloat16, device="cuda")
+        batch = build_forward_batch([BatchRequest([2, 0, 3], 0, 40)], 16, "cuda")
+        ids = torch.arange(40, device="cuda") * 7 % cfg.vocab_size
+        return net(ids, batch, cache, TorchBackend()).float().cpu()
+
+    fp8, emulated, bf16 = (logits(p) for p in (Precision(weights="fp8"), Precision(weights="fp8", emulate=True),
+                                                Precision()))
+    assert torch.isfinite(fp8).all()
+    assert (torch.nn.functional.cosine_similarity(fp8, emulated, dim=-1) > 0.999).all()
+    assert (fp8.softmax(-1) - bf16.softmax(-1)).abs().sum(-1).max() < 0.1
