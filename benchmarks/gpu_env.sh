@@ -6,6 +6,8 @@
 #   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.3 pydantic-core==2.50.4
 #   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0
 #   opentelemetry-api==1.45.2 msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 defusedxml==0.7.1 redis==8.1.0
+#   aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 frozenlist==1.8.0 aiosignal==1.4.0
+#   aiohappyeyeballs==2.7.1 attrs==26.1.0 httptools==0.9.0 (the router's client; uvicorn's parser)
 # fetched with `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 #   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64
 #   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION ...`.

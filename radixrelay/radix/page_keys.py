@@ -31,9 +31,14 @@ def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], page_size:
         raise ValueError(f"extend_keys: {num_pages} pages of {page_size} need {num_pages * page_size} "
                          f"tokens, got {len(token_ids)}")
     prev = keys[-1] if keys else seed
-    for i in range(len(keys), num_pages):
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
-        h.update(array.array("q", token_ids[i * page_size:(i + 1) * page_size]).tobytes())
+    first = len(keys)
+    # the new pages' tokens as int64 bytes in one conversion; each page hashes a slice of them
+    data = memoryview(array.array("q", token_ids[first * page_size:num_pages * page_size]).tobytes())
+    step = page_size * 8
+    blake2b = hashlib.blake2b
+    for j in range(num_pages - first):
+        h = blake2b(prev, digest_size=KEY_BYTES)
+        h.update(data[j * step:(j + 1) * step])
         prev = h.digest()
         keys.append(prev)
     return keys

@@ -16,6 +16,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -32,6 +33,8 @@ logger = logging.getLogger("radixrelay.router")
 
 # Request headers passed on to the replica (the rest are the router's own connection's).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# A replica's failures while the router proxies to it.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # How often a request waiting for its replica's answer checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
 
@@ -77,7 +80,8 @@ class Router:
         discover = events.replica_names if events is not None and config.mode == "precise" else None
         self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url),
                          discover=discover)
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None          # health polls, /v1/models
+        self.session: aiohttp.ClientSession | None = None     # the proxied requests
         self._turn = 0
         self.registry = CollectorRegistry()
         self.decisions = Counter("radixrelay_router_requests", "Requests routed, by mode and replica.",
@@ -138,41 +142,45 @@ class Router:
         self.predicted.inc(expected)
         replica.requests += 1
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        upstream = self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
         replica.in_flight += 1
+        stream = body.get("stream") is True
         try:
-            resp = await self._unless_client_leaves(request, self.client.send(upstream, stream=True))
+            resp, content = await self._unless_client_leaves(
+                request, self._exchange(f"{replica.url}{path}", raw, headers, stream))
         except _ClientGone:
             replica.in_flight -= 1
             self.client_gone.inc()
             return Response(status_code=499)
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             replica.in_flight -= 1
             self.upstream_errors.labels(replica.url).inc()
             self.pool.mark_down(replica, f"{type(exc).__name__} while proxying")
             return _error(502, f"replica {replica.url} did not answer ({type(exc).__name__}); retry the request",
                           "upstream_error")
-        if resp.status_code == 200 and keys:
+        if resp.status == 200 and keys:
             self.index.record(replica.url, keys)
         media = resp.headers.get("content-type")
-        if body.get("stream") is True and resp.status_code == 200:
+        if content is None:                      # a stream: relayed as it arrives
             return StreamingResponse(self._relay(replica, resp), status_code=200, media_type=media)
-        try:
-            content = await self._unless_client_leaves(request, resp.aread())
-        except _ClientGone:
-            self.client_gone.inc()
-            return Response(status_code=499)
-        except httpx.HTTPError as exc:
-            self.upstream_errors.labels(replica.url).inc()
-            self.pool.mark_down(replica, f"{type(exc).__name__} while reading its answer")
-            return _error(502, f"replica {replica.url} failed while answering ({type(exc).__name__})",
-                          "upstream_error")
-        finally:
-            await resp.aclose()
-            replica.in_flight -= 1
-        if resp.status_code == 200:
+        replica.in_flight -= 1
+        if resp.status == 200:
             self.reported.inc(_cached_tokens(content))
-        return Response(content, status_code=resp.status_code, media_type=media)
+        return Response(content, status_code=resp.status, media_type=media)
+
+    async def _exchange(self, url: str, raw: bytes, headers: dict[str, str], stream: bool
+                        ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """POST ``raw`` to ``url``: (the response, its whole body), or (the response, None) for a stream
+        answered 200 (its body not read yet). Cancelled (the client left) or failed, the connection is closed."""
+        resp = await self.session.post(url, data=raw, headers=headers)
+        if stream and resp.status == 200:
+            return resp, None
+        try:
+            content = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return resp, content
 
     @staticmethod
     async def _unless_client_leaves(request: Request, awaitable):
@@ -189,13 +197,13 @@ class Router:
                     await task
                 raise _ClientGone
 
-    async def _relay(self, replica: Replica, resp: httpx.Response):
+    async def _relay(self, replica: Replica, resp: aiohttp.ClientResponse):
         """The replica's stream, chunk by chunk as it arrives; closing it (the client went away) closes the
         upstream connection, which aborts the request there."""
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             self.upstream_errors.labels(replica.url).inc()
             self.pool.mark_down(replica, f"{type(exc).__name__} mid-stream")
             error = {"error": {"message": f"replica {replica.url} failed mid-stream ({type(exc).__name__})",
@@ -203,7 +211,7 @@ class Router:
             yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
             replica.in_flight -= 1
-            await resp.aclose()
+            resp.close()            # read to the end or not: this connection is not reused
 
     async def models(self) -> Response:
         for replica in self.pool.healthy():
@@ -255,12 +263,36 @@ class _PoolCollector:
                                     "Age of the latest KV event when this router read it.", value=events.lag_s)
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router):
+    """The router's ASGI app: the two proxied endpoints straight to ``Router.route`` (each request's share of
+    the router's cost: FastAPI's middleware and routing layers are not needed there), the rest (health,
+    metrics, models, lifespan) through FastAPI."""
+    app = _fastapi_app(router)
+    proxied = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+    async def asgi(scope, receive, send) -> None:
+        endpoint = proxied.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        response = await router.route(Request(scope, receive), endpoint, scope["path"])
+        await response(scope, receive, send)
+
+    return asgi
+
+
+def _fastapi_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits) as client:
-            router.client = client
+        # the proxied requests: aiohttp's client (a C parser; httpx's pure-Python path was most of the
+        # router's cost); bodies passed through as the replica sent them (no decompression)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                                        skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        async with session, httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits) as client:
+            router.client, router.session = client, session
             if router.events is not None:
                 await asyncio.to_thread(router.events.start)     # what the stream holds so far, then a reader
             await router.pool.poll_once(client)          # the pool as of start-up
