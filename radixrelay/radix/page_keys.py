@@ -24,6 +24,20 @@ def chain_seed(namespace: str, salt: str | None) -> bytes:
     return h.digest()
 
 
+def path_keys(path, seed: bytes, page_size: int) -> list[bytes]:
+    """Content keys of the pages of a radix-tree path (``RadixNode``s from the root's child down; ``seed``:
+    ``chain_seed`` of its namespace and salt), each node's kept on it (``RadixNode.page_keys``) and
+    computed only where a node has none yet, so a shared prefix is hashed once."""
+    keys: list[bytes] = []
+    prev = seed
+    for node in path:
+        if node.page_keys is None:
+            node.page_keys = extend_keys([], prev, node.key, page_size, len(node.pages))
+        keys.extend(node.page_keys)
+        prev = keys[-1] if keys else seed
+    return keys
+
+
 def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], page_size: int, num_pages: int) -> list[bytes]:
     """Append the keys of pages ``len(keys) .. num_pages - 1`` of ``token_ids`` to ``keys`` (in place;
     earlier keys are kept: token lists only grow) and return it. ``num_pages`` whole pages must exist."""

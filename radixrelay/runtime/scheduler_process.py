@@ -342,9 +342,11 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         if isinstance(ready, RuntimeFailed):
             frontend_out.send(encode(ready))
             return 1
+    publisher = None
     try:
         tokenizer = loading.result()
         eos = tuple(sorted(tokenizer.eos_token_ids | set(ready.eos_token_ids)))
+        publisher = _kv_events(cfg, ready)
         scheduler = Scheduler(
             SchedulerConfig(kv_cache_tokens=ready.num_pages * cfg.page_size, page_size=cfg.page_size,
                             max_running_requests=cfg.max_running_requests,
@@ -352,18 +354,24 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                             schedule_policy=cfg.schedule_policy,
                             disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos,
                             kv_namespace=ready.kv_namespace, kv_page_bytes=ready.page_bytes),
-            detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready), events=_kv_events(cfg, ready))
+            detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready), events=publisher)
         planner = make_cascade_planner(cfg.cascade, cfg.page_size)
         scheduler.set_cascade_planner(planner)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
+        if publisher is not None:
+            publisher.close()
         frontend_out.send(encode(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}")))
         return 1
     collector = GcControl("scheduler", gc_mode(), logger)
     collector.settle()                 # the tokenizer and the scheduler's structures: never scanned again
     frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
                                           ready.vocab_size, ready.precision)))
-    return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
-                         ready.vocab_size, collector, GcStats(frozen=ready.gc_frozen)).run()
+    try:
+        return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
+                             ready.vocab_size, collector, GcStats(frozen=ready.gc_frozen)).run()
+    finally:
+        if publisher is not None:
+            publisher.close()               # what is queued goes out (bounded), then its thread ends
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.page_keys import chain_seed, extend_keys, path_keys
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.request import Request
 
@@ -56,11 +56,7 @@ class KVEventHook:
         while node.parent is not None:
             path.append(node)
             node = node.parent
-        prev = self._seed(node.salt)
-        for nd in reversed(path):
-            if nd.page_keys is None:
-                nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
-            prev = nd.page_keys[-1]
+        path_keys(reversed(path), self._seed(node.salt), self.page_size)     # fills the nodes' page_keys
         self.publisher.removed(list(leaf.page_keys))
 
     def cleared(self) -> None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 
 from radixrelay.protocol.kv import KVAcks, KVTransfers
-from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.page_keys import chain_seed, extend_keys, path_keys
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
@@ -67,14 +67,7 @@ class TierCoordinator:
         """Content keys of the pages of the tree path root -> ``node`` (a prefix of ``req``'s tokens),
         kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet. ``path``: that
         path (``RadixTree.path(node)``) if the caller has it."""
-        keys: list[bytes] = []
-        prev = self._seed(req)
-        for nd in self.tree.path(node) if path is None else path:
-            if nd.page_keys is None:
-                nd.page_keys = extend_keys([], prev, nd.key, self.page_size, len(nd.pages))
-            keys.extend(nd.page_keys)
-            prev = keys[-1]
-        return keys
+        return path_keys(self.tree.path(node) if path is None else path, self._seed(req), self.page_size)
 
     def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
