@@ -47,7 +47,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "token; bf16 checkpoints quantized at load, FP8 checkpoints loaded as they are); needs FP8 "
                         "tensor cores, e.g. H100 (default: the model dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="fp8: K and V stored in float8 e4m3 with per-layer scales; auto: the model dtype "
+                   help="fp8: K and V stored in float8 e4m3 (twice the tokens in the same memory; scale 1 on "
+                        "the GPU, read by the attention kernels as the model dtype); auto: the model dtype "
                         "(default: %(default)s)")
     g.add_argument("--fp8-emulation", action="store_true",
                    help="run --quantization / --kv-cache-dtype fp8 as quantize-then-dequantize in float32: FP8's "

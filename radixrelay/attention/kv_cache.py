@@ -22,7 +22,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        model_dtype: torch.dtype | None = None,
     ) -> None:
+        """``dtype``: what the cache stores; ``model_dtype``: the queries' and the attention outputs' (None: the
+        same; float8_e4m3fn caches of a bf16 model differ: ``--kv-cache-dtype fp8``, read at scale 1)."""
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
                             ("page_size", page_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
@@ -37,6 +40,7 @@ class KVCache:
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
+        self.model_dtype = model_dtype or dtype
         self.layer_ready: list | None = None     # see wait_for_layer
         # FP8 KV emulated (``radixrelay.model.quantization``): per layer (K scale, V scale); every write
         # stores the values an e4m3 cache with those scales gives back. None: stored as they are.
@@ -73,8 +77,18 @@ class KVCache:
 
             k_scale, v_scale = self.fp8_emulation[layer_id]
             k, v = fake_quantize_kv(k, k_scale), fake_quantize_kv(v, v_scale)
-        self.k[layer_id].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer_id].index_copy_(0, slots, v.to(self.dtype))
+        write_slots(self.k[layer_id], slots, k)
+        write_slots(self.v[layer_id], slots, v)
 
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots] = values in the cache's dtype (a float8 cache: torch's cast, saturating at +-448, copied as
+    bytes since index_copy_ has no float8 kernels). cache: [num_slots, H, D]; slots: int64 [T]; values: [T, H, D]."""
+    values = values.to(cache.dtype)
+    if cache.dtype.itemsize == 1:
+        cache.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, values)

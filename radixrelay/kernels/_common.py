@@ -20,6 +20,7 @@ from triton.runtime import driver
 
 LOG2E = math.log2(math.e)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE = torch.float8_e4m3fn     # an FP8 KV cache (``--kv-cache-dtype fp8``): read as the query's dtype
 
 
 class KernelLaunch:
@@ -118,8 +119,9 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
     check(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
     check(k_cache.stride() == v_cache.stride(), "k_cache and v_cache must have the same strides")
     check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} not supported (fp16, bf16, fp32)")
-    check(q.dtype == k_cache.dtype == v_cache.dtype,
-          f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_CACHE),
+          f"k_cache and v_cache must be q's dtype or float8_e4m3fn (an FP8 cache, scale 1), got {q.dtype}, "
+          f"{k_cache.dtype}, {v_cache.dtype}")
     check(q.device == k_cache.device == v_cache.device, "q, k_cache and v_cache must be on one device")
     head_dim = q.shape[2]
     check(k_cache.shape[2] == head_dim, f"head_dim of q ({head_dim}) != of the cache ({k_cache.shape[2]})")
@@ -207,6 +209,8 @@ def softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr, D
     With ``MASKED`` the scores outside ``mask`` [BM, BN] are dropped; rows with nothing seen yet keep
     ``m_i = -inf`` and contribute no NaN.
     """
+    k = k.to(q.dtype)              # an FP8 cache (e4m3, scale 1): exact in the query's dtype; else no-op
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN] raw scores q.k
     if MASKED:
         s = tl.where(mask, s, float("-inf"))

@@ -43,7 +43,7 @@ def _rotate(x1, x2, c1, c2, s1, s2):
 def _rope_store_kernel(
     qkv, cos, sin, slots, q_out, k_cache, v_cache, num_tokens,
     stride_qkv, stride_cs, stride_q_t, stride_q_h, stride_c_slot, stride_c_h,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
 ):
     # grid: (T, Hq + Hkv); a program rotates one q head, or one k head and copies the v head beside it.
     t = tl.program_id(0).to(tl.int64)
@@ -68,12 +68,19 @@ def _rope_store_kernel(
         kv_head = h - NUM_Q_HEADS
         slot = tl.load(slots + t)
         at = slot * stride_c_slot + kv_head * stride_c_h     # (names differ from the q branch: Triton types them)
-        out_dt = k_cache.dtype.element_ty
-        tl.store(k_cache + at + offs, r1.to(out_dt))
-        tl.store(k_cache + at + HALF + offs, r2.to(out_dt))
         v = row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * (2 * HALF)
-        tl.store(v_cache + at + offs, tl.load(v + offs).to(out_dt))
-        tl.store(v_cache + at + HALF + offs, tl.load(v + HALF + offs).to(out_dt))
+        _store_kv(k_cache + at + offs, r1, FP8)
+        _store_kv(k_cache + at + HALF + offs, r2, FP8)
+        _store_kv(v_cache + at + offs, tl.load(v + offs), FP8)
+        _store_kv(v_cache + at + HALF + offs, tl.load(v + HALF + offs), FP8)
+
+
+@triton.jit
+def _store_kv(dst, x, FP8: tl.constexpr):
+    # an FP8 cache (e4m3, scale 1) keeps x clamped to the format's range (+-448), rounded to nearest
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    tl.store(dst, x.to(dst.dtype.element_ty))
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -81,6 +88,8 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
     """See the module docstring."""
     check(qkv.dim() == 2 and qkv.dtype in FLOAT_DTYPES,
           f"rope_and_store: qkv must be [tokens, width] fp16/bf16/fp32, got {tuple(qkv.shape)} {qkv.dtype}")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn),
+          f"rope_and_store: the cache must be qkv's dtype or float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}")
     check(k_cache.dim() == 3 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
           f"rope_and_store: k_cache/v_cache must be [slots, Hkv, D] alike, got {tuple(k_cache.shape)}, "
           f"{tuple(v_cache.shape)}")
@@ -105,7 +114,8 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
         _rope_store_kernel[(num, num_q_heads + num_kv_heads)](
             qkv, cos, sin, slots, q, k_cache, v_cache, num,
             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, num_warps=1)
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+            FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1)
     return q
 
 
@@ -117,6 +127,8 @@ def rope_and_store_reference(qkv, cos, sin, slots, k_cache, v_cache, num_q_heads
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = apply_rope(q.reshape(-1, num_q_heads, head_dim), cos, sin)
     k = apply_rope(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.reshape(-1, num_kv_heads, head_dim).to(v_cache.dtype))
+    from radixrelay.attention.kv_cache import write_slots
+
+    write_slots(k_cache, slots, k)
+    write_slots(v_cache, slots, v.reshape(-1, num_kv_heads, head_dim))
     return q

@@ -54,16 +54,30 @@ class Precision:
         if (major, minor) < (8, 9):
             raise ValueError(f"{what}: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) "
                              f"has no FP8 tensor cores; FP8 needs 8.9 or higher (Ada, Hopper)")
-        if self.kv == "fp8":
-            raise ValueError("kv_cache_dtype fp8: not available on CUDA yet (the attention kernels read the "
-                             "model dtype); use the default KV dtype")
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model in ``dtype``: e4m3 for an FP8 cache (its emulation keeps ``dtype``)."""
+        return E4M3 if self.kv == "fp8" and not self.emulate else dtype
+
+    def check_kv_scales(self, kv_scales: dict[int, tuple[float, float]]) -> None:
+        """An FP8 cache on the device runs at scale 1 (the kernels read e4m3 as it is): a checkpoint's other
+        per-layer K/V scales are refused there rather than ignored (the emulation applies them)."""
+        if self.kv != "fp8" or self.emulate:
+            return
+        other = {layer: s for layer, s in kv_scales.items() if s != (1.0, 1.0)}
+        if other:
+            layer, (k, v) = next(iter(sorted(other.items())))
+            raise ValueError(f"kv_cache_dtype fp8: the checkpoint gives KV scales other than 1 (layer {layer}: k_scale "
+                             f"{k}, v_scale {v}); the FP8 cache runs at scale 1 only so far (use the default KV "
+                             f"dtype, or fp8_emulation)")
 
     def describe(self, dtype: torch.dtype) -> dict[str, str]:
         """Which precision each part runs in (the start-up log and ``/metrics``)."""
         model = str(dtype).removeprefix("torch.")
         fp8 = "fp8-e4m3-emulated" if self.emulate else "fp8-e4m3"
         return {"linear": f"{fp8} (per channel) x {fp8} (per token)" if self.weights == "fp8" else model,
-                "kv_cache": f"{fp8} (per-layer scale)" if self.kv == "fp8" else model,
+                "kv_cache": (f"{fp8} (per-layer scale)" if self.emulate else f"{fp8} (scale 1)") if self.kv == "fp8"
+                else model,
                 "attention": model if model != "float32" else "float32", "embedding_lm_head_norms": model}
 
 

@@ -63,13 +63,15 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     model, mc = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format,
                            seed=cfg.seed, tp=tp, precision=precision)
     local = model.local_config                     # this rank's KV heads
-    kv_dtype = model.model.embed_tokens.weight.dtype          # the model dtype (not an FP8 weight's)
-    parts = precision.describe(kv_dtype)
+    model_dtype = model.model.embed_tokens.weight.dtype       # the model dtype (not an FP8 weight's)
+    precision.check_kv_scales(model.kv_scales)
+    kv_dtype = precision.cache_dtype(model_dtype)             # e4m3 for an FP8 KV cache
+    parts = precision.describe(model_dtype)
     logger.info("precision: %s", "; ".join(f"{part} {what}" for part, what in parts.items()))
     if tp.enabled and device.type == "cuda":
         from radixrelay.worker.tp_calibration import calibrate_all_reduce
 
-        calibrate_all_reduce(tp, mc.hidden_size, kv_dtype, device,
+        calibrate_all_reduce(tp, mc.hidden_size, model_dtype, device,
                              cfg.chunked_prefill_tokens + cfg.max_running_requests)
     kv_tokens = cfg.kv_cache_tokens or _default_kv_tokens(cfg, device, local, kv_dtype, tp)
     num_pages = kv_tokens // cfg.page_size
@@ -78,7 +80,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     # One page beyond what the scheduler hands out: padded CUDA-graph rows write their K/V there.
     kv_cache = KVCache(num_layers=mc.num_layers, num_pages=num_pages + 1, page_size=cfg.page_size,
                        num_kv_heads=local.num_kv_heads, head_dim=mc.head_dim, dtype=kv_dtype,
-                       device=device)
+                       device=device, model_dtype=model_dtype)
     if precision.kv == "fp8":                      # emulated (Precision.check_device refuses the rest)
         model.enable_kv_emulation(kv_cache)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)

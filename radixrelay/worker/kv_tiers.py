@@ -313,7 +313,10 @@ class TierStore:
             self._stage = self._stage_buffer()
         shape = (kv.num_layers, 2, n) + tuple(kv.buffer.shape[3:])
         stage = self._stage[:math.prod(shape)].view(shape)       # contiguous: the staging buffer's first part
-        torch.index_select(kv.buffer, 2, rows, out=stage)
+        if kv.buffer.element_size() == 1:                 # an FP8 cache: gathered as bytes
+            torch.index_select(kv.buffer.view(torch.uint8), 2, rows, out=stage.view(torch.uint8))
+        else:
+            torch.index_select(kv.buffer, 2, rows, out=stage)
         planes = stage.view((-1,) + stage.shape[2:])                     # [num_layers * 2, n, Hkv, D]
         at = 0
         for first, run in pieces:

@@ -172,7 +172,7 @@ class _Scratch:
             raise ValueError(f"warm-up: dims {dims} do not match the KV cache {tuple(kv_cache.k[0].shape)}")
         self.dims, self.k, self.v = dims, kv_cache.k[0], kv_cache.v[0]
         self.page_size, self.num_pages = kv_cache.page_size, kv_cache.num_pages
-        self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        self.device, self.dtype = kv_cache.device, kv_cache.model_dtype     # the queries' and outputs' dtype
         self.sm_scale = dims.head_dim ** -0.5
 
     def _q(self, tokens: int) -> torch.Tensor:
