@@ -28,7 +28,8 @@ same steps on its slice of the model (``TensorParallel``, all-reduces by ``PeerA
 picks them); rank 0 times them and writes ``throughput_tp<N>_<device>.md``.
 
     python -m benchmarks.engine.bench_throughput [--layers 4] [--output 128] [--quick] [--only abc] [--cascade auto|on]
-                                          [--modes no-cache,flat,cascade,no-attn] [--tp N] [--out-dir DIR]
+                                          [--modes no-cache,flat,cascade,no-attn] [--tp N] [--quantization fp8]
+                                          [--kv-cache-dtype fp8] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.cascade.planner import make_cascade_planner
 from radixrelay.model import ModelConfig, load_model
+from radixrelay.model.quantization import Precision
 from radixrelay.protocol.cascade import DecodeRow, PathSegment
 from radixrelay.protocol.step import AdmittedRequest, StepPlan
 from radixrelay.sampling_params import SamplingParams
@@ -167,8 +169,8 @@ def _everywhere(ok: bool, model) -> bool:
     return bool(flag.item())
 
 
-def kv_bytes(cfg: ModelConfig, num_pages: int) -> int:
-    return 2 * cfg.num_layers * num_pages * PAGE * cfg.num_kv_heads * cfg.head_dim * 2
+def kv_bytes(cfg: ModelConfig, num_pages: int, itemsize: int = 2) -> int:
+    return 2 * cfg.num_layers * num_pages * PAGE * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def sync(device: torch.device) -> None:
@@ -182,13 +184,16 @@ def run(model, w: Workload, mode: str, output: int, warmup: int, graphs: bool,
     param = next(model.parameters())
     device = param.device
     lay = layout(w, output, shared=mode != "no-cache")
-    if not _everywhere(device.type != "cuda" or kv_bytes(cfg, lay.num_pages + 1) <= 0.85 * torch.cuda.mem_get_info()[0],
-                       model):
+    itemsize = 1 if model.precision.kv == "fp8" else 2
+    if not _everywhere(device.type != "cuda"
+                       or kv_bytes(cfg, lay.num_pages + 1, itemsize) <= 0.85 * torch.cuda.mem_get_info()[0], model):
         return None
+    dtype = model.model.embed_tokens.weight.dtype              # the model's (its FP8 weights are not)
     kv = KVCache(num_layers=cfg.num_layers, num_pages=lay.num_pages + 1, page_size=PAGE,
-                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=param.dtype, device=device)
+                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=model.precision.cache_dtype(dtype),
+                 device=device, model_dtype=dtype)
     for t in kv.k + kv.v:
-        t.normal_()
+        t.copy_(torch.randn(t.shape, device=device, dtype=dtype))
     backend = NoAttention() if mode == "no-attn" else TritonBackend()
     planner = make_cascade_planner(cascade_mode if mode == "cascade" else "off", PAGE)
     max_pages = max(len(p) for p in lay.pages)
@@ -253,6 +258,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="workload letters to run, e.g. 'bc' (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs of this host)")
+    ap.add_argument("--quantization", default=None, choices=("fp8",), help="FP8 linear layers (--quantization fp8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="an FP8 KV cache")
     ap.add_argument("--out-dir", default=str(RESULTS / "engine"))
     args = ap.parse_args()
     if args.tp > 1:
@@ -297,7 +304,8 @@ def _bench(args: argparse.Namespace, tp) -> None:
         model, _ = load_model(cfg, device="cpu", dtype=torch.float32)
     else:
         device, cfg = torch.cuda.get_device_name(), llama3(args.shape, args.layers)
-        model, _ = load_model(cfg, device=f"cuda:{rank}", dtype=torch.bfloat16, tp=tp)
+        model, _ = load_model(cfg, device=f"cuda:{rank}", dtype=torch.bfloat16, tp=tp,
+                              precision=Precision(args.quantization, args.kv_cache_dtype))
     modes = args.modes.split(",")
     if rank:                                        # the other ranks run the same steps; rank 0 reports
         for w in workloads(args.quick, args.smoke):
@@ -308,6 +316,7 @@ def _bench(args: argparse.Namespace, tp) -> None:
     header = (f"# Decode throughput, shared prefixes ({device})\n\n"
               f"{'tiny fp32 model' if args.smoke else f'Llama-3-{args.shape.upper()} shapes, {args.layers} layers, dummy bf16 weights'}, "
               f"{f'tensor parallel over {tp_size} GPUs, ' if tp_size > 1 else ''}"
+              f"{'FP8 linear layers, ' if args.quantization else ''}{'FP8 KV cache, ' if args.kv_cache_dtype == 'fp8' else ''}"
               f"cascade planner {args.cascade}, {args.output} output tokens per "
               f"request ({args.warmup} untimed), median of {args.repeats} interleaved runs per mode, page {PAGE}, CUDA graphs {'off' if args.no_graphs else 'on'}; "
               f"torch {torch.__version__}. Command: `python -m benchmarks.engine.bench_throughput "
@@ -316,7 +325,8 @@ def _bench(args: argparse.Namespace, tp) -> None:
               " groups/levels | graphs | launch ms/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     os.makedirs(args.out_dir, exist_ok=True)
     slug = device.lower().replace("nvidia ", "").replace(" ", "_").replace("(", "").replace(")", "")
-    variant = (f"{args.shape}_" if args.shape != "8b" else "") + (f"tp{tp_size}_" if tp_size > 1 else "")
+    variant = ((f"{args.shape}_" if args.shape != "8b" else "") + (f"tp{tp_size}_" if tp_size > 1 else "")
+               + ("fp8_" if args.quantization else "") + ("fp8kv_" if args.kv_cache_dtype == "fp8" else ""))
     path = os.path.join(args.out_dir, f"throughput_{variant}{slug}.md")
     with open(path, "w") as f:                      # written row by row: a cut-off run keeps its rows
         emit(f, header)

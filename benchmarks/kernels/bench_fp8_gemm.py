@@ -1,0 +1,114 @@
+"""FP8 products against bf16 on the GPU: Llama-3-8B's four decoder projections per row count.
+
+Per projection and row count (bf16 activations [rows, in], weights [out, in]):
+  bf16       ``F.linear`` (cuBLAS), the model dtype's product;
+  scaled_mm  ``torch._scaled_mm`` alone: inputs already e4m3 with their per-token scales, weights e4m3 per
+             output channel (cuBLAS FP8, fp32 accumulation, bf16 out);
+  Fp8Linear  what ``--quantization fp8`` runs: the input's per-token quantization, then the same product.
+Each is timed from CUDA-graph replays (a graph of ``CALLS`` calls cycling over ``COPIES`` weight copies, so
+the weights come from memory, not L2: 3 untimed replays, then the median of ``--replays``), microseconds
+per call. The last rows sum the four projections per layer and multiply by 32 layers: the products of one
+decode step. Also checked: Fp8Linear's output against bf16's (relative Frobenius error).
+
+    python -m benchmarks.kernels.bench_fp8_gemm [--rows 64,256,512] [--replays 20] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import RESULTS, ROOT
+from radixrelay.bench.provenance import source_commit, write_device_results
+from radixrelay.model.quantization import Fp8Linear, token_scales
+
+PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+LAYERS = 32
+CALLS = 16
+COPIES = 4
+
+
+def _time(ops, replays: int) -> float:
+    """Median microseconds per call of ``ops`` (a list of callables, called in turn) from graph replays."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            ops[i % len(ops)]()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def measure(rows: int, k: int, n: int, replays: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+    weights = [(torch.randn(n, k, generator=gen, device="cuda") * 0.02).bfloat16() for _ in range(COPIES)]
+    layers = []
+    for w in weights:
+        layer = Fp8Linear(k, n, dtype=torch.bfloat16, device="cuda")
+        layer.load_rows(0, w)
+        layers.append(layer)
+    s_x = token_scales(x)
+    q_x = (x.float() / s_x).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = F.linear(x, weights[0]).float()
+    got = layers[0](x).float()
+    err = ((got - want).norm() / want.norm()).item()
+    bf16 = [lambda w=w: F.linear(x, w) for w in weights]
+    scaled = [lambda m=m: torch._scaled_mm(q_x, m.weight.t(), scale_a=s_x, scale_b=m.weight_scale[None, :],
+                                             out_dtype=torch.bfloat16) for m in layers]
+    fp8 = [lambda m=m: m(x) for m in layers]
+    return {"bf16": _time(bf16, replays), "scaled_mm": _time(scaled, replays), "fp8": _time(fp8, replays),
+            "err": err}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[64, 256, 512])
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(RESULTS / "kernels"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fp8_gemm: needs a CUDA device", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0)
+    lines = [f"# FP8 products against bf16, Llama-3-8B projections ({name})", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; commit {source_commit(ROOT)}; torch "
+             f"{torch.__version__}. Command: `python -m benchmarks.kernels.bench_fp8_gemm {' '.join(sys.argv[1:])}`", "",
+             "Microseconds per call, the median of CUDA-graph replays (weights cycled over "
+             f"{COPIES} copies: read from memory). scaled_mm: the FP8 product alone (inputs already e4m3); Fp8Linear: "
+             "the per-token quantization of the input included. Error: Fp8Linear against bf16 (relative, Frobenius).",
+             "", "| rows | projection | in -> out | bf16 us | scaled_mm us | Fp8Linear us | Fp8Linear / bf16 | "
+             "scaled_mm / bf16 | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for rows in args.rows:
+        total = {"bf16": 0.0, "scaled_mm": 0.0, "fp8": 0.0}
+        for proj, (k, n) in PROJECTIONS.items():
+            r = measure(rows, k, n, args.replays)
+            for key in total:
+                total[key] += r[key]
+            lines.append(f"| {rows} | {proj} | {k} -> {n} | {r['bf16']:.1f} | {r['scaled_mm']:.1f} | {r['fp8']:.1f} | "
+                         f"{r['fp8'] / r['bf16']:.2f} | {r['scaled_mm'] / r['bf16']:.2f} | {r['err']:.4f} |")
+            print(lines[-1], flush=True)
+        lines.append(f"| {rows} | **32 layers** | | {total['bf16'] * LAYERS / 1e3:.2f} ms | "
+                     f"{total['scaled_mm'] * LAYERS / 1e3:.2f} ms | {total['fp8'] * LAYERS / 1e3:.2f} ms | "
+                     f"{total['fp8'] / total['bf16']:.2f} | {total['scaled_mm'] / total['bf16']:.2f} | |")
+    print(f"wrote {write_device_results(args.out_dir, 'fp8_gemm', name, lines)}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
