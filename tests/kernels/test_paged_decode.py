@@ -63,7 +63,7 @@ def test_decode_rejects_bad_arguments():
     table, ranges = int32([[0], [1]]), int32([0, 0])
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_decode_attention(q[:, :3], k, k, table, 8, ranges, ranges)
-    with pytest.raises(ValueError, match="dtypes differ"):
+    with pytest.raises(ValueError, match="must be q.s dtype or float8_e4m3fn"):
         paged_decode_attention(q.half(), k, k, table, 8, ranges, ranges)
     with pytest.raises(ValueError, match="page_table"):
         paged_decode_attention(q, k, k, table[:1], 8, ranges, ranges)
