@@ -12,7 +12,7 @@ from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import Tokenizer
 
 # The router's own page size for its index (the replicas' pages may differ: a match is a guess anyway).
-PAGE_TOKENS = 16
+PAGE_TOKENS = 64
 NAMESPACE = "radixrelay-router"
 
 
