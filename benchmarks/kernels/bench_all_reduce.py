@@ -28,6 +28,7 @@ import tempfile
 import torch
 
 from benchmarks.common import RESULTS, ROOT
+from radixrelay.bench.graph_timing import graph_replay_seconds
 from radixrelay.bench.provenance import source_commit, write_device_results
 
 CALLS = 16                  # all-reduces per captured graph
@@ -139,21 +140,12 @@ def _time(op, src: torch.Tensor, replays: int) -> float:
     import torch.distributed as dist
 
     x = src.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for _ in range(CALLS):
             op(x)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    mine = torch.tensor([statistics.median(times)], device=src.device)
+
+    mine = torch.tensor([statistics.median(graph_replay_seconds(body, replays)) * 1e6 / CALLS], device=src.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return mine.item()
 

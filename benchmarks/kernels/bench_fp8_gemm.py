@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import RESULTS, ROOT
+from radixrelay.bench.graph_timing import graph_replay_seconds
 from radixrelay.bench.provenance import source_commit, write_device_results
 from radixrelay.model.quantization import Fp8Linear, token_scales
 
@@ -36,21 +37,11 @@ COPIES = 4
 
 def _time(ops, replays: int) -> float:
     """Median microseconds per call of ``ops`` (a list of callables, called in turn) from graph replays."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def body() -> None:
         for i in range(CALLS):
             ops[i % len(ops)]()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+
+    return statistics.median(graph_replay_seconds(body, replays)) * 1e6 / CALLS
 
 
 def measure(rows: int, k: int, n: int, replays: int) -> dict:

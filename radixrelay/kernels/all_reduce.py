@@ -91,6 +91,29 @@ def _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world: tl.constexpr, BLOCK: tl
     return acc
 
 
+@triton.jit
+def _stage(x, buffer_ptrs, own, slot_stride, offs, ok, dtype, rank: tl.constexpr, world: tl.constexpr,
+           PUSH: tl.constexpr):
+    # one-shot's first phase: this rank's values at ``offs`` into its slot of every buffer (push), or into
+    # its own buffer (pull)
+    values = tl.load(x + offs, mask=ok)
+    if PUSH:
+        _push(buffer_ptrs, values, slot_stride, offs, ok, dtype, rank, world)
+    else:
+        tl.store(own + offs, values, mask=ok)
+
+
+@triton.jit
+def _one_shot_sum(buffer_ptrs, own, slot_stride, offs, ok, dtype, world: tl.constexpr, PUSH: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # one-shot's second phase: the ranks' values at ``offs`` added in rank order (fp32)
+    if PUSH:
+        total = _sum_slots(own, slot_stride, offs, ok, world, BLOCK)
+    else:
+        total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK)
+    return total
+
+
 # The size varies per call (rows of a step): not specialised, so one variant serves every size; it is
 # passed in vectors of VEC elements (every message is a multiple: rows x hidden).
 @triton.jit
@@ -124,21 +147,14 @@ def _one_shot_kernel(x, buffer_ptrs, flag_ptrs, epochs, vectors, max_programs,
     own = _rank_buffer(buffer_ptrs, rank, dtype)
     for start in range(pid * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
-        ok = offs < numel
-        if PUSH:
-            _push(buffer_ptrs, tl.load(x + offs, mask=ok), numel, offs, ok, dtype, rank, world)
-        else:
-            tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+        _stage(x, buffer_ptrs, own, numel, offs, offs < numel, dtype, rank, world, PUSH)
     if SYNC:
         _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
     for start in range(pid * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < numel
-        if PUSH:
-            total = _sum_slots(own, numel, offs, ok, world, BLOCK)
-        else:
-            total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK)
-        tl.store(x + offs, total.to(dtype), mask=ok)
+        tl.store(x + offs, _one_shot_sum(buffer_ptrs, own, numel, offs, ok, dtype, world, PUSH, BLOCK).to(dtype),
+                 mask=ok)
     if SYNC:
         _exchange(flag_ptrs, 1, pid, epoch, rank, world, max_programs)
     tl.store(epochs + pid, epoch)
@@ -203,18 +219,12 @@ def _one_shot_add_kernel(x, residual, weight, y, s, buffer_ptrs, flag_ptrs, epoc
     numel = rows * HIDDEN                      # the push layout's slot stride
     for row in range(pid, rows, programs):
         offs = row * HIDDEN + cols             # < the staging buffer's elements: int32 is enough
-        if PUSH:
-            _push(buffer_ptrs, tl.load(x + offs, mask=ok), numel, offs, ok, dtype, rank, world)
-        else:
-            tl.store(own + offs, tl.load(x + offs, mask=ok), mask=ok)
+        _stage(x, buffer_ptrs, own, numel, offs, ok, dtype, rank, world, PUSH)
     if SYNC:
         _exchange(flag_ptrs, 0, pid, epoch, rank, world, max_programs)
     for row in range(pid, rows, programs):
         offs = row * HIDDEN + cols
-        if PUSH:
-            total = _sum_slots(own, numel, offs, ok, world, BLOCK).to(dtype)             # the all-reduce
-        else:
-            total = _sum_over_ranks(buffer_ptrs, offs, ok, dtype, world, BLOCK).to(dtype)
+        total = _one_shot_sum(buffer_ptrs, own, numel, offs, ok, dtype, world, PUSH, BLOCK).to(dtype)  # the sum
         r = tl.load(residual + offs, mask=ok, other=0.0)
         sv = (total.to(tl.float32) + r.to(tl.float32)).to(dtype)                       # + residual, rounded
         tl.store(s + offs, sv, mask=ok)

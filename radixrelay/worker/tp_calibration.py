@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+from radixrelay.bench.graph_timing import graph_replay_seconds
 from radixrelay.model.parallel import TensorParallel
 
 logger = logging.getLogger("radixrelay.worker")
@@ -38,21 +39,13 @@ def calibrate_all_reduce(tp: TensorParallel, hidden: int, dtype: torch.dtype, de
     for n in rows:
         x = torch.zeros(n, hidden, dtype=dtype, device=device)
         tp.all_reduce(x)                               # eager once: NCCL's communicator and buffers
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def body(x=x) -> None:
             for _ in range(REPEATS):
                 tp.all_reduce(x)
-        graph.replay()
-        times = []
-        for _ in range(TIMED):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / REPEATS)
-        seconds.append(statistics.median(times))
-        del graph, x
+
+        seconds.append(statistics.median(graph_replay_seconds(body, TIMED, warmup=1)) / REPEATS)
+        del x
     torch.cuda.empty_cache()           # the KV cache is sized from the free memory after this
     tp.clock.calibrated(rows, seconds)
     shown = ", ".join(f"{n} rows {s * 1e6:.0f} us" for n, s in zip(rows, seconds) if n in (1, 256, rows[-1]))
