@@ -23,6 +23,7 @@ from torch import nn
 
 from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from radixrelay.model.fp8 import E4M3, E4M3_MAX, quantize_weight
+from radixrelay.model.layers import fused
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,13 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                   # [T, in]
-        s_x = token_scales(x2)                                                  # [T, 1]
-        q_x = (x2.float() / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        if not self.emulate and fused(x2):                                      # one kernel (GPU)
+            from radixrelay.kernels.fp8_quant import quantize_rows
+
+            q_x, s_x = quantize_rows(x2.contiguous())                           # [T, in] e4m3, [T, 1]
+        else:
+            s_x = token_scales(x2)                                              # [T, 1]
+            q_x = (x2.float() / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
         if self.emulate:
             out = (q_x.float() @ self.weight.t()) * s_x * self.weight_scale[None, :]
             out = out.to(x.dtype)

@@ -35,6 +35,19 @@ def test_fp8_linear_on_cuda_equals_its_emulation(rows):
     assert torch.equal(out, got)
 
 
+@pytest.mark.parametrize("cols", [4096, 14336])
+def test_quantize_rows_kernel_equals_the_torch_ops_on_cuda(cols):
+    from radixrelay.kernels.fp8_quant import quantize_rows, quantize_rows_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(cols)
+    x = (torch.randn(300, cols, generator=gen, device="cuda") * torch.logspace(-3, 3, 300, device="cuda")[:, None])
+    x = x.bfloat16()
+    x[7] = 0
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = quantize_rows_reference(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
 def test_model_in_fp8_on_cuda_tracks_its_emulation_and_bf16():
     """Same dummy weights (same device, same seed): FP8 on the tensor cores against the emulation of the same
     quantization (in bf16 on the GPU) and against the unquantized bf16 model."""
@@ -76,6 +89,14 @@ def test_fp8_kv_cache_serves_with_cascade_equal_to_flat_and_close_to_bf16(tmp_pa
             outs = engine.generate(_prompts(), params)
             return outs, engine.stats(), before
 
+    with Engine(model=str(model_dir), load_format="dummy", device="cuda", kv_cache_tokens=65536,
+                quantization="fp8") as engine:                     # FP8 weights: graphs, no compile after ready
+        engine.generate(_prompts()[:1], params)
+        before = engine.stats()
+        fp8_weights = engine.generate(_prompts(), params)
+        after = engine.stats()
+    assert after["eager_steps"] == before["eager_steps"] and after["jit_after_ready"] == 0
+    assert all(len(o.token_ids) == 32 for o in fp8_weights)
     flat, _, _ = run("fp8", "off")
     cascaded, stats, before = run("fp8", "on")
     bf16, _, _ = run("auto", "off")
