@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 from benchmarks.common import RESULTS, ROOT
-from radixrelay.bench.graph_timing import graph_replay_seconds
+from radixrelay.kernels.graph_timing import graph_replay_seconds
 from radixrelay.bench.provenance import source_commit, write_device_results
 
 CALLS = 16                  # all-reduces per captured graph

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import RESULTS, ROOT
-from radixrelay.bench.graph_timing import graph_replay_seconds
+from radixrelay.kernels.graph_timing import graph_replay_seconds
 from radixrelay.bench.provenance import source_commit, write_device_results
 from radixrelay.model.quantization import Fp8Linear, token_scales
 

@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from radixrelay.bench.graph_timing import graph_replay_seconds
+from radixrelay.kernels.graph_timing import graph_replay_seconds
 from radixrelay.model.parallel import TensorParallel
 
 logger = logging.getLogger("radixrelay.worker")
