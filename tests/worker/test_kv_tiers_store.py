@@ -29,7 +29,8 @@ def _cache(device: str, dtype=torch.float32) -> KVCache:
 
 def _page(kv: KVCache, page: int) -> torch.Tensor:
     rows = slice(page * PS, (page + 1) * PS)
-    return torch.stack([torch.stack([kv.k[l][rows], kv.v[l][rows]]) for l in range(kv.num_layers)]).cpu()
+    raw = (lambda t: t.view(torch.uint8)) if kv.dtype.itemsize == 1 else (lambda t: t)    # FP8 pages as bytes
+    return torch.stack([torch.stack([raw(kv.k[l][rows]), raw(kv.v[l][rows])]) for l in range(kv.num_layers)]).cpu()
 
 
 def _round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
@@ -61,12 +62,13 @@ def _round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
     store.close()
 
 
-def test_round_trip_cpu(tmp_path):
-    _round_trip("cpu", tmp_path)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_round_trip_cpu(tmp_path, dtype):
+    _round_trip("cpu", tmp_path, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_round_trip_cuda(tmp_path, dtype):
     _round_trip("cuda", tmp_path, dtype)
     kv = _cache("cuda", dtype)
@@ -159,16 +161,17 @@ def _shifted_load(device: str, dtype, tol: float) -> None:
         want = apply_rope(raw[layer].to(device).float(), cos, sin).cpu().double()
         got = kv.k[layer][8 * PS:10 * PS].cpu().double()
         assert torch.allclose(got, want, atol=tol, rtol=tol), (layer, (got - want).abs().max())
-        assert torch.equal(kv.v[layer][8 * PS:10 * PS].cpu(), v_before[layer])
+        assert torch.equal(kv.v[layer][8 * PS:10 * PS].cpu().float(), v_before[layer].float())
     assert torch.equal(_page(kv, 0), other)
 
 
-def test_shifted_load_rotates_keys_cpu():
-    _shifted_load("cpu", torch.float32, 1e-5)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float8_e4m3fn, 0.15)], ids=["fp32", "fp8"])
+def test_shifted_load_rotates_keys_cpu(dtype, tol):
+    _shifted_load("cpu", dtype, tol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 0.15)])
 def test_shifted_load_rotates_keys_cuda(dtype, tol):
     _shifted_load("cuda", dtype, tol)
 
