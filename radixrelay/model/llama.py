@@ -60,17 +60,8 @@ class Attention(nn.Module):
                                 precision, **factory)
         self.o_proj = _linear(self.q_size, config.hidden_size, False, precision, **factory)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        # x: [T, hidden]
-        q = self.before_attention(x, cos, sin, batch.out_slots, kv_cache)
-        kv_cache.wait_for_layer(self.layer_id)                                 # KV tier loads
-        o = backend.forward(q, self.layer_id, kv_cache, batch)                 # [T, Hq, D]
-        return self.output(o)
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        """o: attention output [T, Hq, D] -> [T, hidden] (summed over the ranks' heads)."""
-        return self.tp.all_reduce(self.partial_output(o))
+    # The layer runs in two halves around attention (``DecoderLayer``): ``before_attention`` (q, and the
+    # new K/V written), then ``partial_output`` (whose sum over the ranks ``DecoderLayer`` takes).
 
     def partial_output(self, o: torch.Tensor) -> torch.Tensor:
         """o: attention output [T, Hq, D] -> this rank's share of the output [T, hidden] (the ranks' shares
@@ -103,9 +94,6 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, precision, **factory)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, precision, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.partial(x))
-
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> this rank's share of the MLP's output [T, hidden] (the ranks' shares sum to it)."""
         if fused(x):
@@ -131,13 +119,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, tp, precision, **factory)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        q = self.before_attention(x, cos, sin, batch.out_slots, kv_cache)
-        return self.after_attention(x, backend.forward(q, self.self_attn.layer_id, kv_cache, batch))
-
-    # The same layer in two halves around attention (piecewise CUDA graphs capture the halves and
-    # launch attention between them): forward(x) == after_attention(x, attention(before_attention(x))).
+    # A layer is two halves around attention (piecewise CUDA graphs capture the halves and launch
+    # attention between them): the layer's output is after_attention(x, attention(before_attention(x))).
     # A model runs the halves of consecutive layers back to back and passes the next layer's input norm to
     # ``after_attention``, which joins it to its last op; ``before_attention`` then takes that as ``normed``.
 
