@@ -59,5 +59,5 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """The torch ops it replaces (``radixrelay.model.quantization``'s: ``token_scales``, then the cast), same
     contract."""
     amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))  # true division on CUDA too
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

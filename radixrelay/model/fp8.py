@@ -31,7 +31,7 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
     amax = x.detach().abs().amax(dim=1).float()
     if not torch.isfinite(amax).all():
         raise ValueError("fp8: the tensor holds inf or NaN; it cannot be scaled")
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, over_e4m3_max(amax), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -39,6 +39,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.shape != (x.shape[0],):
         raise ValueError(f"fp8: scale must be [{x.shape[0]}], got {tuple(scale.shape)}")
     return (x.float() / scale.float()[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / E4M3_MAX`` rounded to nearest on every device: divided by a tensor, since CUDA torch
+    multiplies by the reciprocal of a Python-number divisor (one ulp off the CPU's quotient)."""
+    return amax / torch.full_like(amax, E4M3_MAX)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from radixrelay.model.fp8 import E4M3, E4M3_MAX, quantize_weight
+from radixrelay.model.fp8 import E4M3, E4M3_MAX, over_e4m3_max, quantize_weight
 from radixrelay.model.layers import fused
 
 
@@ -87,7 +87,7 @@ def token_scales(x: torch.Tensor) -> torch.Tensor:
     No host synchronisation (CUDA graphs): a non-finite row yields non-finite outputs, as it would in
     the model dtype."""
     amax = x.abs().amax(dim=1, keepdim=True).float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, over_e4m3_max(amax), torch.ones_like(amax))
 
 
 class Fp8Linear(nn.Module):
