@@ -12,8 +12,7 @@ from pathlib import Path
 
 from radixrelay.config import (
     ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS,
-    QUANTIZATIONS, EngineConfig,
-    ServerConfig,
+    NODE_KERNELS, QUANTIZATIONS, EngineConfig, ServerConfig,
 )
 from radixrelay.env import api_key_env
 
@@ -64,6 +63,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", default="auto", choices=CASCADE_MODES,
                    help="cascaded attention over shared prefixes: auto decides per step by a cost "
                         "model, on cascades every shared node, off is flat (default: %(default)s)")
+    g.add_argument("--node-kernel", default="auto", choices=NODE_KERNELS,
+                   help="kernel of shared decode nodes: auto runs FlashAttention-3 where it is installed "
+                        "(pip install 'radixrelay[fa3]'; Hopper, 16-bit KV cache) and the Triton kernel "
+                        "elsewhere; fa3 requires it (default: %(default)s)")
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of as captured CUDA graphs")
     g.add_argument("--disable-radix-cache", action="store_true",
@@ -101,7 +104,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, max_running_requests=args.max_running_requests,
         max_queued_requests=getattr(args, "max_queued_requests", 1024),
         chunked_prefill_tokens=args.chunked_prefill_tokens,
-        attention_backend=args.attention_backend, cascade=args.cascade,
+        attention_backend=args.attention_backend, cascade=args.cascade, node_kernel=args.node_kernel,
         disable_cuda_graphs=args.disable_cuda_graphs, disable_radix_cache=args.disable_radix_cache,
         disable_overlap=args.disable_overlap, host_kv_gib=args.host_kv_gib, disk_kv_path=args.disk_kv_path,
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,

@@ -14,6 +14,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")   # auto: triton on CUDA, torch on CPU
 CASCADE_MODES = ("auto", "on", "off")
+NODE_KERNELS = ("auto", "triton", "fa3")   # shared decode nodes: auto = FlashAttention-3 where it runs, else triton
 KV_TIER_POLICIES = ("scheduler", "lru")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 QUANTIZATIONS = ("fp8",)             # weights (None: the model dtype); radixrelay.model.quantization
@@ -42,6 +43,9 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    # Shared decode nodes (cascade) on the triton backend: "auto" (FlashAttention-3 where its wheel is
+    # installed, on Hopper, 16-bit caches; else the Triton kernel), "triton", or "fa3" (required).
+    node_kernel: str = "auto"
     # Cascaded attention over shared radix nodes: "auto" (cost model), "on" (every shared node),
     # "off" (flat). Decode plans come from the scheduler's planner, prefill sharing from the worker.
     cascade: str = "auto"
@@ -93,6 +97,8 @@ class EngineConfig:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.node_kernel not in NODE_KERNELS:
+            raise bad("node_kernel", f"must be one of {NODE_KERNELS}, got {self.node_kernel!r}")
         if self.cascade not in CASCADE_MODES:
             raise bad("cascade", f"must be one of {CASCADE_MODES}, got {self.cascade!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

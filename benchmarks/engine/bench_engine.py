@@ -38,10 +38,12 @@ def run(path: str, mode: str, doc: list[int], warmup: list[list[int]], fresh: Ca
     half of the decode). Reported: the round of median wall time, and the median decode step."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     half = SamplingParams(max_tokens=max_tokens // 2, temperature=0, ignore_eos=True)
-    cascade, _, loop = mode.partition("-")          # e.g. "auto", "off-nooverlap"
+    cascade, *flags = mode.split("-")               # e.g. "auto", "off-nooverlap", "auto-fa3", "auto-tritonnode"
+    node_kernel = "fa3" if "fa3" in flags else "triton" if "tritonnode" in flags else "auto"
     rounds, decode = [], []
     with Engine(model=path, load_format="dummy", device=device, cascade=cascade, kv_cache_tokens=kv_tokens,
-                disable_overlap=loop == "nooverlap", host_kv_gib=host_kv_gib, tp=tp) as engine:
+                disable_overlap="nooverlap" in flags, host_kv_gib=host_kv_gib, tp=tp,
+                node_kernel=node_kernel) as engine:
         engine.generate([doc + warmup[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         engine.generate([doc + q for q in warmup], params)
         for _ in range(repeats):

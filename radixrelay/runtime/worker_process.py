@@ -24,6 +24,7 @@ import zmq
 
 from radixrelay.attention import KVCache
 from radixrelay.attention.factory import make_backend
+from radixrelay.kernels.fa3_node import resolve_node_kernel
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import (
@@ -84,7 +85,10 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     if precision.kv == "fp8":                      # emulated (Precision.check_device refuses the rest)
         model.enable_kv_emulation(kv_cache)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)
-    backend = make_backend(backend_name, device)
+    node_kernel = resolve_node_kernel(cfg.node_kernel, device) if backend_name == "triton" else "triton"
+    backend = make_backend(backend_name, device, node_kernel)
+    if node_kernel == "fa3":
+        logger.info("shared decode nodes of consecutive pages: FlashAttention-3 (16-bit caches), else Triton")
     if device.type == "cuda" and backend_name == "triton":
         from radixrelay.worker.warmup import warm_up_kernels   # imports the Triton kernels
 

@@ -114,6 +114,7 @@ class DecodeGraphs:
         self.device = kv_cache.device
         cfg = model.local_config                # this rank's heads
         self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        self.node_kernel = backend.node_kernel_for(kv_cache)           # baked into the launch shapes
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._shapes: dict[tuple, CascadeLaunch] = {}   # size class -> the launch shape its graphs use
         stride = -(-max_batch // 4) * 4
@@ -172,7 +173,8 @@ class DecodeGraphs:
         host = (CascadeHost(tuple(range(bs)), (0, bs), (longest,), 1) if cascade
                 else CascadeHost((), (0,), (), 1))
         return self._one_split_unbounded(cascade_launch(host, bs, self.device, own_splits=1, allow_tma=tma,
-                                                        kv_contiguous=tma, **self.heads))
+                                                        kv_contiguous=tma, node_kernel=self.node_kernel,
+                                                        **self.heads))
 
     def fits(self, num: int, width: int) -> bool:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
@@ -285,7 +287,7 @@ class DecodeGraphs:
             host = (CascadeHost(runs.host_rows, runs.host_indptr, host_lens, shape_key[-1]) if runs is not None
                     else CascadeHost((), (0,), (), shape_key[-1]))
             shape = self._shapes[shape_key] = self._one_split_unbounded(cascade_launch(
-                host, bs, self.device, kv_contiguous=contiguous, **self.heads))
+                host, bs, self.device, kv_contiguous=contiguous, node_kernel=self.node_kernel, **self.heads))
         caps = (_pow2(num_groups), _pow2(num_rows), _pow2(num_pages))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -315,7 +317,7 @@ class DecodeGraphs:
             self._capture(g)
             self._graphs[key] = g
             logger.info("decode graph %d captured in %.0f ms: batch bucket %d, groups/rows/pages caps %s, launch "
-                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma, light nodes) %s, "
+                        "(m_tiles, shared splits, chunk, own splits, chunk, config, tma, light nodes, fa3 splits) %s, "
                         "own length class %d",
                         self.captures, 1e3 * (time.perf_counter() - start), bs, caps, key[2], shape_key[-1])
             if len(self._graphs) > self._max_graphs:
@@ -523,7 +525,7 @@ def _covers(plan: CascadePlan, need: _Need) -> bool:
 
 def _launch_shape(plan: CascadePlan | CascadeLaunch) -> _LaunchShape:
     return (plan.m_tiles, plan.shared_splits, plan.own_splits, plan.own_chunk,
-            plan.shared_config, plan.kv_tma, plan.light_nodes)
+            plan.shared_config, plan.kv_tma, plan.light_nodes, plan.fa3_splits)
 
 
 def _pow2(n: int) -> int:

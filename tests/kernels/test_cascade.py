@@ -9,9 +9,9 @@ from tests.kernels.helpers import DEVICE, assert_close_attention, int32, make_ca
 
 
 def run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed,
-             side_stream=None, contiguous=False, **splits):
+             side_stream=None, contiguous=False, adjust=None, **splits):
     """Requests own disjoint pages for their own ranges; nodes are separate page runs (with ``contiguous``
-    each node's run is consecutive page ids). Returns the plan."""
+    each node's run is consecutive page ids); ``adjust``: plan -> the plan to run. Returns the plan."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     ends = [e for _, e in own_ranges]
     lists = page_lists(node_lens + ends, page_size, sum(-(-n // page_size) for n in node_lens + ends) + 2, gen)
@@ -36,6 +36,8 @@ def run_case(group_rows, node_lens, own_ranges, num_q_heads, num_kv_heads, head_
     q = torch.randn((len(own_ranges), num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
     plan = plan_cascade(*index, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         page_size=page_size, **splits)
+    if adjust is not None:
+        plan = adjust(plan)
     o, lse = cascade_decode_attention(q, k_cache, v_cache, plan, side_stream=side_stream)
     o_ref, lse_ref = cascade_decode_attention_reference(q, k_cache, v_cache, page_size, *index)
     assert_close_attention(o, lse, o_ref, lse_ref, dtype)
