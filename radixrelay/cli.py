@@ -64,9 +64,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="cascaded attention over shared prefixes: auto decides per step by a cost "
                         "model, on cascades every shared node, off is flat (default: %(default)s)")
     g.add_argument("--node-kernel", default="auto", choices=NODE_KERNELS,
-                   help="kernel of shared decode nodes: auto runs FlashAttention-3 where it is installed "
-                        "(pip install 'radixrelay[fa3]'; Hopper, 16-bit KV cache) and the Triton kernel "
-                        "elsewhere; fa3 requires it (default: %(default)s)")
+                   help="kernel of shared decode nodes: auto and triton run the Triton kernel (faster in "
+                        "the cascade where measured); fa3 runs FlashAttention-3 (pip install "
+                        "'radixrelay[fa3]'; Hopper, 16-bit KV cache) (default: %(default)s)")
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of as captured CUDA graphs")
     g.add_argument("--disable-radix-cache", action="store_true",

@@ -14,7 +14,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")   # auto: triton on CUDA, torch on CPU
 CASCADE_MODES = ("auto", "on", "off")
-NODE_KERNELS = ("auto", "triton", "fa3")   # shared decode nodes: auto = FlashAttention-3 where it runs, else triton
+NODE_KERNELS = ("auto", "triton", "fa3")   # shared decode nodes' kernel (kernels/fa3_node.py)
 KV_TIER_POLICIES = ("scheduler", "lru")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 QUANTIZATIONS = ("fp8",)             # weights (None: the model dtype); radixrelay.model.quantization
@@ -43,8 +43,8 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
-    # Shared decode nodes (cascade) on the triton backend: "auto" (FlashAttention-3 where its wheel is
-    # installed, on Hopper, 16-bit caches; else the Triton kernel), "triton", or "fa3" (required).
+    # Shared decode nodes (cascade) on the triton backend: "auto" (the Triton kernel: faster in the cascade
+    # where measured), "triton", or "fa3" (FlashAttention-3, required: radixrelay[fa3], Hopper, 16-bit KV).
     node_kernel: str = "auto"
     # Cascaded attention over shared radix nodes: "auto" (cost model), "on" (every shared node),
     # "off" (flat). Decode plans come from the scheduler's planner, prefill sharing from the worker.

@@ -48,6 +48,11 @@ class AttentionBackend(ABC):
         only worth it where consecutive pages load faster than gathered ones."""
         return False
 
+    def node_kernel_for(self, kv_cache) -> str:
+        """The kernel of shared decode nodes over ``kv_cache`` ("triton" or "fa3"; planned into the decode
+        graphs' launch shapes)."""
+        return "triton"
+
 
 @dataclass(frozen=True)
 class _SharedPart:

@@ -120,8 +120,7 @@ class TritonBackend(AttentionBackend):
         return self.forward_with_lse(q, layer_id, kv_cache, batch, out=(out, lse))[0]
 
     def node_kernel_for(self, kv_cache: KVCache) -> str:
-        """The decode nodes' kernel over this cache: FA3 only where it reads the cache as it is (16-bit, the
-        queries' dtype)."""
+        """FA3 only where asked and where it reads the cache as it is (16-bit, the queries' dtype)."""
         if (self.node_kernel == "fa3" and kv_cache.dtype == kv_cache.model_dtype
                 and fa3_cache_usable(kv_cache.k[0], kv_cache.v[0])):
             return "fa3"

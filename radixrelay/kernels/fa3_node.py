@@ -14,6 +14,12 @@ writes them into the caller's fp32 part slots (o [R, Hq, D], lse [R, Hq]), where
 them like any other part. Where FA3 does not apply (no wheel, CPU, pre-Hopper, fp32 or FP8 caches, pages
 not consecutive) the Triton shared-node kernel runs (``shared_node.py``); ``NODE_KERNELS`` names the choice.
 
+Measured on an H100 (benchmarks/results/kernels/attention_rates_h100_80gb_hbm3.md): FA3's variable-length
+form (what a graph can replay over changing nodes) attends a node 5-11% faster than the Triton kernel by TMA,
+but a cascade step built on it is 22-39% slower: FA3's programs take every multiprocessor, so the own-KV
+decode of the suffixes cannot run beside the node as it does beside the Triton kernel. So ``auto`` runs the
+Triton kernel, and ``fa3`` is there to measure and for steps without own KV worth hiding.
+
 ``varlen_reference`` is the contract of the FA3 call in pure torch: the CPU tests bind ``Fa3Node`` to it to
 check everything around the call (gathers, slot offsets, output layout, padding) under the interpreter.
 """
@@ -32,8 +38,7 @@ try:  # FlashAttention-3 forward (pip install radixrelay[fa3]: the fa3_fwd wheel
 except ImportError:
     _fa3_varlen = None
 
-# NODE_KERNELS: "auto" (FA3 where it applies, else Triton), "triton" (never FA3), "fa3" (FA3 required: a clear
-# error without it)
+# NODE_KERNELS: "auto" (today the Triton kernel), "triton", "fa3" (FA3 required: a clear error without it)
 FA3_DTYPES = (torch.float16, torch.bfloat16)
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -57,17 +62,16 @@ def fa3_cache_usable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def resolve_node_kernel(name: str, device: torch.device) -> str:
-    """``NODE_KERNELS`` name -> the one this process runs ("triton" or "fa3"); "fa3" without FA3 is an error."""
+    """``NODE_KERNELS`` name -> the one this process runs ("triton" or "fa3"); "fa3" without FA3 is an error.
+    "auto" is the Triton kernel: measured faster in the cascade at every shape (module docstring)."""
     check(name in NODE_KERNELS, f"node kernel must be one of {NODE_KERNELS}, got {name!r}")
-    if name == "triton":
+    if name != "fa3":
         return "triton"
-    if fa3_capable(device):
-        return "fa3"
-    if name == "fa3":
+    if not fa3_capable(device):
         why = ("the fa3_fwd wheel is not installed (pip install 'radixrelay[fa3]')" if not fa3_installed()
                else f"FlashAttention-3 runs on Hopper GPUs (sm_90), not on {device}")
         raise ValueError(f"node kernel fa3: {why}")
-    return "triton"
+    return "fa3"
 
 
 def fa3_splits(num_groups: int, max_rows: int, group: int, num_kv_heads: int, max_kv: int, num_sms: int) -> int:

@@ -88,7 +88,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     node_kernel = resolve_node_kernel(cfg.node_kernel, device) if backend_name == "triton" else "triton"
     backend = make_backend(backend_name, device, node_kernel)
     if node_kernel == "fa3":
-        logger.info("shared decode nodes of consecutive pages: FlashAttention-3 (16-bit caches), else Triton")
+        logger.info("shared decode nodes of consecutive pages: FlashAttention-3 (16-bit caches), others Triton")
     if device.type == "cuda" and backend_name == "triton":
         from radixrelay.worker.warmup import warm_up_kernels   # imports the Triton kernels
 
