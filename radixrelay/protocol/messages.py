@@ -170,13 +170,11 @@ WorkerMessage = WorkerReady | WorkerStepDone | RuntimeFailed
 class RankReport(msgspec.Struct, tag="rank_report", frozen=True):
     """A tensor-parallel rank > 0 to rank 0, after each step it finished: its share of the step's
     transfers (rank 0 acknowledges a transfer to the scheduler only once every rank completed it) and
-    its device time. ``final``: the step was a plan without rows, so ``acks`` covers every transfer
-    up to it (rank 0 waits for this report before answering)."""
+    its device time."""
     rank: int
     step_id: int
     acks: KVAcks | None = None
     device_s: float = 0.0
-    final: bool = False
 
 # -- process arguments (JSON on the child's command line) ---------------------------------------
 

@@ -14,7 +14,7 @@ import zmq
 
 from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.messages import ChildArgs, RankReport, encoder
-from radixrelay.runtime.child import POLL_MS, FrameDecoder, parent_gone
+from radixrelay.runtime.child import FrameDecoder
 from radixrelay.worker.rank_acks import RankAcks
 
 logger = logging.getLogger("radixrelay.worker")
@@ -28,33 +28,22 @@ class RankLink:
     def __init__(self, rank: int, size: int, socket: zmq.Socket, args: ChildArgs) -> None:
         self.rank, self.size, self.socket, self.args = rank, size, socket, args
         self.merged = RankAcks(size) if rank == 0 else None
-        self.last_step = [-1] * size             # rank 0: the latest step each rank reported
         self.device_s = [0.0] * size             # rank 0: device seconds per rank
         self._encode = encoder().encode
         self._decode = FrameDecoder(RankReport, "rank -> rank 0", logger) if rank == 0 else None
 
-    def finished(self, step_id: int, acks: KVAcks | None, device_s: float, final: bool) -> KVAcks | None:
+    def finished(self, step_id: int, acks: KVAcks | None, device_s: float) -> KVAcks | None:
         """A step this rank finished. Ranks > 0: sent to rank 0 (returns None). Rank 0: the
-        acknowledgements complete on every rank so far; ``final``: waits until every rank reported this
-        step (whose acks then cover every transfer up to it)."""
+        acknowledgements complete on every rank so far (the reports that arrived; never waits)."""
         if self.rank != 0:
-            self.socket.send(self._encode(RankReport(self.rank, step_id, acks, device_s, final)))
+            self.socket.send(self._encode(RankReport(self.rank, step_id, acks, device_s)))
             return None
         self.merged.add(0, acks)
         self.device_s[0] += device_s
-        self.last_step[0] = step_id
-        while True:
-            behind = final and min(self.last_step) < step_id
-            if not self.socket.poll(POLL_MS if behind else 0):
-                if not behind:
-                    break
-                if parent_gone(self.args):
-                    raise RuntimeError("the runtime's parent exited while rank 0 waited for the other ranks")
-                continue
+        while self.socket.poll(0):
             report = self._decode(self.socket.recv())
             if report is None or not 0 < report.rank < self.size:
                 continue
             self.merged.add(report.rank, report.acks)
             self.device_s[report.rank] += report.device_s
-            self.last_step[report.rank] = max(self.last_step[report.rank], report.step_id)
         return self.merged.take()

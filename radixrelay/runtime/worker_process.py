@@ -54,6 +54,10 @@ DEFAULT_CPU_KV_TOKENS = 32_768
 # Largest all-reduce (bytes) on the symmetric-memory path: a decode step's activations at the largest
 # batches; prefill chunks beyond it use NCCL.
 SYMMETRIC_ALL_REDUCE_BYTES = 8 << 20
+# A plan of tier transfers alone is answered once they complete, a new plan arrives, or this long has
+# passed (then again with the next such plan); its completion is checked every TRANSFERS_POLL_S.
+TRANSFERS_WAIT_S = 0.005
+TRANSFERS_POLL_S = 0.0002
 
 
 def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[ModelRunner, WorkerReady]:
@@ -268,12 +272,15 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         output = step.finish()
         if watchdog is not None:
             watchdog.finished(output.step_id)
-        # a plan without rows answers once all transfers are done (on every rank)
-        acks = runner.tiers.acks(wait=not has_rows) if runner.tiers is not None else None
+        acks = None
+        if runner.tiers is not None:
+            if not has_rows:      # a plan of transfers alone: give them a moment, unless a new plan comes
+                _wait_for_transfers(runner.tiers, inbox)
+            acks = runner.tiers.acks(wait=False)
         busy = host_s + time.perf_counter() - start
         device_s = step.device_s or busy
         if link is not None:
-            acks = link.finished(output.step_id, acks, device_s, final=not has_rows)
+            acks = link.finished(output.step_id, acks, device_s)
             if outbox is not None:
                 runner.counters.rank_device_s = list(link.device_s)
         if acks is not None:
@@ -357,6 +364,17 @@ def _jit_variants_since_now(runner: ModelRunner):
     jit_counter.install()
     at = jit_counter.counts()
     return lambda: (jit_counter.counts() - at).variants
+
+
+def _wait_for_transfers(tiers, inbox: zmq.Socket) -> None:
+    """For a plan of KV tier transfers alone (the scheduler sends one while copies are to be sent or
+    acknowledged): until they complete, a new plan arrives, or ``TRANSFERS_WAIT_S`` passed, whichever is
+    first; the plan is then answered with the transfers done so far, and the scheduler asks again while
+    any are left. Never longer: a request arriving while a large save runs (a prompt just computed) must not
+    wait for the save to finish before its step is launched."""
+    deadline = time.perf_counter() + TRANSFERS_WAIT_S
+    while not tiers.settled() and not inbox.poll(0) and time.perf_counter() < deadline:
+        time.sleep(TRANSFERS_POLL_S)
 
 
 def _wait_for_either(step: LaunchedStep, inbox: zmq.Socket) -> None:

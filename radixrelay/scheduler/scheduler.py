@@ -377,7 +377,9 @@ class Scheduler:
 
     def _transfers_only(self) -> StepPlan | None:
         """A plan without rows when KV tier copies wait to be sent, or (nothing in flight) their
-        acknowledgements are awaited: the worker answers it once every copy has completed."""
+        acknowledgements are awaited: the worker answers it once every copy has completed or after a few
+        milliseconds with those done so far (a plan with rows arriving meanwhile is launched at once), and
+        another follows while any is left."""
         if not self._tiers_busy() or (self._inflight and not self._tiers.has_outgoing()):
             return None
         plan = StepPlan(step_id=self._next_step, released=self._released, transfers=self._take_transfers())

@@ -213,6 +213,17 @@ class TierStore:
         # wait: layer-wise loading overlaps part of it with the step's first layers).
         return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed)
 
+    def settled(self) -> bool:
+        """Whether every transfer queued so far has completed (``acks(wait=True)`` would not block); never
+        waits."""
+        self._flush_saves()
+        if not all(_done(event) for _, event in self._saves) or not all(_done(e[2]) for e in self._loads):
+            return False
+        if self._io is None:
+            return True
+        self._pump_io(wait=False)
+        return not self._io_fenced and all(job.finished.is_set() for job in self._io_jobs)
+
     def close(self) -> None:
         if self._io is not None:
             self._io.close(self._io_jobs)

@@ -114,6 +114,22 @@ def test_scattered_saves_cuda(monkeypatch):
     _scattered_saves("cuda", monkeypatch)
 
 
+@pytest.mark.gpu
+def test_a_large_save_is_not_settled_while_it_copies_cuda():
+    """``settled`` (what the worker checks before answering a plan of transfers alone) is False while a large
+    save still copies and True once it is done, without waiting: the worker never blocks on it, so a request
+    arriving right after a long prompt was computed is launched before that prompt's save completes."""
+    kv = KVCache(num_layers=8, num_pages=1024, page_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                 device="cuda")                                               # 512 MiB of K/V
+    store = TierStore(kv, host_pages=1024)
+    store.apply(0, KVTransfers(saves=[(p, p) for p in range(1024)]))
+    store.after_forward()
+    assert not store.settled()
+    store.acks(wait=True)
+    assert store.settled()
+    store.close()
+
+
 def test_saves_are_queued_after_the_forward_cpu():
     """A plan's saves are launched once its forward was queued (``after_forward``), not before it; a plan
     that loads from a slot it also saves queues the save first; ``acks`` never loses a recorded save."""
@@ -210,7 +226,9 @@ def test_disk_read_past_its_deadline_is_a_miss(tmp_path):
     start = time.monotonic()
     store.apply(2, KVTransfers(disk_reads=[(b"h" * 16, 3), (b"k" * 16, 4)]))
     assert store.acks(wait=False) is None                # in flight: nothing to report yet
+    assert not store.settled()                           # ... and a plan of transfers alone would not wait
     acks = store.acks(wait=True)
+    assert store.settled()
     took = time.monotonic() - start
     assert acks.read_failed == [b"h" * 16] and acks.read == [b"k" * 16]
     assert 0.3 <= took < 5, took
