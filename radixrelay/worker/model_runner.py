@@ -67,7 +67,7 @@ from radixrelay.sampling_params import SamplingParams
 from radixrelay.worker.device_batch import DeviceBatch, GraphRun
 from radixrelay.worker.graph_step import GraphStep, RowPatch
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
-from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache
+from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache, to_host
 from radixrelay.worker.step_path import Path, StepFacts, StepPath, choose_path
 from radixrelay.worker.step_state import ResidentTokens
 
@@ -329,7 +329,7 @@ class ModelRunner:
             self._tokens.record(samplers, out.token_ids, self.device_batch.token_rows)
             for res in residents:
                 res.num_tokens += 1
-            tokens = out.token_ids.to("cpu", non_blocking=True)
+            tokens = to_host(out.token_ids)           # by a kernel: never behind a tier save's copies
             logprobs = None if out.logprobs is None else out.logprobs.to_host()
             num_logprobs = tensors.num_logprobs
         if events is not None:

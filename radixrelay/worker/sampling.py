@@ -264,6 +264,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` for the host, queued without waiting for the device (read it once the step is done): on CUDA
+    written into pinned memory by a kernel (``kernels.host_write``: never queued behind a KV tier save's
+    copies), elsewhere ``x`` itself."""
+    if x.device.type != "cuda":
+        return x
+    from radixrelay.kernels.host_write import write_to_host   # imports triton: CUDA only
+
+    return write_to_host(x)
+
+
 @dataclass(frozen=True)
 class LogprobsTensors:
     sampled: torch.Tensor       # [B] fp32: raw log-softmax of the sampled token
@@ -271,9 +282,9 @@ class LogprobsTensors:
     top_logprobs: torch.Tensor  # [B, K] fp32
 
     def to_host(self) -> LogprobsTensors:
-        """Copies on the host, started without waiting for the device (read them once it is done)."""
-        return LogprobsTensors(*(t.to("cpu", non_blocking=True)
-                                 for t in (self.sampled, self.top_ids, self.top_logprobs)))
+        """Copies on the host, started without waiting for the device (read them once it is done); written
+        by a kernel on CUDA (``kernels.host_write``: never behind a tier save's copies)."""
+        return LogprobsTensors(*(to_host(t) for t in (self.sampled, self.top_ids, self.top_logprobs)))
 
     def to_protocol(self, num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None]:
         """Per row: None where logprobs were not requested, else the row's k alternatives."""
