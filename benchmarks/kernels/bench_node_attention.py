@@ -61,6 +61,7 @@ def measure(batch: int, prefix: int) -> dict[str, float]:
         methods["ours: cascade, node through FA3 (varlen, --node-kernel fa3), beside the suffixes"] = case.cascade_fa3
         methods["ours: cascade, node through FA3, then suffixes, one stream"] = lambda: case.cascade_fa3(False)
     fp8 = Case(batch, prefix, SUFFIX, cache_dtype=torch.float8_e4m3fn)     # the same shapes over an FP8 KV cache
+    methods["ours: shared node, K/V gathered by page, FP8 KV cache"] = fp8.shared
     methods["ours: shared node, consecutive pages by TMA, FP8 KV cache"] = lambda: fp8.shared(kv_contiguous=True)
     methods[f"ours: cascade (node + {SUFFIX}-token suffixes + merge), FP8 KV cache"] = fp8.cascade
     plan = case.plan
