@@ -55,8 +55,10 @@ DEFAULT_CPU_KV_TOKENS = 32_768
 # batches; prefill chunks beyond it use NCCL.
 SYMMETRIC_ALL_REDUCE_BYTES = 8 << 20
 # A plan of tier transfers alone is answered once they complete, a new plan arrives, or this long has
-# passed (then again with the next such plan); its completion is checked every TRANSFERS_POLL_S.
-TRANSFERS_WAIT_S = 0.005
+# passed (with the transfers done so far; the scheduler then sends the next such plan: a longer wait means
+# fewer of these round trips while a long save or disk write runs); completion is checked every
+# TRANSFERS_POLL_S.
+TRANSFERS_WAIT_S = 0.05
 TRANSFERS_POLL_S = 0.0002
 
 
