@@ -35,6 +35,9 @@ logger = logging.getLogger("radixrelay.router")
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 # A replica's failures while the router proxies to it.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# Seconds an idle connection to a replica is kept for reuse: below the replicas' own keep-alive (uvicorn's
+# default, 5 s), so that the router rarely sends a request on a connection the replica is closing.
+KEEPALIVE_S = 4.0
 # How often a request waiting for its replica's answer checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
 
@@ -95,6 +98,9 @@ class Router:
         self.client_gone = Counter("radixrelay_router_client_disconnects",
                                    "Requests whose client disconnected before the answer; the upstream "
                                    "request was closed, which aborts it on the replica.", registry=self.registry)
+        self.retried = Counter("radixrelay_router_upstream_retries",
+                               "Requests sent again on a new connection after the replica closed a kept-alive "
+                               "one before answering.", ["replica"], registry=self.registry)
         self.upstream_errors = Counter("radixrelay_router_upstream_errors",
                                        "Requests a replica failed to answer (connection refused, reset, "
                                        "closed mid-stream).", ["replica"], registry=self.registry)
@@ -146,7 +152,7 @@ class Router:
         stream = body.get("stream") is True
         try:
             resp, content = await self._unless_client_leaves(
-                request, self._exchange(f"{replica.url}{path}", raw, headers, stream))
+                request, self._exchange(replica, f"{replica.url}{path}", raw, headers, stream))
         except _ClientGone:
             replica.in_flight -= 1
             self.client_gone.inc()
@@ -167,11 +173,17 @@ class Router:
             self.reported.inc(_cached_tokens(content))
         return Response(content, status_code=resp.status, media_type=media)
 
-    async def _exchange(self, url: str, raw: bytes, headers: dict[str, str], stream: bool
+    async def _exchange(self, replica: Replica, url: str, raw: bytes, headers: dict[str, str], stream: bool
                         ) -> tuple[aiohttp.ClientResponse, bytes | None]:
         """POST ``raw`` to ``url``: (the response, its whole body), or (the response, None) for a stream
-        answered 200 (its body not read yet). Cancelled (the client left) or failed, the connection is closed."""
-        resp = await self.session.post(url, data=raw, headers=headers)
+        answered 200 (its body not read yet). Cancelled (the client left) or failed, the connection is closed.
+        A connection the replica closed before answering (a kept-alive one it timed out as the request went
+        out: no response byte came, so the replica did not take the request) is retried once on a new one."""
+        try:
+            resp = await self.session.post(url, data=raw, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            self.retried.labels(replica.url).inc()
+            resp = await self.session.post(url, data=raw, headers=headers)
         if stream and resp.status == 200:
             return resp, None
         try:
@@ -287,7 +299,7 @@ def _fastapi_app(router: Router) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         # the proxied requests: aiohttp's client (a C parser; httpx's pure-Python path was most of the
         # router's cost); bodies passed through as the replica sent them (no decompression)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
