@@ -29,7 +29,8 @@ class KVTransfers(msgspec.Struct, frozen=True):
 
 class KVAcks(msgspec.Struct, frozen=True):
     """Transfers that completed since the previous output (each is acknowledged exactly once). A plan
-    without rows returns only after all of its transfers (and earlier ones) completed."""
+    without rows returns once all of its transfers (and earlier ones) completed, or earlier (a new plan
+    arrived, or 50 ms passed) with those done so far."""
     saved_steps: list[int] = []               # steps whose saves are complete in host memory
     failed_steps: list[int] = []              # steps whose saves failed: their slots hold nothing
     written: list[bytes] = []                 # page keys now on disk
@@ -38,3 +39,4 @@ class KVAcks(msgspec.Struct, frozen=True):
     read_failed: list[bytes] = []             # missing, truncated or corrupted: a miss
     load_s: float = 0.0                       # device seconds of host->device loads (CUDA events)
     load_exposed_s: float = 0.0               # of which the step's forward waited for
+    save_s: float = 0.0                       # device seconds of device->host saves (CUDA events; CPU: wall)

@@ -96,6 +96,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tier_load_s: Annotated[float, counter("Device seconds of host-to-device KV loads.", "kv_tier_load_seconds")] = 0.0
     tier_load_exposed_s: Annotated[float, counter("Seconds of those loads that steps waited for.",
                                                   "kv_tier_load_exposed_seconds")] = 0.0
+    tier_save_s: Annotated[float, counter("Device seconds of device-to-host KV saves.", "kv_tier_save_seconds")] = 0.0
     tier_recomputed_instead: Annotated[int, counter(
         "Queued requests admitted without waiting for their disk reads in flight, because computing those "
         "pages was estimated cheaper (measured disk read and prefill rates); the reads still land in host "

@@ -62,6 +62,7 @@ class TierCounters:
     save_skipped: int = 0        # pages not saved: host memory full of pinned pages
     load_s: float = 0.0          # device seconds of loads, and of those the steps waited for
     load_exposed_s: float = 0.0
+    save_s: float = 0.0          # device seconds of saves (device -> host)
 
 
 @dataclass
@@ -293,6 +294,7 @@ class KVTiers:
             self.counters.read_failed += 1
         self.counters.load_s += acks.load_s
         self.counters.load_exposed_s += acks.load_exposed_s
+        self.counters.save_s += acks.save_s
         return done
 
     # -- integrity ---------------------------------------------------------------------------

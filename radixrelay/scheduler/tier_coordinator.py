@@ -253,7 +253,7 @@ class TierCoordinator:
                     tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
                     tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
-                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s,
+                    tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s, tier_save_s=c.save_s,
                     tier_recomputed_instead=self.costs.recomputed_instead,
                     tier_reads_skipped=self.costs.reads_skipped,
                     tier_disk_read_bytes_per_s=(self.costs.read_pages_per_s or 0.0) * size)

@@ -94,7 +94,7 @@ class TierStore:
         self._save_stream = torch.cuda.Stream(kv.device) if self._cuda else None
         self._load_stream = torch.cuda.Stream(kv.device) if self._cuda else None
         self._slot_events: dict[int, torch.cuda.Event] = {}
-        self._saves: deque[tuple[int, object]] = deque()          # (step id, done event) in order
+        self._saves: deque[tuple[int, object, object]] = deque()  # (step id, start, done events) in order
         self._loads: deque[tuple[object, object, object]] = deque()  # (step start, load start, done)
         self._io = DiskIO(disk_deadline_s) if disk is not None else None
         self.disk_stats = DiskStats()
@@ -104,7 +104,7 @@ class TierStore:
         self._io_fenced: deque[tuple[tuple, list]] = deque()  # (fence events, jobs) not yet handed over
         self._failed: list[int] = []
         self._deferred: tuple[int, list[tuple[int, int]], object] | None = None   # (step, saves, after)
-        self._cpu_load_s = self._cpu_exposed_s = 0.0
+        self._cpu_load_s = self._cpu_exposed_s = self._cpu_save_s = 0.0
         # positions int [T] -> (cos, sin) [T, D] (the model's ``RotaryEmbedding``): shifted loads
         self.rotary = None
         # flat, room for ``_stage_pages`` pages [num_layers, 2, pages * page_size, Hkv, D]: scattered saves
@@ -167,7 +167,11 @@ class TierStore:
         step_id, saves, after = self._deferred
         self._deferred = None
         try:
-            self._saves.append((step_id, self._copy(saves, save=True, after=after)[-1]))
+            begun = time.perf_counter()
+            events = self._copy(saves, save=True, after=after)
+            if not self._cuda:
+                self._cpu_save_s += time.perf_counter() - begun
+            self._saves.append((step_id, events[0], events[-1]))
         except Exception:  # noqa: BLE001 - the slots hold nothing; the scheduler drops them
             logger.exception("KV save of step %d failed", step_id)
             self._failed.append(step_id)
@@ -186,10 +190,13 @@ class TierStore:
         """Transfers completed since the last call; ``wait``: block until all queued ones are."""
         self._flush_saves()
         saved = []
-        while self._saves and (wait or _done(self._saves[0][1])):
-            step, event = self._saves.popleft()
-            _sync(event)
+        save_s, self._cpu_save_s = self._cpu_save_s, 0.0
+        while self._saves and (wait or _done(self._saves[0][2])):
+            step, start, done = self._saves.popleft()
+            _sync(done)
             saved.append(step)
+            if start is not None:
+                save_s += start.elapsed_time(done) / 1e3
         load_s, self._cpu_load_s = self._cpu_load_s, 0.0
         exposed, self._cpu_exposed_s = self._cpu_exposed_s, 0.0
         while self._loads and (wait or _done(self._loads[0][2])):
@@ -207,17 +214,17 @@ class TierStore:
             elif kind == "read":
                 (read if ok else read_failed).append(key)
         failed, self._failed = self._failed, []
-        if not (saved or failed or written or write_failed or read or read_failed or load_s):
+        if not (saved or failed or written or write_failed or read or read_failed or load_s or save_s):
             return None
         # exposed: how far loads ran past the point their step could start (an upper bound of the
         # wait: layer-wise loading overlaps part of it with the step's first layers).
-        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed)
+        return KVAcks(saved, failed, written, write_failed, read, read_failed, load_s, exposed, save_s)
 
     def settled(self) -> bool:
         """Whether every transfer queued so far has completed (``acks(wait=True)`` would not block); never
         waits."""
         self._flush_saves()
-        if not all(_done(event) for _, event in self._saves) or not all(_done(e[2]) for e in self._loads):
+        if not all(_done(e[2]) for e in self._saves) or not all(_done(e[2]) for e in self._loads):
             return False
         if self._io is None:
             return True
@@ -238,7 +245,8 @@ class TierStore:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
         runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
         copy engines move the KV and no kernel competes with the step's forward for the SMs.
-        Returns CUDA events: for a save [done]; for a load [start, layer 0 done, ..., layer L-1 done]."""
+        Returns CUDA events: for a save [start, done]; for a load [start, layer 0 done, ..., layer L-1 done]
+        (CPU: [None])."""
         if save:
             pairs = [(slot, page) for page, slot in pairs]
         if not self._cuda and save:
@@ -260,9 +268,10 @@ class TierStore:
                     event = self._slot_events.get(slot)
                     if event is not None and not event.query():
                         stream.wait_event(event)
-            events = [] if save else [self._record(stream, timing=True)]
+            events = [self._record(stream, timing=True)]
             if save:
                 self._save_runs(pairs)
+                events.append(self._record(stream, timing=True))
             else:
                 rotations = self._rotations(shifts)
                 for layer in range(self.kv.num_layers):
@@ -270,11 +279,11 @@ class TierStore:
                         self._copy_run(layer, slots, pages, save)
                     self._rotate(layer, rotations)
                     events.append(self._record(stream, timing=True))
-            done = events[-1] if events else self._record(stream)
+            done = events[-1]
             for slots, _ in runs:
                 for slot in slots:
                     self._slot_events[slot] = done
-        return events or [done]
+        return events
 
     def _save_runs(self, pairs: list[tuple[int, int]]) -> None:
         """Saves of (host slot, device page) pairs. Pages consecutive on both sides move as plain copies

@@ -44,7 +44,7 @@ class RankAcks:
         self._saved: list[int] = []
         self._failed: list[int] = []
         self._disk: dict[str, list[bytes]] = {"written": [], "write_failed": [], "read": [], "read_failed": []}
-        self._load_s = self._exposed_s = 0.0
+        self._load_s = self._exposed_s = self._save_s = 0.0
 
     def add(self, rank: int, acks: KVAcks | None) -> None:
         """Rank ``rank``'s acknowledgements (``None``: nothing completed)."""
@@ -60,17 +60,18 @@ class RankAcks:
         if rank == 0:
             self._load_s += acks.load_s
             self._exposed_s += acks.load_exposed_s
+            self._save_s += acks.save_s
 
     def take(self) -> KVAcks | None:
         """What completed on every rank since the last call, or None."""
         disk = self._disk
-        if not (self._saved or self._failed or self._load_s or any(disk.values())):
+        if not (self._saved or self._failed or self._load_s or self._save_s or any(disk.values())):
             return None
         out = KVAcks(self._saved, self._failed, disk["written"], disk["write_failed"], disk["read"],
-                     disk["read_failed"], self._load_s, self._exposed_s)
+                     disk["read_failed"], self._load_s, self._exposed_s, self._save_s)
         self._saved, self._failed = [], []
         self._disk = {name: [] for name in disk}
-        self._load_s = self._exposed_s = 0.0
+        self._load_s = self._exposed_s = self._save_s = 0.0
         return out
 
     def pending(self) -> int:

@@ -42,6 +42,7 @@ def _round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
     store.apply(1, KVTransfers(disk_writes=[(5, b"k" * 16)]))
     acks = store.acks(wait=True)
     assert acks.saved_steps == [0] and acks.written == [b"k" * 16] and not acks.failed_steps
+    assert acks.save_s > 0
     # reuse slot 5 for another page, read the disk copy back into slot 4, load everything into 6..10
     store.apply(2, KVTransfers(saves=[(0, 5)], disk_reads=[(b"k" * 16, 4)]))
     acks = store.acks(wait=True)

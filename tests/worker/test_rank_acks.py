@@ -54,9 +54,9 @@ def test_load_times_are_rank_zeros_and_none_counts_nothing():
     merged.add(1, KVAcks(load_s=5.0, load_exposed_s=1.0))
     merged.add(1, None)
     assert merged.take() is None
-    merged.add(0, KVAcks(load_s=0.25, load_exposed_s=0.125))
+    merged.add(0, KVAcks(load_s=0.25, load_exposed_s=0.125, save_s=0.5))
     acks = merged.take()
-    assert (acks.load_s, acks.load_exposed_s) == (0.25, 0.125)
+    assert (acks.load_s, acks.load_exposed_s, acks.save_s) == (0.25, 0.125, 0.5)
 
 
 def test_one_rank_passes_through_and_bad_ranks_are_refused():
