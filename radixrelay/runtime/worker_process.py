@@ -91,6 +91,8 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     if precision.kv == "fp8":                      # emulated (Precision.check_device refuses the rest)
         model.enable_kv_emulation(kv_cache)
     backend_name = resolve_attention_backend(cfg.attention_backend, device)
+    if cfg.node_kernel == "fa3" and backend_name != "triton":
+        raise ValueError(f"node kernel fa3 runs in the triton attention backend, not {backend_name!r}")
     node_kernel = resolve_node_kernel(cfg.node_kernel, device) if backend_name == "triton" else "triton"
     backend = make_backend(backend_name, device, node_kernel)
     if node_kernel == "fa3":

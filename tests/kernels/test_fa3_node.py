@@ -54,6 +54,13 @@ def test_node_kernel_choice():
         EngineConfig(node_kernel="flash")
 
 
+def test_an_engine_asked_for_fa3_where_it_cannot_run_fails_at_start():
+    from radixrelay import Engine
+
+    with pytest.raises(RuntimeError, match="node kernel fa3"):
+        Engine(node_kernel="fa3", device="cpu", kv_cache_tokens=2048)
+
+
 def test_fa3_node_refuses_caches_it_cannot_read():
     q = torch.zeros(2, 8, 64, dtype=torch.float32)
     cache = torch.zeros(32, 2, 64, dtype=torch.float32)
