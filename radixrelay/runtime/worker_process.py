@@ -24,12 +24,12 @@ import zmq
 
 from radixrelay.attention import KVCache
 from radixrelay.attention.factory import make_backend
-from radixrelay.kernels.fa3_node import resolve_node_kernel
 from radixrelay.cascade.cost import cost_model
 from radixrelay.config import EngineConfig
 from radixrelay.env import (
     gc_mode, grammar_budget_ms, profile_dir, small_extend_rows, step_timeout_s, tp_all_reduce, trace_steps,
 )
+from radixrelay.kernels.fa3_node import resolve_node_kernel
 from radixrelay.model.loader import default_dtype, load_model
 from radixrelay.model.parallel import FAST_ALL_REDUCES, AllReduceClock, TensorParallel
 from radixrelay.model.quantization import Precision
