@@ -17,6 +17,7 @@ import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -277,14 +278,16 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         if watchdog is not None:
             watchdog.finished(output.step_id)
         acks = None
+        deadline = time.perf_counter() + TRANSFERS_WAIT_S
+        interrupted = lambda: inbox.poll(0) or time.perf_counter() >= deadline  # noqa: E731
         if runner.tiers is not None:
             if not has_rows:      # a plan of transfers alone: give them a moment, unless a new plan comes
-                _wait_for_transfers(runner.tiers, inbox)
+                _wait_for_transfers(runner.tiers, interrupted)
             acks = runner.tiers.acks(wait=False)
         busy = host_s + time.perf_counter() - start
         device_s = step.device_s or busy
         if link is not None:
-            acks = link.finished(output.step_id, acks, device_s)
+            acks = link.finished(output.step_id, acks, device_s, until=None if has_rows else interrupted)
             if outbox is not None:
                 runner.counters.rank_device_s = list(link.device_s)
         if acks is not None:
@@ -370,14 +373,13 @@ def _jit_variants_since_now(runner: ModelRunner):
     return lambda: (jit_counter.counts() - at).variants
 
 
-def _wait_for_transfers(tiers, inbox: zmq.Socket) -> None:
+def _wait_for_transfers(tiers, interrupted: Callable[[], bool]) -> None:
     """For a plan of KV tier transfers alone (the scheduler sends one while copies are to be sent or
-    acknowledged): until they complete, a new plan arrives, or ``TRANSFERS_WAIT_S`` passed, whichever is
-    first; the plan is then answered with the transfers done so far, and the scheduler asks again while
+    acknowledged): until they complete or ``interrupted()`` (a new plan arrived, ``TRANSFERS_WAIT_S``
+    passed); the plan is then answered with the transfers done so far, and the scheduler asks again while
     any are left. Never longer: a request arriving while a large save runs (a prompt just computed) must not
     wait for the save to finish before its step is launched."""
-    deadline = time.perf_counter() + TRANSFERS_WAIT_S
-    while not tiers.settled() and not inbox.poll(0) and time.perf_counter() < deadline:
+    while not tiers.settled() and not interrupted():
         time.sleep(TRANSFERS_POLL_S)
 
 
