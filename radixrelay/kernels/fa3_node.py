@@ -122,8 +122,7 @@ class Fa3Node:
         check(o_dst.shape == (num_rows, *q.shape[1:]) and lse_dst.shape == (num_rows, q.shape[1]),
               "FA3 node outputs must be o [R, Hq, D] and lse [R, Hq]")
         self.page_size, self.sm_scale = page_size, float(sm_scale)
-        self.q_indptr, self.q_rows, self.kv_lens = q_indptr, q_rows.long(), kv_lens
-        self.kv_first = kv_indptr[:-1].long().clamp(max=max(kv_pages.numel() - 1, 0))     # [G] a group's first page
+        self.q_indptr, self.q_rows, self.kv_lens, self.kv_indptr = q_indptr, q_rows.long(), kv_lens, kv_indptr
         self.kv_pages = kv_pages if kv_pages.numel() else torch.zeros(1, dtype=kv_pages.dtype, device=q.device)
         num_groups = q_indptr.numel() - 1
         # cu_seqlens_k: group g's first slot; the last entry (unused beside seqused_k) is the cache's end
@@ -138,7 +137,8 @@ class Fa3Node:
         if num_groups == 0 or self.q_packed.shape[0] == 0:
             return
         torch.index_select(q, 0, self.q_rows, out=self.q_packed)
-        torch.mul(self.kv_pages[self.kv_first], self.page_size, out=self.starts[:-1])
+        first = self.kv_indptr[:-1].long().clamp(max=self.kv_pages.numel() - 1)       # [G] each group's first page
+        torch.mul(self.kv_pages[first], self.page_size, out=self.starts[:-1])
         o, lse = self.varlen(self.q_packed, k_cache, v_cache, self.q_indptr, self.starts, self.max_rows,
                              self.max_kv, seqused_k=self.kv_lens, softmax_scale=self.sm_scale,
                              num_splits=self.splits, return_attn_probs=True)

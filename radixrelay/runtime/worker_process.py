@@ -277,17 +277,18 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
         output = step.finish()
         if watchdog is not None:
             watchdog.finished(output.step_id)
-        acks = None
-        deadline = time.perf_counter() + TRANSFERS_WAIT_S
-        interrupted = lambda: inbox.poll(0) or time.perf_counter() >= deadline  # noqa: E731
+        acks = interrupted = None
+        if not has_rows:          # a plan of transfers alone: give them a moment, unless a new plan comes
+            deadline = time.perf_counter() + TRANSFERS_WAIT_S
+            interrupted = lambda: inbox.poll(0) or time.perf_counter() >= deadline  # noqa: E731
         if runner.tiers is not None:
-            if not has_rows:      # a plan of transfers alone: give them a moment, unless a new plan comes
+            if interrupted is not None:
                 _wait_for_transfers(runner.tiers, interrupted)
             acks = runner.tiers.acks(wait=False)
         busy = host_s + time.perf_counter() - start
         device_s = step.device_s or busy
         if link is not None:
-            acks = link.finished(output.step_id, acks, device_s, until=None if has_rows else interrupted)
+            acks = link.finished(output.step_id, acks, device_s, until=interrupted)
             if outbox is not None:
                 runner.counters.rank_device_s = list(link.device_s)
         if acks is not None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from radixrelay.protocol.step import ExtendItem, PromptLogprobsChunk, TokenLogprobs
+from radixrelay.worker.sampling import to_host
 
 
 def num_logits_rows(item: ExtendItem) -> int:
@@ -58,11 +59,8 @@ class PendingPromptLogprobs:
         return cls(item.rid, first, chosen, top.indices, top.values)
 
     def to_host(self) -> PendingPromptLogprobs:
-        def host(t: torch.Tensor) -> torch.Tensor:
-            return t.to("cpu", non_blocking=True)
-
-        return PendingPromptLogprobs(self.rid, self.first, host(self.chosen), host(self.top_ids),
-                                     host(self.top_values))
+        return PendingPromptLogprobs(self.rid, self.first, to_host(self.chosen), to_host(self.top_ids),
+                                     to_host(self.top_values))
 
     def chunk(self) -> PromptLogprobsChunk:
         """Call once the copies of ``to_host`` are complete."""

@@ -107,13 +107,18 @@ def test_cascade_contiguous_nodes():
     assert not plan.kv_tma
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cascade_contiguous_real_size_gpu(overlap):
+def contiguous_real_size(overlap: bool, **options):
+    """256 requests over a 16K node and a 1K node on consecutive pages, bf16, Llama-3-8B heads; the plan."""
     batch = 256
     group_rows = [list(range(batch)), list(range(0, batch, 2))]
     own = [(0, int(n)) for n in torch.randint(0, 300, (batch,), generator=torch.Generator().manual_seed(7))]
     side = torch.cuda.Stream() if overlap else None
-    plan = run_case(group_rows, [16384, 1000], own, 32, 8, 128, 16, torch.bfloat16, seed=8, side_stream=side,
-                    contiguous=True)
+    return run_case(group_rows, [16384, 1000], own, 32, 8, 128, 16, torch.bfloat16, seed=8, side_stream=side,
+                    contiguous=True, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cascade_contiguous_real_size_gpu(overlap):
+    plan = contiguous_real_size(overlap)
     assert plan.kv_tma == (torch.cuda.get_device_capability()[0] >= 9)

@@ -18,7 +18,7 @@ from radixrelay.kernels import cascade_decode_attention, cascade_decode_attentio
 from radixrelay.kernels.cascade import merge_index
 from radixrelay.kernels.fa3_node import resolve_node_kernel, varlen_reference
 from tests.kernels.helpers import DEVICE, assert_close_attention, int32
-from tests.kernels.test_cascade import run_case
+from tests.kernels.test_cascade import contiguous_real_size, run_case
 
 FA3_GPU = pytest.mark.skipif(not (DEVICE == "cuda" and fa3_node.fa3_capable(torch.device("cuda"))),
                              reason="needs the fa3_fwd wheel on a Hopper GPU")
@@ -74,12 +74,7 @@ def test_fa3_node_refuses_caches_it_cannot_read():
 @FA3_GPU
 @pytest.mark.parametrize("overlap", [False, True])
 def test_cascade_fa3_real_size_gpu(overlap):
-    batch = 256
-    group_rows = [list(range(batch)), list(range(0, batch, 2))]
-    own = [(0, int(n)) for n in torch.randint(0, 300, (batch,), generator=torch.Generator().manual_seed(7))]
-    side = torch.cuda.Stream() if overlap else None
-    plan = run_case(group_rows, [16384, 1000], own, 32, 8, 128, 16, torch.bfloat16, seed=8, side_stream=side,
-                    contiguous=True, node_kernel="fa3")
+    plan = contiguous_real_size(overlap, node_kernel="fa3")
     assert plan.fa3_splits > 0 and plan.shared_splits == 1
 
 
