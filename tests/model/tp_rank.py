@@ -35,5 +35,6 @@ def run(rank: int, size: int, init_file: str, out_dir: str, config: ModelConfig,
     try:
         result = greedy(config, TensorParallel(rank, size), dtype)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()      # both ranks done before either tears gloo down (a peer gone mid-teardown aborted one)
     finally:
         dist.destroy_process_group()
