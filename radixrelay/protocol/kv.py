@@ -14,7 +14,8 @@ class KVTransfers(msgspec.Struct, frozen=True):
 
     - ``saves`` read device pages written by earlier steps (never by this one); the scheduler keeps
       those pages allocated until the step's save is acknowledged (``KVAcks.saved_steps``);
-    - ``loads`` fill device pages that this step (or a later one) reads;
+    - ``loads`` fill device pages that this step (or a later one) reads; they start after the steps
+      queued before, unless ``loads_start_now``;
     - disk writes read a host slot after its save; disk reads fill a slot that no load reads before
       ``KVAcks.read`` says so."""
     saves: list[tuple[int, int]] = []         # (device page, host slot)
@@ -25,6 +26,9 @@ class KVTransfers(msgspec.Struct, frozen=True):
     # loads whose keys are rotated by a position delta after the copy (RoPE; a truncated prompt's
     # KV re-positioned, ``radixrelay.radix.truncation``): (host slot, device page, delta)
     shifted_loads: list[tuple[int, int, int]] = []
+    # True: no step still in flight writes the loads' device pages (``CacheManager``: freed pages cool),
+    # so the loads start at once, beside the steps queued before this one; False: after them
+    loads_start_now: bool = False
 
 
 class KVAcks(msgspec.Struct, frozen=True):

@@ -74,6 +74,7 @@ class _Outbox:
     disk_writes: list[tuple[int, bytes]] = field(default_factory=list)
     disk_reads: list[tuple[bytes, int]] = field(default_factory=list)
     disk_deletes: list[bytes] = field(default_factory=list)
+    loads_start_now: bool = True            # every load so far may start at once (``KVTransfers``)
 
     def empty(self) -> bool:
         return not (self.saves or self.loads or self.shifted_loads or self.disk_writes or self.disk_reads or self.disk_deletes)
@@ -185,9 +186,11 @@ class KVTiers:
         """Mark ``keys`` (a chain, root first) used now, the first most recently."""
         self._touch(keys)
 
-    def load(self, keys: list[bytes], pages: list[int], shift: int = 0) -> None:
+    def load(self, keys: list[bytes], pages: list[int], shift: int = 0, start_now: bool = False) -> None:
         """Promote ``keys`` (each loadable: ``host_run``) into device ``pages``; ``shift``: a
-        position delta the worker rotates the loaded keys by (a truncated prompt's re-positioned KV)."""
+        position delta the worker rotates the loaded keys by (a truncated prompt's re-positioned KV);
+        ``start_now``: no step in flight writes ``pages`` (the plan's loads start at once if all may)."""
+        self._out.loads_start_now = self._out.loads_start_now and start_now
         for key, page in zip(keys, pages, strict=True):
             entry = self._host[key]
             if shift:
@@ -254,7 +257,7 @@ class KVTiers:
             self._saving[step_id] = out.save_keys
         self._out = _Outbox()
         return KVTransfers(out.saves, out.loads, out.disk_writes, out.disk_reads, out.disk_deletes,
-                           out.shifted_loads)
+                           out.shifted_loads, bool(out.loads or out.shifted_loads) and out.loads_start_now)
 
     def on_acks(self, acks: KVAcks) -> list[int]:
         """Apply the worker's acknowledgements; returns the steps whose saves completed or failed

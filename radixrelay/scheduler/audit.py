@@ -43,7 +43,7 @@ def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: i
     except AssertionError as exc:
         error = str(exc) or "AssertionError"
     return KVAudit(
-        total_pages=cache.allocator.num_pages, free_pages=cache.allocator.num_free,
+        total_pages=cache.allocator.num_pages, free_pages=cache.num_free_pages,
         cached_pages=cached_pages, request_pages=sum(len(r.hold.own_pages) for r in running),
         locked_nodes=locked_nodes, lock_refs=lock_refs,
         lock_holders=sum(r.hold.holds_locks for r in running), live_requests=live_requests,

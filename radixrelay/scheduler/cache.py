@@ -12,6 +12,15 @@ A request leaves (finish, retraction) by inserting its computed whole pages into
 turn of a chat, or its own resumption, hits them), freeing pages the tree already had (duplicates
 computed concurrently) and its last partial page, and unlocking its path. Aborts just free.
 
+Pages freed while steps are in flight (a finished or aborted request's own pages) may still be written
+by those steps (a request found finished one step late computes one more position; an aborted one's
+chunk may be on the device). A later step's kernels run after them on the compute stream, but a
+host -> device load runs on its own stream: so freed pages cool (``_cooling``) until the steps in
+flight when they were freed are processed (``step_planned``, ``step_processed``), and a promotion whose
+pages are all cool starts its loads at once, beside the steps queued before it, instead of after them
+(``KVTransfers.loads_start_now``). Cooling pages count as available: an allocation short of free pages
+takes them before it evicts cache (they are then ``_warm`` until their steps are done).
+
 Lower tiers (optional; ``TierCoordinator`` in ``tier_coordinator.py`` runs them): whole pages that
 enter the tree are saved to host memory once (``TierCoordinator.save``); an admission continues its
 device match with the pages host memory holds, loaded into fresh device pages (``promote``: the device
@@ -20,6 +29,7 @@ pages and the tree here, the host run and the loads there).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from radixrelay.protocol.step import ModuleSpan
@@ -45,11 +55,59 @@ class CacheManager:
         # KV events: what enters and leaves the tree, for precise routers (None: not published)
         self.events = (KVEventHook(events, self.tree, config.kv_namespace)
                        if events is not None and not config.disable_radix_cache else None)
+        # step ids: the newest planned, the newest whose output was processed (in flight between them)
+        self._planned = self._processed = -1
+        self._cooling: deque[tuple[int, list[int]]] = deque()   # (newest step in flight when freed, pages)
+        self._num_cooling = 0
+        self._warm: dict[int, int] = {}      # page -> that step: taken from cooling early, in the free pool
 
     @property
     def available_pages(self) -> int:
-        """Pages an allocation can get right now: free ones plus evictable cached ones."""
-        return self.allocator.num_free + self.tree.evictable_pages
+        """Pages an allocation can get right now: free ones (cooling included) plus evictable cached ones."""
+        return self.allocator.num_free + self._num_cooling + self.tree.evictable_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no request or tree node holds (cooling included)."""
+        return self.allocator.num_free + self._num_cooling
+
+    # -- steps in flight: pages freed meanwhile cool until they are done -------------------------------
+
+    def step_planned(self, step_id: int) -> None:
+        self._planned = step_id
+
+    def step_processed(self, step_id: int) -> None:
+        """Step ``step_id``'s output was processed: its kernels (and every earlier step's) are done."""
+        self._processed = step_id
+        while self._cooling and self._cooling[0][0] <= step_id:
+            pages = self._cooling.popleft()[1]
+            self._num_cooling -= len(pages)
+            self.allocator.free(pages)
+        if self._warm:
+            self._warm = {p: s for p, s in self._warm.items() if s > step_id}
+
+    def _free(self, pages: list[int]) -> None:
+        """Give pages no holder keeps any more back to the allocator, through cooling while steps that
+        may write them are in flight."""
+        if not pages:
+            return
+        if self._planned > self._processed:
+            self._cooling.append((self._planned, list(pages)))
+            self._num_cooling += len(pages)
+        else:
+            self.allocator.free(pages)
+
+    def _take_cooling(self) -> None:
+        """Short of free pages: the cooling ones join the free pool (``_warm`` until their steps are done)."""
+        while self._cooling:
+            step, pages = self._cooling.popleft()
+            self._num_cooling -= len(pages)
+            self.allocator.free(pages)
+            self._warm.update(dict.fromkeys(pages, step))
+
+    def cool(self, pages: list[int]) -> bool:
+        """Whether no step in flight may write ``pages`` (fresh from ``alloc``)."""
+        return not self._warm or not any(p in self._warm for p in pages)
 
     def match_and_lock(self, req: Request, near: RadixNode | None = None) -> None:
         """Attach the longest cached prefix to ``req`` (which holds no pages) and lock it.
@@ -112,6 +170,9 @@ class CacheManager:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
         ``one_run``: pages of one request, consecutive ids where possible (``PageAllocator.alloc``)."""
         short = n - self.allocator.num_free
+        if short > 0 and self._cooling:
+            self._take_cooling()
+            short = n - self.allocator.num_free
         if short > 0:
             if short > self.tree.evictable_pages:
                 return None
@@ -207,8 +268,7 @@ class CacheManager:
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
             # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
             # pages[existing // ps:num_full] now belong to the tree.
-            self.allocator.free(hold.pages[own_from: existing // ps])
-            self.allocator.free(hold.pages[num_full:])
+            self._free(hold.pages[own_from: existing // ps] + hold.pages[num_full:])
             if self.events is not None:
                 self.events.stored(req, num_full)
             if self.tiers is not None and num_full:
@@ -218,7 +278,7 @@ class CacheManager:
                 if found.num_tokens == n:
                     self.tiers.save(req, found.node, found.pages)
         else:
-            self.allocator.free(hold.pages[own_from:])
+            self._free(hold.pages[own_from:])
         self.unlock(req)
 
     # -- promotion from host memory (``TierCoordinator``) -------------------------------------------
@@ -263,7 +323,7 @@ class CacheManager:
         self.tree.lock(node)
         if hold.lock_node is not None:
             self.tree.unlock(hold.lock_node)
-        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps)
+        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps, start_now=self.cool(pages))
         hold.pages = hold.pages[:have] + pages
         hold.lock_node = node
         hold.num_shared_pages = have + len(slots)
@@ -277,7 +337,9 @@ class CacheManager:
         self.tree.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
-        free = self.allocator.free_pages()
+        free = self.allocator.free_pages() + [p for _, pages in self._cooling for p in pages]
+        if self._num_cooling != len(free) - self.allocator.num_free:
+            raise AssertionError("cooling page count is stale")
         cached = [p for node in self.tree.nodes() for p in node.pages]
         in_use: list[int] = []
         tree_pages = set(cached)

@@ -265,6 +265,7 @@ class Scheduler:
             req.num_pending += 1
         self._released = []
         self._inflight.append(_InFlight(self._next_step, extends, dec.decodes, samplers))
+        self.cache.step_planned(self._next_step)
         self._next_step += 1
         return plan
 
@@ -295,6 +296,7 @@ class Scheduler:
         if not self._inflight or out.step_id != self._inflight[0].step_id:
             raise ValueError(f"StepOutput {out.step_id} does not answer the oldest step in flight")
         step = self._inflight.popleft()
+        self.cache.step_processed(step.step_id)
         if self._tiers is not None:
             self._tiers.on_acks(out.kv_acks)
         for req in step.samplers.values():
@@ -347,8 +349,8 @@ class Scheduler:
     def _base_stats(self, alloc, tree) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self._running), num_waiting=len(self._waiting),
-            kv_total_pages=alloc.num_pages, kv_free_pages=alloc.num_free,
-            kv_used_pages=alloc.num_pages - alloc.num_free,
+            kv_total_pages=alloc.num_pages, kv_free_pages=self.cache.num_free_pages,
+            kv_used_pages=alloc.num_pages - self.cache.num_free_pages,
             cached_tokens=tree.cached_tokens, evictable_tokens=tree.evictable_tokens,
             locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
             prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions)
@@ -385,6 +387,7 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step, released=self._released, transfers=self._take_transfers())
         self._released = []
         self._inflight.append(_InFlight(self._next_step, [], [], {}))
+        self.cache.step_planned(self._next_step)
         self._next_step += 1
         return plan
 

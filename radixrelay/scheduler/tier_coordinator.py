@@ -91,12 +91,13 @@ class TierCoordinator:
         from (``KVTiers.host_run``)."""
         return self.store.host_run(keys, start, stop)
 
-    def load(self, keys: list[bytes], pages: list[int], shift: int) -> None:
+    def load(self, keys: list[bytes], pages: list[int], shift: int, start_now: bool = False) -> None:
         """Queue the loads of ``keys`` (a ``host_run``) into the fresh device ``pages``, their keys rotated
-        by ``shift`` positions (nonzero: a truncated prompt's KV re-positioned), and count the hits."""
+        by ``shift`` positions (nonzero: a truncated prompt's KV re-positioned), and count the hits.
+        ``start_now``: no step in flight writes ``pages`` (``KVTransfers.loads_start_now``)."""
         store, ps = self.store, self.page_size
         from_disk_before = store.counters.loaded_from_disk
-        store.load(keys, pages, shift=shift)
+        store.load(keys, pages, shift=shift, start_now=start_now)
         self.tier_hit_tokens += len(pages) * ps
         self.disk_hit_tokens += (store.counters.loaded_from_disk - from_disk_before) * ps
         if shift:

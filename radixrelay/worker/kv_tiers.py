@@ -134,7 +134,9 @@ class TierStore:
                 self._flush_saves()
         if loads:
             begun = time.perf_counter()
-            events = self._copy(loads, save=False, after=after, shifts=t.shifted_loads)
+            # pages no step in flight writes (``loads_start_now``): the copies start beside those steps
+            events = self._copy(loads, save=False, after=None if t.loads_start_now else after,
+                                shifts=t.shifted_loads)
             if self._cuda:
                 self.kv.layer_ready = events[1:]
                 self._loads.append((after, events[0], events[-1]))
@@ -245,6 +247,7 @@ class TierStore:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
         runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
         copy engines move the KV and no kernel competes with the step's forward for the SMs.
+        ``after``: an event on the compute stream the copies wait for (None: they start at once).
         Returns CUDA events: for a save [start, done]; for a load [start, layer 0 done, ..., layer L-1 done]
         (CPU: [None])."""
         if save:
@@ -262,7 +265,8 @@ class TierStore:
             return [None]
         stream = self._save_stream if save else self._load_stream
         with torch.cuda.stream(stream):
-            stream.wait_event(after)
+            if after is not None:
+                stream.wait_event(after)
             for slots, _ in runs:
                 for slot in slots:
                     event = self._slot_events.get(slot)

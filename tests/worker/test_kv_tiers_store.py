@@ -333,3 +333,30 @@ def test_a_removed_directory_is_made_again(tmp_path):
     disk.write(b"b" * 16, page)
     assert disk.recreated == 1 and stat.S_IMODE(os.stat(disk.directory).st_mode) == 0o700
     assert disk.read_into(b"b" * 16, out) and bytes(out) == page
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start_now", [True, False])
+def test_loads_start_now_beside_the_steps_queued_before_cuda(start_now):
+    """A plan whose loads may start at once (``loads_start_now``: no step in flight writes their pages)
+    copies while the compute stream is still busy with earlier work; otherwise the copies wait for it.
+    Either way the pages arrive exact and the step's layers wait for them."""
+    kv = _cache("cuda")
+    store = TierStore(kv, host_pages=6)
+    store.host.normal_()
+    want = store.host[:, :, :3 * PS].clone()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(500_000_000)                 # earlier steps, still on the device (~0.3 s)
+    busy = torch.cuda.Event()
+    busy.record(compute)
+    store.apply(0, KVTransfers(loads=[(0, 6), (1, 7), (2, 8)], loads_start_now=start_now))
+    loaded = kv.layer_ready[-1]
+    loaded.synchronize()
+    assert busy.query() is (not start_now)         # started now: done while the earlier work still runs
+    store.after_forward()
+    torch.cuda.synchronize()
+    for layer in range(kv.num_layers):
+        got = torch.stack([kv.k[layer][6 * PS:9 * PS], kv.v[layer][6 * PS:9 * PS]]).cpu()
+        assert torch.equal(got, want[layer])
+    assert store.acks(wait=True).load_s > 0
+    store.close()
