@@ -1,6 +1,7 @@
 """KV tiers end to end on a CUDA machine: the real server (Llama-3-8B shapes, dummy weights) under
 multi-turn chats whose histories outgrow the device KV cache, with tiers off (recompute) vs host
-memory (scheduler-aware or LRU eviction) vs a small host tier over disk.
+memory (scheduler-aware or LRU eviction) vs a small host tier over disk, and (config ``roomy``) a device pool
+large enough for every history: the floor a tier can at best match under the same traffic.
 
     bash benchmarks/gpu_env.sh && python -m benchmarks.tiers.bench_kv_tiers_gpu --configs off,host --out-dir DIR
 
@@ -44,6 +45,9 @@ CONFIGS = {
     "host": ["--host-kv-gib", "48", "--kv-tier-policy", "scheduler"],
     "host-lru": ["--host-kv-gib", "48", "--kv-tier-policy", "lru"],
     "disk": ["--host-kv-gib", "{small_host}", "--disk-kv-gib", "40", "--disk-kv-path", "{disk}"],
+    # the floor: a device pool that holds every session's history, so every later turn is a device hit
+    # (what a tier could at best match under the same traffic); the later flag overrides the capped pool
+    "roomy": ["--host-kv-gib", "0", "--kv-cache-tokens", "{roomy}"],
 }
 
 
@@ -131,6 +135,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--small-host-gib", type=float, default=2.0)
+    p.add_argument("--roomy-kv-tokens", type=int, default=400_000,
+                   help="config roomy: device KV tokens (every history fits)")
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--history-len", type=int, default=4000)
@@ -147,6 +153,7 @@ def main() -> int:
     if args.smoke:
         args.sessions, args.turns, args.history_len, args.probe_prompts, args.probe_words = 3, 2, 100, 1, 100
         args.think_time, args.output_len, args.kv_cache_tokens, args.small_host_gib = 0.2, 4, 16 * 24, 0.01
+        args.roomy_kv_tokens = 16 * 64
         CONFIGS["host"][1] = CONFIGS["host-lru"][1] = "0.2"
         model_argv = ["--model", "default", "--kv-cache-tokens", str(args.kv_cache_tokens)]
         args.served_model = "default"
@@ -160,7 +167,8 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = []
     for name in args.configs.split(","):
-        flags = [f.format(small_host=args.small_host_gib, disk=tmp / "disk") for f in CONFIGS[name]]
+        flags = [f.format(small_host=args.small_host_gib, disk=tmp / "disk", roomy=args.roomy_kv_tokens)
+                 for f in CONFIGS[name]]
         results.append(asyncio.run(run_config(name, flags, args, model_argv, args.out_dir)))
         path = args.out_dir / f"kv_tiers_{device_slug(device)}_{'_'.join(args.configs.split(','))}.json"
         path.write_text(json.dumps({"device": device, "args": vars(args) | {"out_dir": str(args.out_dir)},
