@@ -87,6 +87,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
         "kv_tier_repositioned_tokens")] = 0
     tier_prefetch_used_pages: Annotated[int, counter("Pages read from disk ahead of a turn and then used.",
                                                      "kv_tier_prefetch_used_pages")] = 0
+    tier_loaded_at_once_pages: Annotated[int, counter(
+        "Pages loaded from host memory whose copies could start at once, beside the steps before their own (their "
+        "device pages written by no step in flight).", "kv_tier_loaded_at_once_pages")] = 0
     tier_read_failed_pages: Annotated[int, counter("Disk pages found missing, truncated or corrupt (misses).",
                                                    "kv_tier_read_failed_pages")] = 0
     tier_saved_bytes: Annotated[int, counter("KV bytes copied device to host.", "kv_tier_saved_bytes")] = 0

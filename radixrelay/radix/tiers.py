@@ -53,6 +53,7 @@ class TierCounters:
     saved: int = 0               # device -> host
     loaded: int = 0              # host -> device (promotions)
     loaded_from_disk: int = 0    # of which the host copy came from disk
+    loaded_at_once: int = 0      # of which the loads started beside the steps before (``KVTransfers.loads_start_now``)
     written: int = 0             # host -> disk
     read: int = 0                # disk -> host
     read_failed: int = 0         # disk misses found at read time (corrupt, truncated, missing)
@@ -202,6 +203,7 @@ class KVTiers:
                 self.counters.prefetch_used += 1
                 entry.from_disk = False
         self.counters.loaded += len(keys)
+        self.counters.loaded_at_once += len(keys) if start_now else 0
         self._touch(keys)
 
     def prefetch(self, keys: list[bytes], start: int, stop: int, spare: set[bytes] = frozenset()) -> int:

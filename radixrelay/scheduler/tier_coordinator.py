@@ -252,6 +252,7 @@ class TierCoordinator:
                     tier_host_hit_tokens=self.tier_hit_tokens, tier_disk_hit_tokens=self.disk_hit_tokens,
                     tier_repositioned_tokens=self.repositioned_tokens,
                     tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
+                    tier_loaded_at_once_pages=c.loaded_at_once,
                     tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
                     tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s, tier_save_s=c.save_s,

@@ -80,3 +80,26 @@ def greedy_close(reference, got, what: str) -> int:
             assert abs(lr.logprob - lg.logprob) < 0.05
             compared += 1
     return compared
+
+
+def test_host_tier_loads_beside_steps_in_flight_give_the_tokens_of_recompute(model_dir):
+    """Sessions pushed off a small device pool come back from the pinned host tier while other sessions decode
+    (overlap: each admission's plan reaches the worker while the step before it computes, and its loads start
+    then, into pages no step in flight writes): float32, the greedy tokens of an engine without tiers."""
+    import random
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    sessions = [" ".join(random.Random(i).choice(WORDS) for _ in range(200)) for i in range(6)]
+    distractor = " ".join(WORDS[:400])
+    with Engine(model=str(model_dir), load_format="dummy", device="cuda", dtype="float32",
+                kv_cache_tokens=65536, host_kv_gib=0) as engine:
+        reference = [o.token_ids for o in engine.generate(sessions, params)]
+    with Engine(model=str(model_dir), load_format="dummy", device="cuda", dtype="float32",
+                kv_cache_tokens=1024, host_kv_gib=0.5) as engine:
+        first = engine.generate(sessions, params)
+        engine.generate([distractor], params)
+        again = engine.generate(sessions, params)
+        stats = engine.stats()
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == reference
+    assert stats["tier_host_hit_tokens"] > 0 and all(o.cached_tokens > 0 for o in again)
+    assert stats["tier_loaded_at_once_pages"] > 0

@@ -60,6 +60,7 @@ def test_loads_start_now_only_into_pages_no_step_in_flight_writes(num_pages, sta
     # (which the aborted chunk in flight may still write) joined the pool and the loads wait for it
     assert plan.transfers.loads_start_now is start_now
     assert bool(loaded & cooling) is not start_now
+    assert sched.stats().tier_loaded_at_once_pages == (8 if start_now else 0)
     sched.check_integrity()
 
     sched.process_output(StepOutput(in_flight.step_id, [], []))
