@@ -90,6 +90,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tier_loaded_at_once_pages: Annotated[int, counter(
         "Pages loaded from host memory whose copies could start at once, beside the steps before their own (their "
         "device pages written by no step in flight).", "kv_tier_loaded_at_once_pages")] = 0
+    tier_early_load_tokens: Annotated[int, counter(
+        "Prompt tokens loaded from host memory while their request was still queued (started at its arrival, "
+        "beside the steps in flight; of the host hits).", "kv_tier_early_load_tokens")] = 0
     tier_read_failed_pages: Annotated[int, counter("Disk pages found missing, truncated or corrupt (misses).",
                                                    "kv_tier_read_failed_pages")] = 0
     tier_saved_bytes: Annotated[int, counter("KV bytes copied device to host.", "kv_tier_saved_bytes")] = 0

@@ -12,6 +12,9 @@ default; 1 with ``disable_overlap``):
     worker output   -> process_output -> token updates to the frontend
     frontend input  -> drained completely before the next schedule(), so aborts and arrivals
                        land between steps (an abort frees its KV before the next plan)
+    arrivals        -> their pages in host memory start loading at once (``Scheduler.early_loads``:
+                       a plan of transfers alone, sent beside the steps in flight; such plans do not
+                       count against ``depth``)
 
 With depth 2, step N+1 is planned and sent while the device computes step N; step N's output is
 processed (stop checks, streaming) while N+1 computes, and only then is N+2 planned, so every plan
@@ -95,7 +98,7 @@ class SchedulerLoop:
         poller.register(self.frontend_in, zmq.POLLIN)
         poller.register(self.worker_in, zmq.POLLIN)
         while not self._stopping:
-            while self.scheduler.num_in_flight < self.depth and self._start_step():
+            while self.scheduler.num_row_steps_in_flight < self.depth and self._start_step():
                 pass
             events = dict(poller.poll(POLL_MS))
             if not events and parent_gone(self.args):
@@ -106,6 +109,7 @@ class SchedulerLoop:
             if self.worker_in in events:
                 self._drain_worker()
             self._drain_frontend()
+            self._send_early_loads()
         self.worker_out.send(self._encode(WorkerStop()))
         return 0
 
@@ -139,6 +143,18 @@ class SchedulerLoop:
                 self._decode_only[plan.step_id] = len(plan.decodes)
         self.worker_out.send(self._encode(WorkerStep(plan)))
         return True
+
+    def _send_early_loads(self) -> None:
+        """Requests that just arrived while steps are in flight: their pages in host memory start loading
+        now, in a plan of transfers alone sent beside those steps, instead of with their admission."""
+        start = time.perf_counter()
+        try:
+            plan = self.scheduler.early_loads()
+            if plan is not None:
+                self.counters.steps += 1
+                self.worker_out.send(self._encode(WorkerStep(plan)))
+        finally:
+            self.counters.scheduler_busy_s += time.perf_counter() - start
 
     def _on_worker(self, message: WorkerMessage | None) -> None:
         if message is None:

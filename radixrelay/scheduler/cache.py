@@ -24,7 +24,8 @@ takes them before it evicts cache (they are then ``_warm`` until their steps are
 Lower tiers (optional; ``TierCoordinator`` in ``tier_coordinator.py`` runs them): whole pages that
 enter the tree are saved to host memory once (``TierCoordinator.save``); an admission continues its
 device match with the pages host memory holds, loaded into fresh device pages (``promote``: the device
-pages and the tree here, the host run and the loads there).
+pages and the tree here, the host run and the loads there); a queued request's are loaded before its
+admission, while steps are in flight (``load_early``).
 """
 
 from __future__ import annotations
@@ -166,11 +167,12 @@ class CacheManager:
         hold.pages, hold.num_shared_pages, hold.lock_node, hold.module_nodes = [], 0, None, []
         hold.kv_len = hold.kv_committed = 0
 
-    def alloc(self, n: int, *, one_run: bool = True) -> list[int] | None:
+    def alloc(self, n: int, *, one_run: bool = True, cooling: bool = True) -> list[int] | None:
         """``n`` pages, evicting LRU cache as needed; None when even eviction cannot supply them.
-        ``one_run``: pages of one request, consecutive ids where possible (``PageAllocator.alloc``)."""
+        ``one_run``: pages of one request, consecutive ids where possible (``PageAllocator.alloc``);
+        ``cooling``: cooling pages may be taken (before evicting)."""
         short = n - self.allocator.num_free
-        if short > 0 and self._cooling:
+        if short > 0 and self._cooling and cooling:
             self._take_cooling()
             short = n - self.allocator.num_free
         if short > 0:
@@ -300,16 +302,40 @@ class CacheManager:
             promoted += self._promote_run(req, tiers.shifted_keys(req, off + limit), off, limit)
         return promoted
 
-    def _promote_run(self, req: Request, keys: list[bytes], off: int, limit: int) -> int:
-        """Promote the host pages ``keys[off + have : off + limit]`` as ``req``'s pages
-        ``have .. limit - 1`` (``have``: its shared pages); ``off`` pages of offset are loaded with
-        their keys rotated by ``-off * page_size`` positions."""
+    def load_early(self, req: Request, max_pages: int) -> int:
+        """For queued ``req`` (holding nothing), before its admission: the pages host memory holds past its
+        device match, loaded now (at most ``max_pages``) into free pages or pages of LRU cache evicted for
+        them, as its admission would a moment later, never into cooling pages, and inserted into the tree,
+        unlocked. Its admission then finds them as a device match. A later step that reads them runs after
+        the loads: the plan that carries them is one of transfers alone, and the worker orders the steps
+        after it behind its loads. Returns the pages loaded."""
+        tiers, ps = self.tiers, self.page_size
+        if tiers is None or req.modules or req.shifted_prefix or req.hold.pages:
+            return 0
+        if max_pages <= 0:
+            return 0
+        self.match_and_lock(req)
+        try:
+            limit = req.reusable_prefix // ps
+            if limit <= req.hold.num_shared_pages:
+                return 0
+            return self._promote_run(req, tiers.page_keys(req, limit), 0, limit, max_pages, early=True)
+        finally:
+            self.unlock(req)
+
+    def _promote_run(self, req: Request, keys: list[bytes], off: int, limit: int, max_pages: int | None = None,
+                     early: bool = False) -> int:
+        """Promote the host pages ``keys[off + have : off + limit]`` (the first ``max_pages`` of them) as
+        ``req``'s pages ``have .. limit - 1`` (``have``: its shared pages); ``off`` pages of offset are
+        loaded with their keys rotated by ``-off * page_size`` positions."""
         tiers, ps, hold = self.tiers, self.page_size, req.hold
         have = hold.num_shared_pages
         slots = tiers.host_run(keys, off + have, off + limit)
+        if max_pages is not None:
+            slots = slots[:max_pages]
         if not slots:
             return 0
-        pages = self.alloc(len(slots))
+        pages = self.alloc(len(slots), cooling=not early)
         if pages is None:
             return 0
         n = (have + len(slots)) * ps
@@ -323,7 +349,8 @@ class CacheManager:
         self.tree.lock(node)
         if hold.lock_node is not None:
             self.tree.unlock(hold.lock_node)
-        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps, start_now=self.cool(pages))
+        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps, start_now=self.cool(pages),
+                   early=early)
         hold.pages = hold.pages[:have] + pages
         hold.lock_node = node
         hold.num_shared_pages = have + len(slots)

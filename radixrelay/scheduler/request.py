@@ -100,6 +100,7 @@ class Request:
     shifted_keys: list[bytes] = field(default_factory=list)
     host_hint: tuple[int, int] | None = None    # (device match, host tokens after it): lpm's hint
     skipped_fetch: bool = False                 # admitted without waiting for its disk reads (counted once)
+    early_load_tried: bool = False              # its host pages were looked for before admission (once)
     # lpm's device match while waiting: (tree version, len(token_ids), matched tokens) (policy.py)
     lpm_match: tuple[int, int, int] | None = None
     # where the last peek at the tree for this request ended (``RadixTree.peek_resumed``): the next

@@ -185,6 +185,32 @@ class Scheduler:
         """Steps planned whose output has not been processed yet."""
         return len(self._inflight)
 
+    @property
+    def num_row_steps_in_flight(self) -> int:
+        """Of those, the steps with rows (a plan of transfers alone keeps no step of the device waiting)."""
+        return sum(1 for s in self._inflight if s.extends or s.decodes)
+
+    def early_loads(self) -> StepPlan | None:
+        """With steps in flight: loads from host memory for queued requests not looked at yet, started now
+        (``CacheManager.load_early``: free or evictable pages, never cooling ones, beyond the running
+        requests' decode reservation),
+        as a plan of transfers alone to send at once, beside the steps in flight. The admission that follows
+        (usually the next plan) finds the pages on the device instead of loading them then. None when
+        there is nothing to load."""
+        if self._tiers is None or not self._inflight or not self._waiting:
+            return None
+        cache = self.cache
+        free = (cache.allocator.num_free + cache.tree.evictable_pages
+                - sum(self._prefill.reserve_pages(r) for r in self._running.values()))
+        loaded = 0
+        for req in itertools.islice(self._waiting, self.config.tier_lookahead):
+            if free - loaded <= 0:
+                break
+            if not req.early_load_tried:
+                req.early_load_tried = True
+                loaded += cache.load_early(req, free - loaded)
+        return self._transfers_plan() if loaded else None
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix from the radix tree; refused (False) while requests are live."""
         if self._requests:
@@ -384,6 +410,9 @@ class Scheduler:
         another follows while any is left."""
         if not self._tiers_busy() or (self._inflight and not self._tiers.has_outgoing()):
             return None
+        return self._transfers_plan()
+
+    def _transfers_plan(self) -> StepPlan:
         plan = StepPlan(step_id=self._next_step, released=self._released, transfers=self._take_transfers())
         self._released = []
         self._inflight.append(_InFlight(self._next_step, [], [], {}))

@@ -47,6 +47,7 @@ class TierCoordinator:
         self.tier_hit_tokens = 0                            # prompt tokens promoted from host memory
         self.disk_hit_tokens = 0                            # of which read from disk ahead of the turn
         self.repositioned_tokens = 0                        # of which re-positioned (truncated prompts)
+        self.early_tokens = 0                               # of which loaded before their request's admission
         self.costs = TierCosts()                            # disk read and prefill rates: wait or recompute
 
     # -- content keys ------------------------------------------------------------------------------
@@ -91,14 +92,18 @@ class TierCoordinator:
         from (``KVTiers.host_run``)."""
         return self.store.host_run(keys, start, stop)
 
-    def load(self, keys: list[bytes], pages: list[int], shift: int, start_now: bool = False) -> None:
+    def load(self, keys: list[bytes], pages: list[int], shift: int, start_now: bool = False,
+             early: bool = False) -> None:
         """Queue the loads of ``keys`` (a ``host_run``) into the fresh device ``pages``, their keys rotated
         by ``shift`` positions (nonzero: a truncated prompt's KV re-positioned), and count the hits.
-        ``start_now``: no step in flight writes ``pages`` (``KVTransfers.loads_start_now``)."""
+        ``start_now``: no step in flight writes ``pages`` (``KVTransfers.loads_start_now``); ``early``: for a
+        queued request, before its admission (``CacheManager.load_early``)."""
         store, ps = self.store, self.page_size
         from_disk_before = store.counters.loaded_from_disk
         store.load(keys, pages, shift=shift, start_now=start_now)
         self.tier_hit_tokens += len(pages) * ps
+        if early:
+            self.early_tokens += len(pages) * ps
         self.disk_hit_tokens += (store.counters.loaded_from_disk - from_disk_before) * ps
         if shift:
             self.repositioned_tokens += len(pages) * ps
@@ -252,7 +257,7 @@ class TierCoordinator:
                     tier_host_hit_tokens=self.tier_hit_tokens, tier_disk_hit_tokens=self.disk_hit_tokens,
                     tier_repositioned_tokens=self.repositioned_tokens,
                     tier_prefetch_used_pages=c.prefetch_used, tier_read_failed_pages=c.read_failed,
-                    tier_loaded_at_once_pages=c.loaded_at_once,
+                    tier_loaded_at_once_pages=c.loaded_at_once, tier_early_load_tokens=self.early_tokens,
                     tier_saved_bytes=c.saved * size, tier_loaded_bytes=c.loaded * size,
                     tier_written_bytes=c.written * size, tier_read_bytes=c.read * size,
                     tier_load_s=c.load_s, tier_load_exposed_s=c.load_exposed_s, tier_save_s=c.save_s,

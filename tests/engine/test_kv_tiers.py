@@ -11,7 +11,8 @@ stay at four), in this order, runs 2-4 on one disk directory:
 1. ``reference``: kv 16 * 400 tokens, no tiers;
 2. ``disk_run``: kv 16 * 40, host memory tiny, disk tier: turn 2 hits the disk; file modes;
 3. ``host_run``: kv 16 * 40, host memory 0.5 GiB, the same disk directory but page size 32 (another
-   namespace: nothing of run 2 matches): turn 2 hits host memory;
+   namespace: nothing of run 2 matches), two requests at a time: turn 2 hits host memory, the queued
+   requests' histories loaded before their admission;
 4. ``restart_run``: the options of run 2 again (a restart): sessions 0-2 are served from the files
    run 2 left; then every ``.kv`` file is corrupted (a byte of the payload flipped) and sessions 3-5
    find only misses (``tier_read_failed_pages``), with outputs still equal to recompute.
@@ -97,7 +98,9 @@ def disk_run(reference, disk_dir):
 
 @pytest.fixture(scope="module")
 def host_run(reference, disk_run, disk_dir):
-    with Engine(kv_cache_tokens=SMALL_KV, host_kv_gib=0.5, page_size=32, disk_kv_path=str(disk_dir)) as eng:
+    # two requests at a time: the rest of turn 2 queues, and its histories start loading before admission
+    with Engine(kv_cache_tokens=SMALL_KV, host_kv_gib=0.5, page_size=32, disk_kv_path=str(disk_dir),
+                max_running_requests=2) as eng:
         return _two_turns(eng, reference)
 
 
@@ -120,12 +123,14 @@ def restart_run(reference, disk_run, host_run, disk_dir):
 
 
 def test_multi_turn_host_memory_tier(reference, host_run):
-    """Turn 2 on a device pool too small for the sessions: histories come back from host memory,
-    outputs are those of recompute, and every turn-2 request reports cached prompt tokens."""
+    """Turn 2 on a device pool too small for the sessions: histories come back from host memory (those of
+    queued requests loaded while steps run, before their admission), outputs are those of recompute, and
+    every turn-2 request reports cached prompt tokens."""
     assert [o.token_ids for o in host_run["turn1"]] == reference["turn1"]
     assert [o.token_ids for o in host_run["turn2"]] == reference["turn2"]
     stats = host_run["stats"]
     assert stats["tier_host_pages"] > 0 and stats["tier_host_hit_tokens"] > 0
+    assert 0 < stats["tier_early_load_tokens"] <= stats["tier_host_hit_tokens"]
     assert stats["tier_saved_bytes"] > 0 and stats["tier_loaded_bytes"] > 0
     for out in host_run["turn2"]:
         assert 0 < out.cached_tokens < out.prompt_tokens

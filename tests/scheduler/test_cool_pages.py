@@ -21,7 +21,14 @@ def _scheduler(num_pages: int) -> Scheduler:
                           chunked_prefill_tokens=8)
     sched = Scheduler(cfg, tiers=KVTiers(host_pages=64))
     # the history: computed, saved to host memory (acknowledged), then dropped from the device
-    sched.add_request(0, HISTORY + [1], SamplingParams(max_tokens=1))
+    cache_prompt(sched, 0, HISTORY + [1])
+    assert sched.flush_cache()
+    return sched
+
+
+def cache_prompt(sched: Scheduler, rid: int, prompt: list[int]) -> None:
+    """``prompt`` computed (one token out), its pages cached and saved to host memory (acknowledged)."""
+    sched.add_request(rid, prompt, SamplingParams(max_tokens=1))
     while True:
         plan = sched.schedule()
         sampled = [e.rid for e in plan.extends if e.sample]
@@ -31,8 +38,7 @@ def _scheduler(num_pages: int) -> Scheduler:
     plan = sched.schedule()
     assert plan.transfers is not None and plan.transfers.saves
     sched.process_output(StepOutput(plan.step_id, [], [], kv_acks=KVAcks(saved_steps=[plan.step_id])))
-    assert not sched.has_work() and sched.flush_cache()
-    return sched
+    assert not sched.has_work()
 
 
 @pytest.mark.parametrize("num_pages, start_now", [(24, True), (16, False)])
