@@ -199,15 +199,16 @@ class Scheduler:
         there is nothing to load."""
         if self._tiers is None or not self._inflight or not self._waiting:
             return None
+        new = [r for r in itertools.islice(self._waiting, self.config.tier_lookahead) if not r.early_load_tried]
+        if not new:                          # the common case, checked every loop: O(window), no more
+            return None
         cache = self.cache
         free = (cache.allocator.num_free + cache.tree.evictable_pages
                 - sum(self._prefill.reserve_pages(r) for r in self._running.values()))
         loaded = 0
-        for req in itertools.islice(self._waiting, self.config.tier_lookahead):
-            if free - loaded <= 0:
-                break
-            if not req.early_load_tried:
-                req.early_load_tried = True
+        for req in new:                      # each looked at once, at arrival: never a cost per step
+            req.early_load_tried = True
+            if free - loaded > 0:
                 loaded += cache.load_early(req, free - loaded)
         return self._transfers_plan() if loaded else None
 
