@@ -4,7 +4,11 @@ It follows the StepPlan contract like a real worker and simulates the KV cache: 
 position t of a request writes a hash of ``token_ids[: t + 1]`` (what real KV depends on) into slot
 ``pages[t // ps] * ps + t % ps``; before computing it checks that every earlier position's slot
 holds exactly that request's prefix hash, so a wrong page list, a page reused too early or a
-cached prefix that is not what it claims to be fails the test. Sampled tokens come from
+cached prefix that is not what it claims to be fails the test. KV tier transfers are simulated too:
+a save copies pages' slots into host slots, a load copies them back (and the save is acknowledged
+with the step). Steps run when ``step`` is called; a driver that holds outputs back (overlap) says
+which steps are still in flight (``delivered``), and a load that may start beside them
+(``KVTransfers.loads_start_now``) into a page one of them writes fails the test. Sampled tokens come from
 ``token_fn(rid, tokens_so_far)``. An admission leaves out its cached prefix's tokens
 (``token_offset``): they are read back from the slots of the request's first pages, where each
 computed position also records its token.
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.protocol.messages import RequestUpdate
 from radixrelay.protocol.step import StepOutput, StepPlan
 from radixrelay.scheduler import Scheduler
@@ -52,11 +57,20 @@ class FakeWorker:
     plans: list[StepPlan] = field(default_factory=list)
     # modular prompts: rid -> first position of each module span (each span's KV sees only itself)
     span_starts: dict[int, frozenset[int]] = field(default_factory=dict)
+    host: dict[tuple[int, int], tuple[int | None, int | None]] = field(default_factory=dict)  # (slot, i) -> KV
+    written_by: dict[int, int] = field(default_factory=dict)   # page -> the last step that computed into it
+    in_flight: set[int] = field(default_factory=set)           # steps run whose outputs were not delivered
+
+    def delivered(self, step_id: int) -> None:
+        """The driver handed step ``step_id``'s output to the scheduler: the step is done on the device."""
+        self.in_flight.discard(step_id)
 
     def step(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
+        self.in_flight.add(plan.step_id)
         for rid in plan.released:
             del self.table[rid]
+        acks = self._transfers(plan.step_id, plan.transfers) if plan.transfers is not None else None
         for adm in plan.admitted:
             assert adm.rid not in self.table
             row = _Row([], list(adm.pages), restarts=self.span_starts.get(adm.rid, frozenset()))
@@ -66,7 +80,7 @@ class FakeWorker:
         for app in plan.page_appends:
             self.table[app.rid].pages.extend(app.pages)
         if plan.step_id == self.error_at_step:
-            return StepOutput(plan.step_id, [], [], error="boom")
+            return StepOutput(plan.step_id, [], [], error="boom", kv_acks=acks)
         rids, tokens = [], []
         for ext in plan.extends:
             row = self.table[ext.rid]
@@ -83,7 +97,22 @@ class FakeWorker:
             row = self.table[rid]
             tokens.append(self.token_fn(rid, row.tokens))
             row.tokens.append(tokens[-1])
-        return StepOutput(plan.step_id, rids, tokens)
+        return StepOutput(plan.step_id, rids, tokens, kv_acks=acks)
+
+    def _transfers(self, step_id: int, t: KVTransfers) -> KVAcks | None:
+        ps = self.page_size
+        assert not (t.shifted_loads or t.disk_reads or t.disk_writes), "not simulated"
+        for page, slot in t.saves:
+            for i in range(ps):
+                self.host[(slot, i)] = (self.kv.get(page * ps + i), self.slot_tokens.get(page * ps + i))
+        for slot, page in t.loads:
+            if t.loads_start_now:
+                writer = self.written_by.get(page)
+                assert writer is None or writer == step_id or writer not in self.in_flight, \
+                    f"a load starting at once into page {page}, which step {writer} (in flight) writes"
+            for i in range(ps):
+                self.kv[page * ps + i], self.slot_tokens[page * ps + i] = self.host.get((slot, i), (None, None))
+        return KVAcks(saved_steps=[step_id]) if t.saves else None
 
     def _slot(self, row: _Row, t: int) -> int:
         page = row.pages[t // self.page_size]
@@ -97,6 +126,7 @@ class FakeWorker:
         for t in range(start, end):
             self.kv[self._slot(row, t)] = row.prefix_hash(t)
             self.slot_tokens[self._slot(row, t)] = row.tokens[t]
+            self.written_by[row.pages[t // self.page_size]] = self.plans[-1].step_id
 
 
 @dataclass
@@ -116,6 +146,7 @@ def drive(sched: Scheduler, worker: FakeWorker, run: Run | None = None,
         plan = sched.schedule()
         assert plan is not None, "work left but nothing scheduled"
         collect(run, sched.process_output(worker.step(plan)))
+        worker.delivered(plan.step_id)
         run.steps += 1
         sched.check_integrity()
     return run
