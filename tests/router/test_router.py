@@ -220,8 +220,8 @@ def test_a_killed_replica_leaves_the_pool_and_its_stream_ends(replicas, tmp_path
         client = router.client()
         params = dict(model="default", max_tokens=400, temperature=0, stream=True,
                       extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": "Tell a story."}])
-        first = client.chat.completions.create(**params)
-        second = client.chat.completions.create(**params)
+        first = client.chat.completions.create(**{**params, "max_tokens": 8})    # replica 0: short
+        second = client.chat.completions.create(**params)                        # replica 1: long
         next(iter(second))
         victim = replicas[1]
         for pid in [victim.proc.pid, *victim.child_pids]:
