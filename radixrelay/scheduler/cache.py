@@ -310,9 +310,12 @@ class CacheManager:
         the loads: the plan that carries them is one of transfers alone, and the worker orders the steps
         after it behind its loads. Returns the pages loaded."""
         tiers, ps = self.tiers, self.page_size
-        if tiers is None or req.modules or req.shifted_prefix or req.hold.pages:
+        if tiers is None or req.modules or req.shifted_prefix or req.hold.pages or max_pages <= 0:
             return 0
-        if max_pages <= 0:
+        # the usual case, nothing in host memory past the device match: found from the kept hints, no lock
+        req.tree_hint, matched = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
+                                                        length=req.reusable_prefix)
+        if not tiers.host_extension(req, matched - matched % ps):
             return 0
         self.match_and_lock(req)
         try:
