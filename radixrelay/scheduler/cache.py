@@ -80,10 +80,7 @@ class CacheManager:
     def step_processed(self, step_id: int) -> None:
         """Step ``step_id``'s output was processed: its kernels (and every earlier step's) are done."""
         self._processed = step_id
-        while self._cooling and self._cooling[0][0] <= step_id:
-            pages = self._cooling.popleft()[1]
-            self._num_cooling -= len(pages)
-            self.allocator.free(pages)
+        self._uncool(step_id)
         if self._warm:
             self._warm = {p: s for p, s in self._warm.items() if s > step_id}
 
@@ -98,12 +95,20 @@ class CacheManager:
         else:
             self.allocator.free(pages)
 
-    def _take_cooling(self) -> None:
-        """Short of free pages: the cooling ones join the free pool (``_warm`` until their steps are done)."""
-        while self._cooling:
-            step, pages = self._cooling.popleft()
+    def _uncool(self, done: int | None) -> list[tuple[int, list[int]]]:
+        """Cooling pages back to the allocator: those freed while only steps up to ``done`` were in flight
+        (None: all of them). Returns the entries released."""
+        released = []
+        while self._cooling and (done is None or self._cooling[0][0] <= done):
+            step, pages = entry = self._cooling.popleft()
             self._num_cooling -= len(pages)
             self.allocator.free(pages)
+            released.append(entry)
+        return released
+
+    def _take_cooling(self) -> None:
+        """Short of free pages: the cooling ones join the free pool (``_warm`` until their steps are done)."""
+        for step, pages in self._uncool(None):
             self._warm.update(dict.fromkeys(pages, step))
 
     def cool(self, pages: list[int]) -> bool:
@@ -317,7 +322,7 @@ class CacheManager:
                                                         length=req.reusable_prefix)
         if not tiers.host_extension(req, matched - matched % ps):
             return 0
-        self.match_and_lock(req)
+        self.match_and_lock(req, req.tree_hint[0] if req.tree_hint is not None else None)   # resumes the peek
         try:
             limit = req.reusable_prefix // ps
             if limit <= req.hold.num_shared_pages:

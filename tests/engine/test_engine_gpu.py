@@ -87,6 +87,16 @@ def test_host_tier_loads_beside_steps_in_flight_give_the_tokens_of_recompute(mod
     two at a time: an admission's loads start when its plan reaches the worker, beside the step before it,
     and a queued session's start at once, in a plan of transfers alone that the later steps wait for; both
     into pages no step in flight writes. Float32: the greedy tokens of an engine without tiers."""
+    reference, first, again, stats = host_tier_sessions(model_dir, max_running_requests=2)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == reference
+    assert stats["tier_host_hit_tokens"] > 0 and all(o.cached_tokens > 0 for o in again)
+    assert stats["tier_loaded_at_once_pages"] > 0 and stats["tier_early_load_tokens"] > 0
+
+
+def host_tier_sessions(model_dir, **options):
+    """Six 200-word sessions, float32: their greedy tokens on a roomy pool without tiers, then on a 1024-token
+    pool with a 0.5 GiB host tier (``options`` added): the sessions, a 400-word distractor that pushes them
+    off the device, the sessions again. Returns (reference tokens, first outputs, later outputs, stats)."""
     import random
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -96,11 +106,9 @@ def test_host_tier_loads_beside_steps_in_flight_give_the_tokens_of_recompute(mod
                 kv_cache_tokens=65536, host_kv_gib=0) as engine:
         reference = [o.token_ids for o in engine.generate(sessions, params)]
     with Engine(model=str(model_dir), load_format="dummy", device="cuda", dtype="float32",
-                kv_cache_tokens=1024, host_kv_gib=0.5, max_running_requests=2) as engine:
+                kv_cache_tokens=1024, host_kv_gib=0.5, **options) as engine:
         first = engine.generate(sessions, params)
         engine.generate([distractor], params)
         again = engine.generate(sessions, params)
         stats = engine.stats()
-    assert [o.token_ids for o in first] == [o.token_ids for o in again] == reference
-    assert stats["tier_host_hit_tokens"] > 0 and all(o.cached_tokens > 0 for o in again)
-    assert stats["tier_loaded_at_once_pages"] > 0 and stats["tier_early_load_tokens"] > 0
+    return reference, first, again, stats

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixrelay import Engine, SamplingParams
-from tests.engine.test_engine_gpu import WORDS, _prompts, greedy_close, make_tiny_model_dir
+from tests.engine.test_engine_gpu import _prompts, greedy_close, host_tier_sessions, make_tiny_model_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
@@ -51,20 +51,7 @@ def test_host_tier_at_two_ranks_gives_the_tokens_of_one(model_dir):
     """Sessions pushed off a small device pool come back from each rank's pinned host tier (copy streams,
     acknowledged once both ranks finished), fp32: the greedy tokens of tp=1 without tiers. The per-rank
     device seconds and the calibrated all-reduce time are counted."""
-    import random
-
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    sessions = [" ".join(random.Random(i).choice(WORDS) for _ in range(200)) for i in range(6)]
-    distractor = " ".join(WORDS[:400])
-    with Engine(model=str(model_dir), load_format="dummy", device="cuda", dtype="float32",
-                kv_cache_tokens=65536, host_kv_gib=0) as engine:
-        reference = [o.token_ids for o in engine.generate(sessions, params)]
-    with Engine(model=str(model_dir), load_format="dummy", device="cuda", dtype="float32",
-                kv_cache_tokens=1024, host_kv_gib=0.5, tp=2) as engine:
-        first = engine.generate(sessions, params)
-        engine.generate([distractor], params)
-        again = engine.generate(sessions, params)
-        stats = engine.stats()
+    reference, first, again, stats = host_tier_sessions(model_dir, tp=2)
     assert [o.token_ids for o in first] == [o.token_ids for o in again] == reference
     assert stats["tier_host_hit_tokens"] > 0 and all(o.cached_tokens > 0 for o in again)
     assert stats["rank0_device_s"] > 0 and stats["rank1_device_s"] > 0

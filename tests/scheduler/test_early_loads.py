@@ -5,6 +5,7 @@ once per request."""
 
 from __future__ import annotations
 
+from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.step import StepOutput
 from radixrelay.sampling_params import SamplingParams
 from tests.scheduler.test_cool_pages import HISTORY, _scheduler, cache_prompt
@@ -92,4 +93,41 @@ def test_early_loads_evict_cache_but_never_take_cooling_pages():
     sched.process_output(StepOutput(in_flight.step_id, [1], [4]))
     sched.process_output(StepOutput(chunk.step_id, [], []))
     sched.process_output(StepOutput(plan.step_id, [], []))
+    sched.check_integrity()
+
+
+def _done(sched, plan, rids=(), tokens=()):
+    """``plan``'s output, its saves (if any) acknowledged."""
+    saved = [plan.step_id] if plan.transfers is not None and plan.transfers.saves else []
+    sched.process_output(StepOutput(plan.step_id, list(rids), list(tokens), kv_acks=KVAcks(saved_steps=saved)))
+
+
+def test_an_aborted_queued_request_leaves_its_early_loaded_pages_as_cache():
+    """Aborted after its history was loaded early: it holds nothing; the loaded pages are unlocked cache that
+    a later turn of the same history hits, and once idle every page is free or cached."""
+    sched = _scheduler(24)
+    in_flight = _running_step(sched)
+    sched.add_request(2, LATER_TURN, SamplingParams(max_tokens=2))
+    plan = sched.early_loads()
+    loaded = {page for _, page in plan.transfers.loads}
+    assert sched.abort(2) is not None
+    sched.check_integrity()
+    cached = {p for node in sched.cache.tree.nodes() for p in node.pages}
+    assert loaded <= cached and sched.cache.tree.evictable_pages >= len(loaded)
+    _done(sched, in_flight, [1], [4])
+    _done(sched, plan)
+    sched.abort(1)
+    sched.add_request(3, LATER_TURN, SamplingParams(max_tokens=2))
+    admitting = sched.schedule()
+    assert admitting.admitted[0].pages[:8] == [page for _, page in plan.transfers.loads]   # a device hit
+    assert admitting.transfers is None or not admitting.transfers.loads
+    sched.abort(3)
+    _done(sched, admitting)
+    for _ in range(10):                                 # the saves left to acknowledge
+        if not sched.has_work():
+            break
+        _done(sched, sched.schedule())
+    assert not sched.has_work()
+    stats = sched.stats()
+    assert stats.kv_free_pages + stats.cached_tokens // 4 == stats.kv_total_pages
     sched.check_integrity()
