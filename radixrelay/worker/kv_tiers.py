@@ -205,7 +205,11 @@ class TierStore:
             step_start, start, done = self._loads.popleft()
             _sync(done)
             load_s += start.elapsed_time(done) / 1e3
-            exposed += max(0.0, step_start.elapsed_time(done) / 1e3)
+            # a load that started at once may finish before its step could start (the steps queued
+            # before still compute): then nothing of it was exposed, and the step's start event is not
+            # yet complete, which elapsed_time refuses
+            if _done(step_start):
+                exposed += max(0.0, step_start.elapsed_time(done) / 1e3)
         written, write_failed, read, read_failed = [], [], [], []
         if self._io is not None:
             self._pump_io(wait)
