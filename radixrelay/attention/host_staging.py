@@ -2,14 +2,18 @@
 
 A step uploads a handful of small arrays (positions, slots, page-table writes, indices). Pinning each
 one (``Tensor.pin_memory()``: a caching host allocation, a copy and a stream record) costs tens of
-microseconds of host time on top of the copy's own launch, and a step of a changed batch made several. Here every upload is written into a ring of pinned memory that is allocated once and copied
-with one non-blocking ``copy_``.
+microseconds of host time on top of the copy's own launch, and a step of a changed batch made several. Here
+every upload is written into a ring of pinned memory that is allocated once, and read into the device by
+one kernel on the stream (``kernels.host_copy``), not by a copy: the host-to-device copy engine serves its
+copies in the order they were queued, and a KV tier load of hundreds of MB runs beside the steps, so a
+step's inputs copied after it would wait for all of it. Uploads larger than a segment (rare: over 1 MiB)
+take the allocator's path and a copy.
 
 Reuse rule (why no copy reads overwritten bytes): the ring is cut into ``SEGMENTS`` segments. When
 uploads move on from a segment, an event is recorded on the stream; a segment is written again only
 after the event recorded when it was last left has completed, and that event follows, in stream order,
-every copy made from the segment. One ring per (device, stream): the event must follow the copies on
-their own stream. Uploads larger than a segment take the allocator's path.
+every read made from the segment. One ring per (device, stream): the event must follow the reads on
+their own stream.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class PinnedRing:
         self._offset += -(-n // _ALIGN) * _ALIGN
         if out is None:
             out = torch.empty(n // dtype.itemsize, dtype=dtype, device=self.device)
-        return out.copy_(self._buf[start:start + n].view(dtype), non_blocking=True)
+        from radixrelay.kernels.host_copy import read_from_host      # imports triton: CUDA only
+
+        return read_from_host(self._buf[start:start + n], out)
 
     def _advance(self) -> None:
         event = torch.cuda.Event()
@@ -74,6 +80,19 @@ def upload(data: np.ndarray, dtype: torch.dtype, device: torch.device, out: torc
     if ring is None:
         ring = _RINGS[key] = PinnedRing(torch.device("cuda", index), torch.cuda.current_stream(index))
     return ring.upload(data, dtype, out)
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor (any shape; made contiguous) on ``device``: through the current stream's ring on CUDA
+    (never behind a tier transfer's copies), else ``Tensor.to``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    host = t.contiguous()
+    flat = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, dtype=np.uint8)
+    if not flat.nbytes:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return upload(flat, torch.uint8, device).view(t.dtype).view(t.shape)
 
 
 def _raw_stream(index: int) -> int:

@@ -28,7 +28,7 @@ from operator import sub
 import numpy as np
 import torch
 
-from radixrelay.attention.host_staging import upload
+from radixrelay.attention.host_staging import tensor_to_device, upload
 
 
 @dataclass(frozen=True)
@@ -396,8 +396,8 @@ def build_forward_batch(
         int32_lists.append(kv_start)
     if page_table is None:
         max_pages = max(len(r.pages) for r in requests)
-        page_table = torch.tensor([list(r.pages) + [0] * (max_pages - len(r.pages)) for r in requests],
-                                  dtype=torch.int32).to(device, non_blocking=True)
+        page_table = tensor_to_device(torch.tensor([list(r.pages) + [0] * (max_pages - len(r.pages))
+                                                    for r in requests], dtype=torch.int32), device)
     q_indptr_t, prefix_lens_t, seq_lens_t, *kv_start_t = pack_on_device(int32_lists, torch.int32, device)
     positions_t, out_slots_t, logits_t = pack_on_device([positions, out_slots, logits_rows], torch.int64, device)
     cascade = None

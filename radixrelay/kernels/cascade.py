@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import triton
 
+from radixrelay.attention.host_staging import tensor_to_device
 from radixrelay.kernels import fa3_node, paged_decode, shared_node
 from radixrelay.kernels._common import (check, check_index, check_out, check_page_table, check_qkv, num_sms,
                                         pick_splits)
@@ -190,8 +191,8 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     indptr, ids = merge_index(rows_host, num_requests, launch.shared_splits, launch.own_splits)
     return CascadePlan(
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
-        torch.from_numpy(indptr).to(device, non_blocking=True),
-        torch.from_numpy(ids).to(device, non_blocking=True),
+        tensor_to_device(torch.from_numpy(indptr), device),
+        tensor_to_device(torch.from_numpy(ids), device),
         page_size, head_dim, num_q_heads // num_kv_heads, **launch._asdict(),
     )
 

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from radixrelay.attention.host_staging import tensor_to_device
 from radixrelay.attention.metadata import to_device
 from radixrelay.protocol.step import TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
@@ -213,14 +214,14 @@ def _build_penalties(
     for i, (ids, n) in enumerate(zip(token_ids, num_prompt_tokens)):
         padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
         is_output[i, n : len(ids)] = 1.0
-    padded, is_output = padded.to(device), is_output.to(device)
+    padded, is_output = tensor_to_device(padded, device), tensor_to_device(is_output, device)
     counts = torch.zeros((rows, vocab_size + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, is_output)
     seen = torch.zeros((rows, vocab_size + 1), dtype=torch.bool, device=device)
     seen.scatter_(1, padded, True)
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
+        return tensor_to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
 
     return PenaltyTensors(
         repetition=column([p.repetition_penalty for p in params]),
@@ -266,11 +267,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
     """``x`` for the host, queued without waiting for the device (read it once the step is done): on CUDA
-    written into pinned memory by a kernel (``kernels.host_write``: never queued behind a KV tier save's
+    written into pinned memory by a kernel (``kernels.host_copy``: never queued behind a KV tier save's
     copies), elsewhere ``x`` itself."""
     if x.device.type != "cuda":
         return x
-    from radixrelay.kernels.host_write import write_to_host   # imports triton: CUDA only
+    from radixrelay.kernels.host_copy import write_to_host   # imports triton: CUDA only
 
     return write_to_host(x)
 
@@ -283,7 +284,7 @@ class LogprobsTensors:
 
     def to_host(self) -> LogprobsTensors:
         """Copies on the host, started without waiting for the device (read them once it is done); written
-        by a kernel on CUDA (``kernels.host_write``: never behind a tier save's copies)."""
+        by a kernel on CUDA (``kernels.host_copy``: never behind a tier save's copies)."""
         return LogprobsTensors(*(to_host(t) for t in (self.sampled, self.top_ids, self.top_logprobs)))
 
     def to_protocol(self, num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None]:

@@ -39,7 +39,7 @@ import torch
 
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.triton_backend import TritonBackend
-from radixrelay.kernels import cascade, extend, host_write, jit_counter, merge, paged_decode, shared_node
+from radixrelay.kernels import cascade, extend, host_copy, jit_counter, merge, paged_decode, shared_node
 from radixrelay.kernels.jit_counter import JitCounts
 
 logger = logging.getLogger(__name__)
@@ -161,8 +161,9 @@ def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = 
                                lambda c=config, t=kv_tma, d=dtype: s.shared(c, t, d)))
     for block_m in extend.tile_rows_choices():
         out.append(Variant(f"extend BLOCK_M={block_m}", lambda m=block_m: s.extend(m)))
-    for dtype in host_write.DTYPES:          # a step's tokens and logprobs to the host
-        out.append(Variant(f"host_write {_name(dtype)}", lambda d=dtype: s.host_write(d)))
+    # a step's tokens and logprobs to the host, its inputs up (in words or bytes): one kernel either way
+    for dtype in dict.fromkeys(host_copy.DTYPES + host_copy.WORDS):
+        out.append(Variant(f"host_copy {_name(dtype)}", lambda d=dtype: s.host_copy(d)))
     return out
 
 
@@ -233,10 +234,10 @@ class _Scratch:
         merge.merge_into_rows(o, lse, self._i32([1]), torch.zeros_like(o[:1]), torch.zeros_like(lse[:1]),
                               block_h=block_h)
 
-    def host_write(self, dtype: torch.dtype) -> None:
+    def host_copy(self, dtype: torch.dtype) -> None:
         src = torch.zeros(3, dtype=dtype, device=self.device)
         dst = torch.empty(3, dtype=dtype, pin_memory=self.device.type == "cuda")
-        host_write.launch(src, dst)
+        host_copy.launch(src, dst)
 
     def extend(self, block_m: int) -> None:
         tokens = block_m                                      # extend picks BLOCK_M = block_m for it

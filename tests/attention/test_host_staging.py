@@ -40,3 +40,40 @@ def test_to_device_keeps_values_and_dtypes():
                           ([True, False, True], torch.bool)):
         got = to_device(values, dtype, "cuda")
         assert got.dtype == dtype and got.device.type == "cuda" and got.cpu().tolist() == values
+
+
+@pytest.mark.gpu
+def test_uploads_pass_a_large_load_queued_before_them():
+    """A KV tier load (hundreds of MB host -> device on its own stream) runs beside the steps: a step's
+    inputs uploaded after it do not wait for it (a copy would: one copy engine, served in queue order)."""
+    device = torch.device("cuda")
+    host_big = torch.ones(512 << 20, dtype=torch.uint8, pin_memory=True)
+    big = torch.empty(host_big.shape, dtype=torch.uint8, device=device)
+    side, loaded = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        big.copy_(host_big, non_blocking=True)
+        loaded.record(side)
+    uploaded = torch.cuda.Event()
+    ids = to_device(list(range(1000)), torch.int64, device)
+    flags = to_device([True, False, True], torch.bool, device)              # bytes, not words
+    uploaded.record()
+    uploaded.synchronize()
+    assert not loaded.query()                                              # the load still runs
+    assert ids.tolist() == list(range(1000)) and flags.tolist() == [True, False, True]
+    side.synchronize()
+    assert bool((big == 1).all())
+
+
+@pytest.mark.gpu
+def test_tensor_to_device_keeps_shape_dtype_and_values():
+    for t in (torch.arange(12, dtype=torch.int64).view(3, 4), torch.rand(5, 3).t(), torch.zeros(0, 2),
+              torch.tensor([[True, False]]), torch.arange(7, dtype=torch.int16)):
+        got = host_staging.tensor_to_device(t, "cuda")
+        assert got.device.type == "cuda" and got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.cpu(), t)
+
+
+def test_tensor_to_device_on_the_cpu_is_to():
+    t = torch.arange(6).view(2, 3)
+    assert torch.equal(host_staging.tensor_to_device(t, "cpu"), t)

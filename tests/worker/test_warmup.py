@@ -31,8 +31,8 @@ def test_variants_of_llama_8b():
     assert sum(n.startswith("merge") for n in names) == 2 * 6           # indexed / splits x BLOCK_H 1..32
     assert sum(n.startswith("shared_node") for n in names) == 2 * (3 + tma)
     assert [n for n in names if n.startswith("extend")] == [f"extend BLOCK_M={m}" for m in (16, 32, 64, 128)]
-    assert [n for n in names if n.startswith("host_write")] == ["host_write int64", "host_write int32",
-                                                                "host_write float32"]
+    assert [n for n in names if n.startswith("host_copy")] == ["host_copy int64", "host_copy int32",
+                                                               "host_copy float32", "host_copy uint8"]
     no_overlap = [v.name for v in serving_variants(LLAMA_8B, kv, overlap=False)]
     assert set(names) - set(no_overlap) == {"paged_decode beside out=float32", "paged_decode beside light out=float32"}
 
@@ -131,7 +131,7 @@ def test_serving_launches_nothing_new_after_warm_up(monkeypatch):
     report = warm_up_kernels(TINY, kv, TritonBackend(overlap=False))
     assert report.complete and report.launches == len(serving_variants(TINY, kv, overlap=False))
     warm = set(recorder.keys)
-    attention = [v for v in serving_variants(TINY, kv, overlap=False) if not v.name.startswith("host_write")]
+    attention = [v for v in serving_variants(TINY, kv, overlap=False) if not v.name.startswith("host_copy")]
     assert len(warm) == len(attention)                    # every variant launched is a distinct key
     recorder.keys.clear()
     backend = TritonBackend(overlap=False)
