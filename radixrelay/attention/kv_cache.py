@@ -63,9 +63,11 @@ class KVCache:
         return self.k[0].device
 
     def wait_for_layer(self, layer_id: int) -> None:
-        """Before layer ``layer_id``'s attention reads the cache: wait (on the device) for the KV tier
-        loads of that layer (``layer_ready``: one CUDA event per layer, set by the worker's
-        ``TierStore`` for one step; None when nothing is loading)."""
+        """Before layer ``layer_id`` stores its new K/V or reads the cache: wait (on the device) for the KV
+        tier loads of that layer (``layer_ready``: one CUDA event per layer, set by the worker's
+        ``TierStore`` until a step with rows ran; None when nothing is loading). Before the store too: a
+        page that a load still writes may be one the step was given for its new tokens (an earlier plan's
+        load into a page evicted since)."""
         events = self.layer_ready
         if events is not None:
             torch.cuda.current_stream(self.device).wait_event(events[layer_id])

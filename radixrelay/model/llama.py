@@ -184,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)                                               # [T, hidden]
         layers, h = self.model.layers, None
         for i, layer in enumerate(layers):
+            kv_cache.wait_for_layer(layer.self_attn.layer_id)     # KV tier loads: before the layer's K/V store
             q = layer.before_attention(x, cos, sin, batch.out_slots, kv_cache, normed=h)
             o = backend.forward(q, layer.self_attn.layer_id, kv_cache, batch)
             h, x = self.next_layer_input(i, x, o)

@@ -311,9 +311,10 @@ class CacheManager:
         """For queued ``req`` (holding nothing), before its admission: the pages host memory holds past its
         device match, loaded now (at most ``max_pages``) into free pages or pages of LRU cache evicted for
         them, as its admission would a moment later, never into cooling pages, and inserted into the tree,
-        unlocked. Its admission then finds them as a device match. A later step that reads them runs after
-        the loads: the plan that carries them is one of transfers alone, and the worker orders the steps
-        after it behind its loads. Returns the pages loaded."""
+        unlocked. Its admission then finds them as a device match. A later step that reads or writes them
+        does so after the loads: the plan that carries them is one of transfers alone, and the worker
+        makes the next step with rows wait for them, layer by layer (``TierStore.after_forward``).
+        Returns the pages loaded."""
         tiers, ps = self.tiers, self.page_size
         if tiers is None or req.modules or req.shifted_prefix or req.hold.pages or max_pages <= 0:
             return 0

@@ -178,11 +178,19 @@ class TierStore:
             logger.exception("KV save of step %d failed", step_id)
             self._failed.append(step_id)
 
-    def after_forward(self) -> None:
-        """After the step's forward was queued: its saves are queued now; a forward that did not wait
-        for every layer (an error, a path without attention hooks) makes the compute stream wait for
-        all loads."""
+    def after_forward(self, rows: bool = True) -> None:
+        """After the step's forward was queued: its saves are queued now. ``rows`` False (a plan of
+        transfers alone): its loads stay in ``KVCache.layer_ready`` for the next step with rows, whose
+        layer l waits for layer l of them (a later plan's own loads replace them: one load stream, so
+        its layer l completes after every layer of these). Else a forward that did not wait for every
+        layer (an error, a path without attention hooks) makes the compute stream wait for all loads."""
         self._flush_saves()
+        if rows:
+            self.wait_for_loads()
+
+    def wait_for_loads(self) -> None:
+        """Order everything queued next on the compute stream after every load queued so far (a step
+        that cannot wait layer by layer: a decode step's CUDA graph)."""
         events = self.kv.layer_ready
         if events:
             torch.cuda.current_stream(self.kv.device).wait_event(events[-1])

@@ -210,15 +210,19 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             self._apply_diff(plan)
+            if plan.transfers is not None and self.tiers is None:
+                raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
+            if self.tiers is None:
+                return self._launch(plan, start)
             if plan.transfers is not None:
-                if self.tiers is None:
-                    raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
                 self.tiers.apply(plan.step_id, plan.transfers)    # loads: layer l before layer l's attention
-                try:
-                    return self._launch(plan, start)
-                finally:
-                    self.tiers.after_forward()
-            return self._launch(plan, start)
+            rows = bool(plan.extends or plan.decodes)
+            if rows and not plan.extends:
+                self.tiers.wait_for_loads()     # a decode step's graph cannot wait layer by layer: all before
+            try:
+                return self._launch(plan, start)
+            finally:
+                self.tiers.after_forward(rows)
         except Exception as exc:  # noqa: BLE001 - the scheduler turns this into request errors
             self.device_batch.ran_other()          # what the graph buffers hold is not known
             return LaunchedStep(plan.step_id, error=f"{type(exc).__name__}: {exc}")

@@ -147,12 +147,13 @@ class PiecewiseGraphs:
         graphs = self._graphs.get(n)
         q, o = self._q[:num], self._o[:num]                                 # the real rows
         for i in range(len(self.layers) + 1):
+            if i < len(self.layers):          # KV tier loads: before piece i, which stores layer i's new K/V
+                self.kv_cache.wait_for_layer(self.layers[i].self_attn.layer_id)
             if graphs is None:
                 self._piece(i, n)
             else:
                 graphs[i].replay()
             if i < len(self.layers):
-                self.kv_cache.wait_for_layer(self.layers[i].self_attn.layer_id)     # KV tier loads
                 self.backend.forward(q, self.layers[i].self_attn.layer_id, self.kv_cache, batch, out=o)
         self.replays += 1
         return self.model.logits(self._x[batch.logits_indices])

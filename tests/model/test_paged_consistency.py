@@ -82,3 +82,17 @@ def test_forward_rejects_mismatched_input(model):
     session.tokens[0] = [1, 2]  # two ids for a three-token batch
     with pytest.raises(ValueError, match="input ids"):
         session.step([(0, 3)])
+
+
+def test_each_layer_waits_for_its_tier_loads_before_storing_its_kv(model, monkeypatch):
+    """KV tier loads land layer by layer (``KVCache.wait_for_layer``): layer l waits for them before it
+    writes its new K/V (a page a load still writes may be one given to the step's new tokens) and before
+    its attention reads the cache."""
+    session = PagedSession(model, num_pages=16, page_size=4)
+    order = []
+    monkeypatch.setattr(session.cache, "wait_for_layer", lambda layer: order.append(("wait", layer)))
+    store = session.cache.store
+    monkeypatch.setattr(session.cache, "store", lambda layer, *a: (order.append(("store", layer)), store(layer, *a)))
+    session.greedy({0: _sequences()[0]}, 2)
+    per_forward = [x for layer in range(CFG.num_layers) for x in (("wait", layer), ("store", layer))]
+    assert order == per_forward * 2

@@ -363,3 +363,33 @@ def test_loads_start_now_beside_the_steps_queued_before_cuda(start_now):
         assert torch.equal(got, want[layer])
     assert start_now or store.acks(wait=True).load_s > 0
     store.close()
+
+
+@pytest.mark.gpu
+def test_loads_of_a_plan_without_rows_are_waited_for_by_the_next_step_layer_by_layer_cuda():
+    """A plan of transfers alone (loads at a request's arrival) leaves its per-layer events for the next
+    step with rows: its layer l waits for layer l only. A decode step (a whole-model graph) waits for all."""
+    kv = _cache("cuda")
+    store = TierStore(kv, host_pages=6)
+    store.host.normal_()
+    want = store.host[:, :, :3 * PS].clone()
+    torch.cuda._sleep(100_000_000)                 # a step in flight
+    store.apply(0, KVTransfers(loads=[(0, 6), (1, 7), (2, 8)], loads_start_now=True))
+    store.after_forward(rows=False)
+    assert kv.layer_ready is not None              # nothing made the compute stream wait yet
+    got = []
+    for layer in range(kv.num_layers):             # the next step, layer by layer
+        kv.wait_for_layer(layer)
+        got.append(torch.stack([kv.k[layer][6 * PS:9 * PS], kv.v[layer][6 * PS:9 * PS]]).clone())
+    store.after_forward(rows=True)
+    assert kv.layer_ready is None
+    store.apply(1, KVTransfers(loads=[(3, 9)], loads_start_now=True))
+    store.after_forward(rows=False)
+    store.wait_for_loads()                         # a decode step: everything before it
+    assert kv.layer_ready is None
+    after = torch.stack([kv.k[0][9 * PS:10 * PS], kv.v[0][9 * PS:10 * PS]]).clone()
+    torch.cuda.synchronize()
+    for layer in range(kv.num_layers):
+        assert torch.equal(got[layer].cpu(), want[layer])
+    assert torch.equal(after.cpu(), store.host[0, :, 3 * PS:4 * PS])
+    store.close()
