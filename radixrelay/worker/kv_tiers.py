@@ -2,8 +2,9 @@
 them and the device KV cache (``radixrelay.protocol.kv.KVTransfers``, planned by ``radixrelay.radix.tiers``).
 
 Host pool: ``host: [num_layers, 2 (K, V), host_pages * page_size, num_kv_heads, head_dim]``, laid out
-like the device cache, so a run of pages consecutive on both sides moves as one plain copy per layer
-and K/V (the copy engines' work, no gather kernels); pinned on CUDA. A disk file holds one page's
+like the device cache, so a run of pages consecutive on both sides moves as one 2-D copy over the
+(layer, K/V) planes (``plane_copy``: the copy engines' work, no gather kernels, one launch); pinned on
+CUDA. A disk file holds one page's
 ``[num_layers, 2, page_size, num_kv_heads, head_dim]``, gathered / scattered on the I/O thread.
 
 Ordering (what the scheduler relies on, ``KVTransfers``):
@@ -44,6 +45,7 @@ from radixrelay.model.layers import apply_rope
 from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.radix.disk_store import DiskKVStore, rank_namespace
 from radixrelay.worker.host_memory import pinned_empty, release
+from radixrelay.worker.plane_copy import copy_planes
 
 logger = logging.getLogger("radixrelay.worker")
 
@@ -51,6 +53,9 @@ logger = logging.getLogger("radixrelay.worker")
 # pages of 16 tokens: 2 MiB a page), and at most STAGE_MAX_PAGES pages.
 STAGE_BYTES = 128 << 20
 STAGE_MAX_PAGES = 512
+# Loads complete in groups of this many layers (one event each; a step's layer l waits for its group):
+# a run of pages is one 2-D copy per group (``plane_copy``), so fewer groups are fewer launches.
+LOAD_LAYERS_PER_EVENT = 4
 # Seconds a disk job (one page read, write or delete) may run before it is given up. A page is a few
 # MiB: a working disk moves it in milliseconds, so a job this slow is on storage that hangs.
 DISK_DEADLINE_S = 5.0
@@ -257,8 +262,9 @@ class TierStore:
     def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after,
               shifts: list[tuple[int, int, int]] = ()) -> list:
         """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
-        runs consecutive on both sides: one plain memory copy per (run, layer, K/V), so on CUDA the
-        copy engines move the KV and no kernel competes with the step's forward for the SMs.
+        runs consecutive on both sides: one 2-D copy per run (a load: per run and group of
+        ``LOAD_LAYERS_PER_EVENT`` layers), so on CUDA the copy engines move the KV and no kernel competes
+        with the step's forward for the SMs.
         ``after``: an event on the compute stream the copies wait for (None: they start at once).
         Returns CUDA events: for a save [start, done]; for a load [start, layer 0 done, ..., layer L-1 done]
         (CPU: [None])."""
@@ -272,7 +278,7 @@ class TierStore:
             rotations = self._rotations(shifts)
             for layer in range(self.kv.num_layers):
                 for slots, pages in runs:
-                    self._copy_run(layer, slots, pages, save)
+                    self._copy_run(range(layer, layer + 1), slots, pages, save)
                 self._rotate(layer, rotations)
             return [None]
         stream = self._save_stream if save else self._load_stream
@@ -290,11 +296,14 @@ class TierStore:
                 events.append(self._record(stream, timing=True))
             else:
                 rotations = self._rotations(shifts)
-                for layer in range(self.kv.num_layers):
+                num_layers = self.kv.num_layers
+                for first in range(0, num_layers, LOAD_LAYERS_PER_EVENT):
+                    layers = range(first, min(first + LOAD_LAYERS_PER_EVENT, num_layers))
                     for slots, pages in runs:
-                        self._copy_run(layer, slots, pages, save)
-                    self._rotate(layer, rotations)
-                    events.append(self._record(stream, timing=True))
+                        self._copy_run(layers, slots, pages, save)
+                    for layer in layers:
+                        self._rotate(layer, rotations)
+                    events += [self._record(stream, timing=True)] * len(layers)
             done = events[-1]
             for slots, _ in runs:
                 for slot in slots:
@@ -317,9 +326,8 @@ class TierStore:
         for slots, pages in _slot_runs(pairs):
             direct = list(_runs(list(zip(slots, pages))))
             if len(direct) <= 2:                # as cheap as a gather: copy straight out
-                for layer in range(self.kv.num_layers):
-                    for run_slots, run_pages in direct:
-                        self._copy_run(layer, run_slots, run_pages, True)
+                for run_slots, run_pages in direct:
+                    self._copy_run(range(self.kv.num_layers), run_slots, run_pages, True)
             else:
                 gathered.append((slots.start, pages))
         chunk: list[tuple[int, list[int]]] = []
@@ -357,10 +365,7 @@ class TierStore:
         at = 0
         for first, run in pieces:
             host_rows = slice(first * ps, (first + len(run)) * ps)
-            dst = self._host_planes[:, host_rows].unbind(0)
-            src = planes[:, at:at + len(run) * ps].unbind(0)
-            for host_plane, stage_plane in zip(dst, src):
-                host_plane.copy_(stage_plane, non_blocking=self._cuda)
+            self._copy_planes(self._host_planes[:, host_rows], planes[:, at:at + len(run) * ps])
             at += len(run) * ps
 
     def _stage_buffer(self) -> torch.Tensor:
@@ -368,16 +373,26 @@ class TierStore:
         return torch.empty(self._stage_pages * self.page_bytes // self.kv.buffer.element_size(),
                            dtype=self.kv.dtype, device=self.kv.device)
 
-    def _copy_run(self, layer: int, slots: range, pages: range, save: bool) -> None:
-        kv, ps = self.kv, self.kv.page_size
+    def _copy_run(self, layers: range, slots: range, pages: range, save: bool) -> None:
+        """Host slots ``slots`` <-> device pages ``pages`` (as many, both consecutive), K and V of ``layers``."""
+        ps = self.kv.page_size
         host_rows = slice(slots.start * ps, slots.stop * ps)
         dev_rows = slice(pages.start * ps, pages.stop * ps)
-        for j, cache in enumerate((kv.k[layer], kv.v[layer])):
-            host = self.host[layer, j, host_rows]            # [n * ps, Hkv, D], contiguous
-            if save:
-                host.copy_(cache[dev_rows], non_blocking=self._cuda)
-            else:
-                cache[dev_rows].copy_(host, non_blocking=self._cuda)
+        # [len(layers) * 2, n * ps, Hkv, D]: planes at the pitch of either allocation
+        host = self.host[layers.start:layers.stop, :, host_rows].flatten(0, 1)
+        dev = self.kv.buffer[layers.start:layers.stop, :, dev_rows].flatten(0, 1)
+        if save:
+            self._copy_planes(host, dev)
+        else:
+            self._copy_planes(dev, host)
+
+    def _copy_planes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """[P, rows, Hkv, D] planes: one 2-D copy on CUDA (``plane_copy``: a launch per plane would bound
+        a load by the worker's launch rate), else (or without the runtime's entry point) plane by plane."""
+        if self._cuda and copy_planes(dst, src, torch.cuda.current_stream(self.kv.device)):
+            return
+        for d, s in zip(dst.unbind(0), src.unbind(0)):
+            d.copy_(s, non_blocking=self._cuda)
 
     def _rotations(self, shifts) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per position delta: (device rows [R], cos [R, D], sin [R, D]) for ``_rotate``."""
