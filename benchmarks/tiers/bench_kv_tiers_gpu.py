@@ -48,6 +48,8 @@ CONFIGS = {
     # the floor: a device pool that holds every session's history, so every later turn is a device hit
     # (what a tier could at best match under the same traffic); the later flag overrides the capped pool
     "roomy": ["--host-kv-gib", "0", "--kv-cache-tokens", "{roomy}"],
+    # the same pool with the host tier on: every later turn still a device hit, so what the saves cost alone
+    "roomy-host": ["--host-kv-gib", "48", "--kv-tier-policy", "scheduler", "--kv-cache-tokens", "{roomy}"],
 }
 
 

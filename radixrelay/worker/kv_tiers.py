@@ -285,11 +285,11 @@ class TierStore:
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            for slots, _ in runs:
-                for slot in slots:
-                    event = self._slot_events.get(slot)
-                    if event is not None and not event.query():
-                        stream.wait_event(event)
+            # copies still in flight on these slots (a save into one, a load out of one): each event once
+            earlier = {id(e): e for slots, _ in runs for e in map(self._slot_events.get, slots) if e is not None}
+            for event in earlier.values():
+                if not event.query():
+                    stream.wait_event(event)
             events = [self._record(stream, timing=True)]
             if save:
                 self._save_runs(pairs)
