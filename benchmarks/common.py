@@ -202,3 +202,20 @@ def write_report(report: dict[str, Any], out: Path | None, quiet: tuple[str, ...
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
+
+
+def cuda_result_file(out_dir: Path, stem: str, title: str, command: str) -> tuple[Path, list[str]]:
+    """A CUDA benchmark's markdown result: its path, ``<stem>_<device>.md`` in ``out_dir`` (created), and its
+    first lines: ``title`` with the device's name, then when, at which commit and torch, by ``command``."""
+    import datetime
+
+    import torch
+
+    from radixrelay.bench.provenance import device_slug, source_commit
+
+    name = torch.cuda.get_device_name(0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return out_dir / f"{stem}_{device_slug(name)}.md", [
+        f"# {title} ({name})", "",
+        f"{now}; commit {source_commit(ROOT)}; torch {torch.__version__}. Command: `{command}`", ""]

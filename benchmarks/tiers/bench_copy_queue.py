@@ -19,7 +19,6 @@ Writes copy_queue_<device>.md into --out-dir (default benchmarks/results/tiers).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import time
@@ -29,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import RESULTS, ROOT
-from radixrelay.bench.provenance import device_slug, source_commit
+from benchmarks.common import RESULTS, cuda_result_file
 
 SMALL = 4096            # int64 elements (32 KB): a step's inputs or outputs
 
@@ -120,18 +118,13 @@ def main() -> int:
                 rows.append((large or "none", small, by, small_ms, large_ms))
                 print(f"large {large or 'none':4} | small {small} by {by:6}: {small_ms:7.2f} ms"
                       + (f" (large done after {large_ms:.1f} ms)" if large_ms is not None else ""), flush=True)
-    name = torch.cuda.get_device_name(0)
-    out = args.out_dir / f"copy_queue_{device_slug(name)}.md"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# A step's small copy beside a KV tier copy ({name})", "",
-             f"{now}; commit {source_commit(ROOT)}; torch {torch.__version__}. Command: "
-             f"`python -m benchmarks.tiers.bench_copy_queue --large-mib {args.large_mib}`", "",
-             f"A large copy ({args.large_mib} MiB, pinned host memory) on a side stream, launched 2 ms before a small "
-             f"transfer ({SMALL * 8 // 1024} KB) on the compute stream, done by a copy or by a kernel through pinned "
-             f"memory; medians of {args.repeats}: milliseconds from the small transfer's launch to its completion.", "",
-             "| large copy | small transfer | by | small done after (ms) | large done after (ms) |",
-             "|---|---|---|---|---|"]
+    out, lines = cuda_result_file(args.out_dir, "copy_queue", "A step's small copy beside a KV tier copy",
+                                  f"python -m benchmarks.tiers.bench_copy_queue --large-mib {args.large_mib}")
+    lines += [f"A large copy ({args.large_mib} MiB, pinned host memory) on a side stream, launched 2 ms before a small "
+              f"transfer ({SMALL * 8 // 1024} KB) on the compute stream, done by a copy or by a kernel through pinned "
+              f"memory; medians of {args.repeats}: milliseconds from the small transfer's launch to its completion.", "",
+              "| large copy | small transfer | by | small done after (ms) | large done after (ms) |",
+              "|---|---|---|---|---|"]
     for large, small, by, small_ms, large_ms in rows:
         lines.append(f"| {large} | {small} | {by} | {small_ms:.2f} | {'-' if large_ms is None else f'{large_ms:.1f}'} |")
     out.write_text("\n".join(lines) + "\n")

@@ -15,7 +15,6 @@ Writes tier_loads_<device>.md into --out-dir (default benchmarks/results/tiers).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import time
@@ -23,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, ROOT
+from benchmarks.common import RESULTS, cuda_result_file
 from radixrelay.attention import KVCache
-from radixrelay.bench.provenance import device_slug, source_commit
 from radixrelay.protocol.kv import KVTransfers
 from radixrelay.worker.kv_tiers import TierStore
 
@@ -84,18 +82,13 @@ def main() -> int:
         plain.append(begin.elapsed_time(end) / 1e3)
     plain_s = statistics.median(plain)
     print(f"one copy of the same bytes: {plain_s * 1e3:.2f} ms, {nbytes / plain_s / 1e9:.1f} GB/s")
-    name = torch.cuda.get_device_name(0)
-    out = args.out_dir / f"tier_loads_{device_slug(name)}.md"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# KV tier loads by run length ({name})", "",
-             f"{now}; commit {source_commit(ROOT)}; torch {torch.__version__}. Command: "
-             "`python -m benchmarks.tiers.bench_tier_loads`", "",
-             f"{PAGES} pages ({nbytes >> 20} MiB, Llama-3-8B shapes) from consecutive host slots into device pages in "
-             f"runs of the given length; medians of {args.repeats}. Busy: ~10 ms of GEMMs queued on the compute "
-             f"stream first. One plain copy of the same bytes: {plain_s * 1e3:.2f} ms "
-             f"({nbytes / plain_s / 1e9:.1f} GB/s).", "",
-             "| compute stream | run (pages) | load (ms) | GB/s | launch, host (ms) |", "|---|---|---|---|---|"]
+    out, lines = cuda_result_file(args.out_dir, "tier_loads", "KV tier loads by run length",
+                                  "python -m benchmarks.tiers.bench_tier_loads")
+    lines += [f"{PAGES} pages ({nbytes >> 20} MiB, Llama-3-8B shapes) from consecutive host slots into device pages in "
+              f"runs of the given length; medians of {args.repeats}. Busy: ~10 ms of GEMMs queued on the compute "
+              f"stream first. One plain copy of the same bytes: {plain_s * 1e3:.2f} ms "
+              f"({nbytes / plain_s / 1e9:.1f} GB/s).", "",
+              "| compute stream | run (pages) | load (ms) | GB/s | launch, host (ms) |", "|---|---|---|---|---|"]
     for busy, run, device_s, host_s in rows:
         lines.append(f"| {'busy' if busy else 'idle'} | {run} | {device_s * 1e3:.2f} | "
                      f"{nbytes / device_s / 1e9:.1f} | {host_s * 1e3:.2f} |")
