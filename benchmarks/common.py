@@ -219,3 +219,16 @@ def cuda_result_file(out_dir: Path, stem: str, title: str, command: str) -> tupl
     return out_dir / f"{stem}_{device_slug(name)}.md", [
         f"# {title} ({name})", "",
         f"{now}; commit {source_commit(ROOT)}; torch {torch.__version__}. Command: `{command}`", ""]
+
+
+def cuda_8b_kv_cache(script: str, num_pages: int = 8192):
+    """A Llama-3-8B-shaped KV cache on the GPU (32 layers, 8 KV heads of 128, bf16, pages of 16 tokens: 2 MiB
+    a page over every layer) for the KV tier benchmarks; exits with ``script``'s name without a CUDA device."""
+    import torch
+
+    from radixrelay.attention import KVCache
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA device")
+    return KVCache(num_layers=32, num_pages=num_pages, page_size=16, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=torch.device("cuda"))

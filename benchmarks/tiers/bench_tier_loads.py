@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, cuda_result_file
-from radixrelay.attention import KVCache
+from benchmarks.common import RESULTS, cuda_8b_kv_cache, cuda_result_file
 from radixrelay.protocol.kv import KVTransfers
 from radixrelay.worker.kv_tiers import TierStore
 
@@ -36,11 +35,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or RESULTS / "tiers"))
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_tier_loads: needs a CUDA device")
-    dev = torch.device("cuda")
-    kv = KVCache(num_layers=32, num_pages=8192, page_size=16, num_kv_heads=8, head_dim=128,
-                 dtype=torch.bfloat16, device=dev)
+    kv = cuda_8b_kv_cache("bench_tier_loads")
+    dev = kv.device
     store = TierStore(kv, 2 * PAGES)
     busy_work = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     nbytes = PAGES * store.page_bytes

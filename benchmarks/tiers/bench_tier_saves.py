@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from radixrelay.attention import KVCache
+from benchmarks.common import cuda_8b_kv_cache
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.worker.kv_tiers import TierStore
 
@@ -35,11 +35,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests leaving per step")
     ap.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_tier_saves.py needs a CUDA device")
-    dev = torch.device("cuda")
-    kv = KVCache(num_layers=32, num_pages=8192, page_size=16, num_kv_heads=8, head_dim=128,
-                 dtype=torch.bfloat16, device=dev)
+    kv = cuda_8b_kv_cache("bench_tier_saves.py")
+    dev = kv.device
     store = TierStore(kv, args.host_pages)
     tiers = KVTiers(args.host_pages, policy="scheduler")
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)

@@ -52,9 +52,12 @@ class PinnedRing:
         self._offset += -(-n // _ALIGN) * _ALIGN
         if out is None:
             out = torch.empty(n // dtype.itemsize, dtype=dtype, device=self.device)
-        from radixrelay.kernels.host_copy import read_from_host      # imports triton: CUDA only
+        elif out.numel() * out.element_size() != n or not out.is_contiguous():
+            raise ValueError(f"upload: {n} bytes into a tensor of {out.numel() * out.element_size()} bytes "
+                             f"({'' if out.is_contiguous() else 'not '}contiguous)")
+        from radixrelay.kernels.host_copy import read_unchecked      # imports triton: CUDA only
 
-        return read_from_host(self._buf[start:start + n], out)
+        return read_unchecked(self._buf[start:start + n], out, n)    # pinned, n bytes each side
 
     def _advance(self) -> None:
         event = torch.cuda.Event()
@@ -88,10 +91,9 @@ def tensor_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tenso
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    host = t.contiguous()
-    flat = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, dtype=np.uint8)
-    if not flat.nbytes:
+    if not t.numel():
         return torch.empty(t.shape, dtype=t.dtype, device=device)
+    flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
     return upload(flat, torch.uint8, device).view(t.dtype).view(t.shape)
 
 

@@ -77,3 +77,10 @@ def test_tensor_to_device_keeps_shape_dtype_and_values():
 def test_tensor_to_device_on_the_cpu_is_to():
     t = torch.arange(6).view(2, 3)
     assert torch.equal(host_staging.tensor_to_device(t, "cpu"), t)
+
+
+@pytest.mark.gpu
+def test_upload_refuses_an_out_of_another_size():
+    with pytest.raises(ValueError, match="8 bytes into a tensor of 12 bytes"):
+        host_staging.upload(np.arange(2, dtype=np.int32), torch.int32, torch.device("cuda"),
+                            out=torch.empty(3, dtype=torch.int32, device="cuda"))
