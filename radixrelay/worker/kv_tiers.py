@@ -56,6 +56,9 @@ STAGE_MAX_PAGES = 512
 # Loads complete in groups of this many layers (one event each; a step's layer l waits for its group):
 # a run of pages is one 2-D copy per group (``plane_copy``), so fewer groups are fewer launches.
 LOAD_LAYERS_PER_EVENT = 4
+# Device memory a load stages a layer group's scattered pages in (``_load_plan``): 256 pages of one group
+# at Llama-3-8B shapes (bf16, pages of 16 tokens, 64 KiB a page and layer), a 4K-token history.
+LOAD_STAGE_BYTES = 64 << 20
 # Seconds a disk job (one page read, write or delete) may run before it is given up. A page is a few
 # MiB: a working disk moves it in milliseconds, so a job this slow is on storage that hangs.
 DISK_DEADLINE_S = 5.0
@@ -116,6 +119,11 @@ class TierStore:
         # (``_gather_out``); on CUDA taken at start-up, beside the KV cache, not on the first save
         self._stage_pages = max(1, min(STAGE_MAX_PAGES, STAGE_BYTES // self.page_bytes))
         self._stage: torch.Tensor | None = self._stage_buffer() if self._cuda else None
+        # flat, room for ``_load_stage_pages`` pages of one layer group [group, 2, pages * page_size, Hkv, D]:
+        # loads into scattered pages (``_scatter_in``); reused in load-stream order
+        group_page_bytes = self.page_bytes // kv.num_layers * min(LOAD_LAYERS_PER_EVENT, kv.num_layers)
+        self._load_stage_pages = max(1, LOAD_STAGE_BYTES // group_page_bytes)
+        self._load_stage: torch.Tensor | None = self._load_stage_buffer() if self._cuda else None
 
     # -- applying a plan's transfers -------------------------------------------------------------
 
@@ -261,32 +269,29 @@ class TierStore:
 
     def _copy(self, pairs: list[tuple[int, int]], *, save: bool, after,
               shifts: list[tuple[int, int, int]] = ()) -> list:
-        """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Grouped into
-        runs consecutive on both sides: one 2-D copy per run (a load: per run and group of
-        ``LOAD_LAYERS_PER_EVENT`` layers), so on CUDA the copy engines move the KV and no kernel competes
-        with the step's forward for the SMs.
+        """Saves: (device page, host slot) pairs; loads: (host slot, device page) pairs. Saves: one 2-D copy
+        per run consecutive on both sides, scattered pages gathered (``_save_runs``). Loads: per group of
+        ``LOAD_LAYERS_PER_EVENT`` layers, one 2-D copy per such run, scattered pages staged and scattered
+        (``_load_plan``). On CUDA the copy engines move the KV, and a load's launches grow with its runs
+        of host slots, not with how fragmented the device pool is.
         ``after``: an event on the compute stream the copies wait for (None: they start at once).
         Returns CUDA events: for a save [start, done]; for a load [start, layer 0 done, ..., layer L-1 done]
         (CPU: [None])."""
         if save:
             pairs = [(slot, page) for page, slot in pairs]
-        if not self._cuda and save:
-            self._save_runs(pairs)
-            return [None]
-        runs = list(_runs(pairs))
         if not self._cuda:
-            rotations = self._rotations(shifts)
-            for layer in range(self.kv.num_layers):
-                for slots, pages in runs:
-                    self._copy_run(range(layer, layer + 1), slots, pages, save)
-                self._rotate(layer, rotations)
+            if save:
+                self._save_runs(pairs)
+            else:
+                self._load(pairs, shifts)
             return [None]
         stream = self._save_stream if save else self._load_stream
+        slots = {slot for slot, _ in pairs}
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             # copies still in flight on these slots (a save into one, a load out of one): each event once
-            earlier = {id(e): e for slots, _ in runs for e in map(self._slot_events.get, slots) if e is not None}
+            earlier = {id(e): e for e in map(self._slot_events.get, slots) if e is not None}
             for event in earlier.values():
                 if not event.query():
                     stream.wait_event(event)
@@ -295,20 +300,90 @@ class TierStore:
                 self._save_runs(pairs)
                 events.append(self._record(stream, timing=True))
             else:
-                rotations = self._rotations(shifts)
-                num_layers = self.kv.num_layers
-                for first in range(0, num_layers, LOAD_LAYERS_PER_EVENT):
-                    layers = range(first, min(first + LOAD_LAYERS_PER_EVENT, num_layers))
-                    for slots, pages in runs:
-                        self._copy_run(layers, slots, pages, save)
-                    for layer in layers:
-                        self._rotate(layer, rotations)
-                    events += [self._record(stream, timing=True)] * len(layers)
+                events += self._load(pairs, shifts)
             done = events[-1]
-            for slots, _ in runs:
-                for slot in slots:
-                    self._slot_events[slot] = done
+            for slot in slots:
+                self._slot_events[slot] = done
         return events
+
+    def _load(self, pairs: list[tuple[int, int]], shifts) -> list:
+        """Loads of (host slot, device page) pairs, group of layers by group (``_load_plan``), each group's
+        shifted keys rotated after its copies. Returns an event per layer, its group's (CUDA; else [])."""
+        direct, staged = self._load_plan(pairs)
+        rotations = self._rotations(shifts)
+        num_layers, events = self.kv.num_layers, []
+        for first in range(0, num_layers, LOAD_LAYERS_PER_EVENT):
+            layers = range(first, min(first + LOAD_LAYERS_PER_EVENT, num_layers))
+            for slots, pages in direct:
+                self._copy_run(layers, slots, pages, save=False)
+            for pieces, rows in staged:
+                self._scatter_in(layers, pieces, rows)
+            for layer in layers:
+                self._rotate(layer, rotations)
+            if self._cuda:
+                events += [self._record(self._load_stream, timing=True)] * len(layers)
+        return events
+
+    def _load_plan(self, pairs: list[tuple[int, int]]):
+        """(host slot, device page) pairs -> (direct, staged). ``direct``: (slots, pages) ranges consecutive on
+        both sides, one 2-D copy each. ``staged``: the runs of consecutive slots whose pages lie in more than
+        two runs (the pages of a history evicted and loaded into a fragmented pool), in chunks of at most
+        ``_load_stage_pages`` pages: (pieces, device rows), pieces (first host slot, page count) in stage
+        order, rows int64 [pages * page_size] on the device, the pool rows the stage's rows go to."""
+        direct: list[tuple[range, range]] = []
+        chunks: list[list[tuple[int, list[int]]]] = []
+        chunk: list[tuple[int, list[int]]] = []
+        size = 0
+        for slots, pages in _slot_runs(pairs):
+            runs = list(_runs(list(zip(slots, pages))))
+            if len(runs) <= 2:                  # as cheap as staging: copy straight in
+                direct += runs
+                continue
+            at = 0
+            while at < len(pages):
+                take = min(len(pages) - at, self._load_stage_pages - size)
+                chunk.append((slots.start + at, pages[at:at + take]))
+                size, at = size + take, at + take
+                if size == self._load_stage_pages:
+                    chunks.append(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            chunks.append(chunk)
+        staged = [([(first, len(run)) for first, run in c], self._page_rows([p for _, run in c for p in run]))
+                  for c in chunks]
+        return direct, staged
+
+    def _page_rows(self, pages: list[int]) -> torch.Tensor:
+        """The pool rows of ``pages`` in order, int64 [len(pages) * page_size], on the device."""
+        ps = self.kv.page_size
+        rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+        return upload(rows, torch.int64, self.kv.device) if self._cuda else torch.from_numpy(rows)
+
+    def _scatter_in(self, layers: range, pieces: list[tuple[int, int]], rows: torch.Tensor) -> None:
+        """One staged chunk of a load, K and V of ``layers``: a 2-D copy per piece (first host slot, pages)
+        into the load staging buffer, then one scatter of its rows into the pool's ``rows``."""
+        kv, ps = self.kv, self.kv.page_size
+        if self._load_stage is None:
+            self._load_stage = self._load_stage_buffer()
+        n = rows.numel()
+        shape = (len(layers), 2, n) + tuple(kv.buffer.shape[3:])
+        stage = self._load_stage[:math.prod(shape)].view(shape)
+        planes = stage.view((-1,) + stage.shape[2:])                     # [len(layers) * 2, n, Hkv, D]
+        host = self.host[layers.start:layers.stop].flatten(0, 1)
+        at = 0
+        for first, count in pieces:
+            self._copy_planes(planes[:, at:at + count * ps], host[:, first * ps:(first + count) * ps])
+            at += count * ps
+        dest = kv.buffer[layers.start:layers.stop]
+        if kv.buffer.element_size() == 1:                 # an FP8 cache: scattered as bytes
+            dest, stage = dest.view(torch.uint8), stage.view(torch.uint8)
+        dest.index_copy_(2, rows, stage)
+
+    def _load_stage_buffer(self) -> torch.Tensor:
+        """Flat staging memory for ``_load_stage_pages`` pages of one layer group."""
+        group = min(LOAD_LAYERS_PER_EVENT, self.kv.num_layers)
+        per_page = self.page_bytes // self.kv.num_layers * group // self.kv.buffer.element_size()
+        return torch.empty(self._load_stage_pages * per_page, dtype=self.kv.dtype, device=self.kv.device)
 
     def _save_runs(self, pairs: list[tuple[int, int]]) -> None:
         """Saves of (host slot, device page) pairs. Pages consecutive on both sides move as plain copies
@@ -351,8 +426,7 @@ class TierStore:
         kv, ps = self.kv, self.kv.page_size
         pages = [p for _, run in pieces for p in run]
         n = len(pages) * ps
-        rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
-        rows = upload(rows, torch.int64, kv.device) if self._cuda else torch.from_numpy(rows)
+        rows = self._page_rows(pages)
         if self._stage is None:
             self._stage = self._stage_buffer()
         shape = (kv.num_layers, 2, n) + tuple(kv.buffer.shape[3:])

@@ -115,6 +115,49 @@ def test_scattered_saves_cuda(monkeypatch):
     _scattered_saves("cuda", monkeypatch)
 
 
+def _scattered_loads(device: str, dtype, monkeypatch) -> None:
+    """Loads whose host slots are consecutive but whose device pages are scattered (a history loaded into
+    a fragmented pool) go through the load staging buffer: per layer group, a copy per piece into the stage
+    and one scatter into the pages, in chunks of the stage's size (a chunk may hold pieces of several slot
+    runs, a slot run may span chunks); runs of at most two straight runs are copied straight. Every page
+    then holds exactly its slot (FP8 as bytes), and pages no load names are untouched."""
+    import radixrelay.worker.kv_tiers as kv_tiers
+
+    kv = _cache(device, dtype)
+    monkeypatch.setattr(kv_tiers, "LOAD_LAYERS_PER_EVENT", 2)                 # groups: layers [0, 1], [2]
+    monkeypatch.setattr(kv_tiers, "LOAD_STAGE_BYTES", 4 * page_bytes(kv) // kv.num_layers * 2)
+    store = TierStore(kv, host_pages=16)
+    assert store._load_stage_pages == 4
+    gen = torch.Generator().manual_seed(1)
+    store.host.copy_(torch.randn(store.host.shape, generator=gen).to(dtype))
+    host = store.host.cpu()
+    untouched = _page(kv, 3)
+    scattered = [(0, 9), (1, 2), (2, 7), (3, 0), (4, 5), (5, 11), (13, 10), (14, 1), (15, 8)]   # (slot, page)
+    straight = [(10, 4), (11, 6)]                                 # two runs: copied straight
+    direct, staged = store._load_plan(scattered + straight)
+    assert direct == [(range(10, 11), range(4, 5)), (range(11, 12), range(6, 7))]
+    assert [pieces for pieces, _ in staged] == [[(0, 4)], [(4, 2), (13, 2)], [(15, 1)]]
+    assert [rows.numel() for _, rows in staged] == [4 * PS, 4 * PS, PS]
+    store.apply(0, KVTransfers(loads=scattered + straight))
+    store.acks(wait=True)
+    raw = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
+    for slot, page in scattered + straight:
+        assert torch.equal(_page(kv, page), raw(host[:, :, slot * PS:(slot + 1) * PS])), (slot, page)
+    assert torch.equal(_page(kv, 3), untouched)
+    store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_loads_into_scattered_pages_go_through_the_staging_buffer_cpu(dtype, monkeypatch):
+    _scattered_loads("cpu", dtype, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
+def test_loads_into_scattered_pages_go_through_the_staging_buffer_cuda(dtype, monkeypatch):
+    _scattered_loads("cuda", dtype, monkeypatch)
+
+
 @pytest.mark.gpu
 def test_a_large_save_is_not_settled_while_it_copies_cuda():
     """``settled`` (what the worker checks before answering a plan of transfers alone) is False while a large
