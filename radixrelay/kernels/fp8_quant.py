@@ -15,7 +15,7 @@ division), in one kernel instead of five (abs, amax, where, divide + clamp, cast
 linear layer goes through it. The division rounds to nearest (``div_rn``), as torch's does.
 ``quantize_row`` is the same math for kernels that produce the activations (RMSNorm, SiLU-and-mul): they
 hand their rows to it in registers instead of writing them out for a separate launch, with the same results
-bit for bit.
+(bit for bit but for RMSNorm's reduction order, see ``rms_norm``).
 """
 
 from __future__ import annotations
