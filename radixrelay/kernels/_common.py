@@ -20,6 +20,7 @@ from triton.runtime import driver
 
 LOG2E = math.log2(math.e)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TL_FLOAT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # constexprs
 FP8_CACHE = torch.float8_e4m3fn     # an FP8 KV cache (``--kv-cache-dtype fp8``): read as the query's dtype
 
 

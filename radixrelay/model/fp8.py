@@ -7,6 +7,7 @@ API::
     quantize(x, scale) -> q                   x / scale[:, None], clamped to +-E4M3_MAX, rounded to e4m3
     dequantize(q, scale) -> float32           q * scale[:, None]
     emulated_linear(x, q_w, s_w) -> float32   x: [T, in]: x quantized per token, times w^T, both dequantized
+    QuantizedRows(q, scale, dtype)            activations quantized per token, handed to an FP8 product
 
 A row's scale is its largest magnitude over ``E4M3_MAX`` (448), so its largest value lands on +-448
 exactly; an all-zero row gets scale 1 (its values stay 0). Values are divided by the scale in float32,
@@ -18,10 +19,31 @@ same quantization, the product of the dequantized operands in float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized per token by the kernel that produced them (``radixrelay.kernels``: RMSNorm,
+    SiLU-and-mul), for the FP8 product that takes them as they are (``Fp8Linear``).
+
+    ``q``: [T, K] e4m3, rows contiguous; ``scale``: [T, 1] float32, the layout of
+    ``kernels.fp8_quant.quantize_rows``; ``dtype``: what the activations were before quantization, and so
+    what the product returns."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != E4M3 or self.q.dim() != 2 or self.scale.shape != (self.q.shape[0], 1):
+            raise ValueError(f"QuantizedRows: q must be [T, K] e4m3 and scale [T, 1], got q {tuple(self.q.shape)} "
+                             f"{self.q.dtype}, scale {tuple(self.scale.shape)}")
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:

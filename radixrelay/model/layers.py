@@ -76,13 +76,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        # The output feeds an FP8 product that takes it quantized (set by the decoder layer): the fused
+        # kernel writes e4m3 rows and scales instead of norm(x).
+        self.quantize_output = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [T, dim] -> norm(x); with ``residual``: (norm(x + residual), x + residual)."""
+        """x: [T, dim] -> norm(x); with ``residual``: (norm(x + residual), x + residual). With
+        ``quantize_output``, where the fused kernel runs, norm(x) comes as ``QuantizedRows``
+        (``radixrelay.model.fp8``); the torch ops return it unquantized (the product quantizes it)."""
         if fused(x):
             from radixrelay.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, quantize=self.quantize_output)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

@@ -23,7 +23,7 @@ from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
-from radixrelay.model.fp8 import E4M3
+from radixrelay.model.fp8 import E4M3, QuantizedRows
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Fp8Linear, Precision, dequantize_checkpoint, per_channel_scale
 
@@ -42,6 +42,12 @@ def _linear(in_features: int, out_features: int, bias: bool, precision: Precisio
     if precision.weights == "fp8":
         return Fp8Linear(in_features, out_features, bias, emulate=precision.emulate, **factory)
     return Linear(in_features, out_features, bias=bias, **factory)
+
+
+def _takes_quantized(projection: nn.Module) -> bool:
+    """Whether ``projection`` takes its input as ``QuantizedRows`` from the kernel before it (FP8 on
+    ``torch._scaled_mm``; not the emulation, not the model dtype's ``Linear``)."""
+    return isinstance(projection, Fp8Linear) and projection.takes_quantized
 
 
 class Attention(nn.Module):
@@ -68,9 +74,10 @@ class Attention(nn.Module):
         sum to it)."""
         return self.o_proj(o.reshape(-1, self.q_size))
 
-    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
-                         kv_cache: KVCache) -> torch.Tensor:
-        """x: [T, hidden] -> q: [T, Hq, D], with the new K/V written at ``out_slots`` (int64 [T])."""
+    def before_attention(self, x: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
+                         out_slots: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """x: [T, hidden] (or quantized rows for an FP8 q/k/v) -> q: [T, Hq, D], with the new K/V written at
+        ``out_slots`` (int64 [T])."""
         qkv = self.qkv_proj(x)                                                  # [T, (Hq + 2 Hkv) * D]
         if fused(qkv) and kv_cache.fp8_emulation is None:
             from radixrelay.kernels.rope_store import rope_and_store
@@ -93,13 +100,15 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, precision, **factory)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, precision, **factory)
+        self.quantized_down = False      # the fused SiLU-and-mul quantizes down's input (set by DecoderLayer)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> this rank's share of the MLP's output [T, hidden] (the ranks' shares sum to it)."""
-        if fused(x):
+    def partial(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x: [T, hidden] (quantized by the fused norm where gate/up takes it so) -> this rank's share of the
+        MLP's output [T, hidden] (the ranks' shares sum to it)."""
+        if isinstance(x, QuantizedRows) or fused(x):              # (quantized rows: fused kernels only)
             from radixrelay.kernels.silu_mul import silu_mul
 
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(silu_mul(self.gate_up_proj(x), quantize=self.quantized_down))
         if x.device.type == "cpu" and isinstance(self.gate_up_proj, Linear) and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
             # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
@@ -118,6 +127,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_id, tp, precision, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, tp, precision, **factory)
+        self.quantize_into_products()
+
+    def quantize_into_products(self, on: bool = True) -> None:
+        """Where the fused kernels run, the kernels before the FP8 products that take quantized input
+        (``Fp8Linear.takes_quantized``) quantize their output per token: the input norm for q/k/v, the
+        post-attention norm for gate/up, SiLU-and-mul for down. o's input (attention's output) is then the
+        layer's one quantize launch of its own, instead of four. A norm joined to a tensor-parallel
+        all-reduce (``TensorParallel.all_reduce_add``'s fused kernel) hands back the model dtype and its
+        product quantizes that. ``on=False``: every product quantizes its own input (comparisons)."""
+        attn, mlp = self.self_attn, self.mlp
+        self.input_layernorm.quantize_output = on and _takes_quantized(attn.qkv_proj)
+        self.post_attention_layernorm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
+        mlp.quantized_down = on and _takes_quantized(mlp.down_proj)
 
     # A layer is two halves around attention (piecewise CUDA graphs capture the halves and launch
     # attention between them): the layer's output is after_attention(x, attention(before_attention(x))).
@@ -125,9 +147,10 @@ class DecoderLayer(nn.Module):
     # ``after_attention``, which joins it to its last op; ``before_attention`` then takes that as ``normed``.
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
-                         kv_cache: KVCache, normed: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_cache: KVCache, normed: torch.Tensor | QuantizedRows | None = None) -> torch.Tensor:
         """x: [T, hidden] (the layer's input) -> q: [T, Hq, D]; writes the new K/V. ``normed``: this layer's
-        input norm of ``x`` where the previous layer computed it (``after_attention``'s ``next_norm``)."""
+        input norm of ``x`` where the previous layer computed it (``after_attention``'s ``next_norm``; quantized
+        where q/k/v takes it so)."""
         h = self.input_layernorm(x) if normed is None else normed
         return self.self_attn.before_attention(h, cos, sin, out_slots, kv_cache)
 

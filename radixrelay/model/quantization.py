@@ -12,6 +12,8 @@ the CPU as quantize-then-dequantize in float32: the numbers of the FP8 path with
 the e4m3 values) and ``weight_scale`` [out] float32. On the GPU its product is ``torch._scaled_mm`` of the
 token-quantized input and the weight with both scale vectors (fp32 accumulation, the model dtype out);
 emulated, the same quantization and the product of the e4m3 values in float32, scaled afterwards.
+The input is a tensor (quantized per token here) or ``QuantizedRows`` that the kernel producing it
+quantized already (``takes_quantized``: the fused RMSNorm and SiLU-and-mul, ``radixrelay.model.llama``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from radixrelay.model.fp8 import E4M3, E4M3_MAX, over_e4m3_max, quantize_weight
+from radixrelay.model.fp8 import E4M3, E4M3_MAX, QuantizedRows, over_e4m3_max, quantize_weight
 from radixrelay.model.layers import fused
 
 
@@ -124,25 +126,44 @@ class Fp8Linear(nn.Module):
         """A checkpoint's scales of e4m3 rows ``[start, start + len(scale))``."""
         self.weight_scale[start:start + scale.shape[0]] = scale.to(self.weight_scale.device, torch.float32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)                                   # [T, in]
-        if not self.emulate and fused(x2):                                      # one kernel (GPU)
+    @property
+    def takes_quantized(self) -> bool:
+        """Whether the kernel producing this layer's input should quantize it (``QuantizedRows``): the
+        ``torch._scaled_mm`` path, which takes e4m3 rows as they come. The emulation quantizes its input
+        by the torch ops itself (the reference numbers on the CPU)."""
+        return not self.emulate
+
+    def quantize_input(self, x: torch.Tensor) -> QuantizedRows:
+        """x: [T, in] -> its rows quantized per token: one kernel where the fused kernels run, else torch ops
+        (the emulation always: its reference numbers)."""
+        if not self.emulate and fused(x):                                       # one kernel (GPU)
             from radixrelay.kernels.fp8_quant import quantize_rows
 
-            q_x, s_x = quantize_rows(x2.contiguous())                           # [T, in] e4m3, [T, 1]
+            q_x, s_x = quantize_rows(x.contiguous())                            # [T, in] e4m3, [T, 1]
         else:
-            s_x = token_scales(x2)                                              # [T, 1]
-            q_x = (x2.float() / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            s_x = token_scales(x)                                               # [T, 1]
+            q_x = (x.float() / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        return QuantizedRows(q_x, s_x, x.dtype)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x: [..., in] in the model dtype, or ``QuantizedRows`` [T, in] -> [..., out] in that dtype."""
+        if isinstance(x, QuantizedRows):
+            if x.q.shape[1] != self.in_features:
+                raise ValueError(f"Fp8Linear: quantized rows of {x.q.shape[1]} columns for {self.in_features} "
+                                 f"inputs")
+            lead, rows = x.q.shape[:-1], x
+        else:
+            lead, rows = x.shape[:-1], self.quantize_input(x.reshape(-1, self.in_features))
+        q_x, s_x = rows.q, rows.scale                                           # [T, in] e4m3, [T, 1]
         if self.emulate:
             out = (q_x.float() @ self.weight.t()) * s_x * self.weight_scale[None, :]
-            out = out.to(x.dtype)
+            out = out.to(rows.dtype)
             if self.bias is not None:
                 out = out + self.bias
         else:
             out = torch._scaled_mm(q_x, self.weight.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
-                                   bias=self.bias, out_dtype=x.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+                                   bias=self.bias, out_dtype=rows.dtype)
+        return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

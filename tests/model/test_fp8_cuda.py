@@ -1,6 +1,6 @@
 """FP8 on the GPU (``-m gpu``, FP8 tensor cores: H100): the FP8 linear layer through ``torch._scaled_mm``
-against its CPU emulation, inside a CUDA graph too, and a model quantized at load against the emulated
-one."""
+against its CPU emulation, inside a CUDA graph too, a model quantized at load against the emulated
+one, and the quantization fused into RMSNorm and SiLU-and-mul against the products' own."""
 
 from __future__ import annotations
 
@@ -105,3 +105,70 @@ def test_fp8_kv_cache_serves_with_cascade_equal_to_flat_and_close_to_bf16(tmp_pa
     assert stats["jit_after_ready"] == 0
     same_first = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(bf16, flat))
     assert same_first >= 0.75 * len(flat)          # e4m3 K/V: close to bf16, not equal
+
+
+@pytest.mark.parametrize("hidden,inter", [(4096, 14336), (96, 1100)])
+def test_fused_quantization_kernels_equal_quantize_rows_on_cuda(hidden, inter):
+    """RMSNorm (with and without its residual add) and SiLU-and-mul with the quantization fused: the scales of
+    the unfused kernel followed by ``quantize_rows``, compiled, and its e4m3 bytes but for a rare neighbouring
+    code (the fp32 reduction's order)."""
+    from radixrelay.kernels.fp8_quant import quantize_rows
+    from radixrelay.kernels.rms_norm import rms_norm
+    from radixrelay.kernels.silu_mul import silu_mul
+
+    def same(got, y):
+        # compiled, the fused variant may sum a row's squares in another order than the kernel writing y:
+        # a last-bit change of the row's 1/rms can move a value of y by one bf16 step, and then its e4m3
+        # code by one; everything else is equal
+        q, scale = quantize_rows(y)
+        assert got.dtype == y.dtype and torch.equal(got.scale, scale)
+        a, b = got.q.view(torch.uint8).int(), q.view(torch.uint8).int()
+        moved = a != b
+        assert moved.float().mean() < 1e-3 and bool(((a - b).abs()[moved] == 1).all())
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    spread = torch.logspace(-3, 3, 300, device="cuda")[:, None]
+    x = (torch.randn(300, hidden, generator=gen, device="cuda") * spread).bfloat16()
+    r = torch.randn(300, hidden, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(hidden, generator=gen, device="cuda").bfloat16()
+    x[7], r[7] = 0, 0
+    same(rms_norm(x, w, 1e-5, quantize=True), rms_norm(x, w, 1e-5))
+    (got, s), (y, s_ref) = rms_norm(x, w, 1e-5, residual=r, quantize=True), rms_norm(x, w, 1e-5, residual=r)
+    same(got, y)
+    assert torch.equal(s, s_ref)
+    gate_up = (torch.randn(300, 2 * inter, generator=gen, device="cuda") * spread).bfloat16()
+    gate_up[7] = 0
+    same(silu_mul(gate_up, quantize=True), silu_mul(gate_up))
+
+
+def test_fused_quantization_in_the_model_on_cuda_gives_the_products_own_logits():
+    """A tiny FP8 model: the norms and SiLU-and-mul quantizing for the products, or every product quantizing
+    its own input: the same logits bit for bit (prefill and decode), eagerly and replayed from a CUDA graph."""
+    from radixrelay.attention import BatchRequest, KVCache, TorchBackend, build_forward_batch
+
+    cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32)
+    net, _ = load_model(cfg, device="cuda", seed=0, precision=Precision(weights="fp8"))
+    assert all(layer.input_layernorm.quantize_output and layer.mlp.quantized_down for layer in net.model.layers)
+    ids = torch.arange(41, device="cuda") * 7 % cfg.vocab_size
+    backend = TorchBackend()
+
+    def logits():
+        cache = KVCache(num_layers=2, num_pages=4, page_size=16, num_kv_heads=2, head_dim=32,
+                        dtype=torch.bfloat16, device="cuda")
+        prefill = net(ids[:40], build_forward_batch([BatchRequest([2, 0, 3], 0, 40)], 16, "cuda"), cache, backend)
+        decode_batch = build_forward_batch([BatchRequest([2, 0, 3], 40, 1)], 16, "cuda")
+        decode = net(ids[40:], decode_batch, cache, backend)
+        return prefill, decode, cache, decode_batch
+
+    fused_prefill, fused_decode, cache, decode_batch = logits()
+    graph = torch.cuda.CUDAGraph()              # the decode again (its K/V rewritten alike), captured
+    with torch.cuda.graph(graph):
+        replayed = net(ids[40:], decode_batch, cache, backend)
+    graph.replay()
+    for layer in net.model.layers:
+        layer.quantize_into_products(False)
+    own_prefill, own_decode, _, _ = logits()
+    assert torch.isfinite(own_prefill).all()
+    assert torch.equal(fused_prefill, own_prefill) and torch.equal(fused_decode, own_decode)
+    assert torch.equal(replayed, fused_decode)
