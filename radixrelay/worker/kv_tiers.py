@@ -331,26 +331,15 @@ class TierStore:
         ``_load_stage_pages`` pages: (pieces, device rows), pieces (first host slot, page count) in stage
         order, rows int64 [pages * page_size] on the device, the pool rows the stage's rows go to."""
         direct: list[tuple[range, range]] = []
-        chunks: list[list[tuple[int, list[int]]]] = []
-        chunk: list[tuple[int, list[int]]] = []
-        size = 0
+        scattered: list[tuple[int, list[int]]] = []        # (first slot, device pages), slot runs
         for slots, pages in _slot_runs(pairs):
             runs = list(_runs(list(zip(slots, pages))))
             if len(runs) <= 2:                  # as cheap as staging: copy straight in
                 direct += runs
-                continue
-            at = 0
-            while at < len(pages):
-                take = min(len(pages) - at, self._load_stage_pages - size)
-                chunk.append((slots.start + at, pages[at:at + take]))
-                size, at = size + take, at + take
-                if size == self._load_stage_pages:
-                    chunks.append(chunk)
-                    chunk, size = [], 0
-        if chunk:
-            chunks.append(chunk)
+            else:
+                scattered.append((slots.start, pages))
         staged = [([(first, len(run)) for first, run in c], self._page_rows([p for _, run in c for p in run]))
-                  for c in chunks]
+                  for c in _chunks(scattered, self._load_stage_pages)]
         return direct, staged
 
     def _page_rows(self, pages: list[int]) -> torch.Tensor:
@@ -405,18 +394,7 @@ class TierStore:
                     self._copy_run(range(self.kv.num_layers), run_slots, run_pages, True)
             else:
                 gathered.append((slots.start, pages))
-        chunk: list[tuple[int, list[int]]] = []
-        size = 0
-        for first, pages in gathered:
-            at = 0
-            while at < len(pages):
-                take = min(len(pages) - at, self._stage_pages - size)
-                chunk.append((first + at, pages[at:at + take]))
-                size, at = size + take, at + take
-                if size == self._stage_pages:
-                    self._gather_out(chunk)
-                    chunk, size = [], 0
-        if chunk:
+        for chunk in _chunks(gathered, self._stage_pages):
             self._gather_out(chunk)
 
     def _gather_out(self, pieces: list[tuple[int, list[int]]]) -> None:
@@ -747,6 +725,26 @@ def _slot_runs(pairs: list[tuple[int, int]]):
     """(slot, page) pairs -> (range of slots, their pages in slot order), runs of consecutive slots."""
     for run in _grouped(pairs, both=False):
         yield range(run[0][0], run[-1][0] + 1), [page for _, page in run]
+
+
+def _chunks(runs: list[tuple[int, list[int]]], capacity: int) -> list[list[tuple[int, list[int]]]]:
+    """(first slot, pages) runs of consecutive slots, in order, cut into chunks of at most ``capacity`` pages
+    (a staging buffer's fill): a chunk may hold pieces of several runs, a run may span chunks."""
+    chunks: list[list[tuple[int, list[int]]]] = []
+    chunk: list[tuple[int, list[int]]] = []
+    size = 0
+    for first, pages in runs:
+        at = 0
+        while at < len(pages):
+            take = min(len(pages) - at, capacity - size)
+            chunk.append((first + at, pages[at:at + take]))
+            size, at = size + take, at + take
+            if size == capacity:
+                chunks.append(chunk)
+                chunk, size = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def _runs(pairs: list[tuple[int, int]]):
