@@ -73,3 +73,21 @@ def test_the_emulated_product_is_the_dequantized_operands_product():
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6)
     exact = x.double() @ w.double().t()
     assert ((y.double() - exact).norm() / exact.norm()) < 0.05          # FP8's error on a random product
+
+
+def test_the_sensitivity_benchmark_rounds_like_e4m3_and_to_more_bits():
+    """``bench_fp8_sensitivity.round_rows``: 3 mantissa bits is the quantize / dequantize of the emulation; more
+    bits keep at most that many (an integer number of steps of the value's binade) and the nearest one."""
+    from benchmarks.model.bench_fp8_sensitivity import round_rows
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=gen) * torch.logspace(-4, 2, 6)[:, None]
+    x[2] = 0
+    assert torch.equal(round_rows(x, 3), dequantize(*quantize_tokens(x)))
+    scale = torch.where(x.abs().amax(1) > 0, x.abs().amax(1) / E4M3_MAX, torch.ones(6))[:, None]
+    for bits in (4, 5, 6):
+        v, r = (x / scale).double(), (round_rows(x, bits) / scale).double()
+        step = torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=1e-30))).clamp(min=-6) - bits)
+        assert torch.allclose(r / step, torch.round(r / step), atol=1e-3)      # on the grid of ``bits`` bits
+        assert ((r - v).abs() <= step / 2 * (1 + 1e-4)).all()                 # the nearest point of it
+    assert torch.equal(round_rows(x, 6)[2], torch.zeros(200))
