@@ -49,6 +49,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fp8: K and V stored in float8 e4m3 (twice the tokens in the same memory; scale 1 on "
                         "the GPU, read by the attention kernels as the model dtype); auto: the model dtype "
                         "(default: %(default)s)")
+    g.add_argument("--fp8-keep-layers", type=_layer_list, default=(), metavar="I,J,...",
+                   help="with --quantization fp8: decoder layers whose projections stay in the model dtype, "
+                        "by index (negative from the end: -1 is the last layer) (default: none)")
     g.add_argument("--fp8-emulation", action="store_true",
                    help="run --quantization / --kv-cache-dtype fp8 as quantize-then-dequantize in float32: FP8's "
                         "numbers without FP8 hardware (e.g. on the CPU, to check accuracy), not its speed")
@@ -110,7 +113,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
         context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp,
         kv_events=getattr(args, "kv_events", None), kv_events_name=_kv_events_name(args),
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, fp8_emulation=args.fp8_emulation)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, fp8_emulation=args.fp8_emulation,
+        fp8_keep_layers=args.fp8_keep_layers)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """'0,-1' -> (0, -1): layer indices for --fp8-keep-layers."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices separated by commas, e.g. -1 or 0,-1; got {text!r}")
 
 
 def _kv_events_name(args: argparse.Namespace) -> str | None:

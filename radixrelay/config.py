@@ -80,6 +80,8 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     fp8_emulation: bool = False
+    # decoder layers whose projections stay in the model dtype under quantization fp8 (-1: the last)
+    fp8_keep_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -149,6 +151,11 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not isinstance(self.fp8_keep_layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.fp8_keep_layers):
+            raise bad("fp8_keep_layers", f"must be a tuple of layer indices, got {self.fp8_keep_layers!r}")
+        if self.fp8_keep_layers and self.quantization != "fp8":
+            raise bad("fp8_keep_layers", "only with quantization fp8 (the layers kept in the model dtype)")
         if self.device == "cpu" and not self.fp8_emulation and (self.quantization or self.kv_cache_dtype == "fp8"):
             field = "quantization" if self.quantization else "kv_cache_dtype"
             raise bad(field, "FP8 needs a CUDA device with FP8 tensor cores (compute capability 8.9+); on the CPU "

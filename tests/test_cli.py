@@ -99,3 +99,14 @@ def test_generate_prints_the_answer_to_the_chat_rendered_prompt(capsys):
         ids = generate_prompt(engine.tokenizer, "Hi", raw=False)
         expected = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
     assert printed == expected.text + "\n"
+
+
+def test_fp8_keep_layers_takes_indices_and_refuses_other_text(capsys):
+    from radixrelay.cli import _engine_config
+
+    args = _parser().parse_args(["serve", "--quantization", "fp8", "--fp8-emulation", "--fp8-keep-layers", "0,-1"])
+    assert _engine_config(args).fp8_keep_layers == (0, -1)
+    assert _engine_config(_parser().parse_args(["serve"])).fp8_keep_layers == ()
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--fp8-keep-layers", "last"])
+    assert "expected layer indices separated by commas" in capsys.readouterr().err

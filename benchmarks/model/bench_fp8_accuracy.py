@@ -7,7 +7,8 @@ default model's tokenizer, cut into windows of ``--window`` tokens (each read fr
   top-1 agreement   the share of positions whose most likely next token equals the unquantized model's;
   perplexity        exp(mean negative log-likelihood of the text's actual next token), and its ratio to
                     the unquantized model's.
-Configurations: FP8 weights (``quantization fp8``), FP8 KV (``kv_cache_dtype fp8``) and both, each as
+Configurations: FP8 weights (``quantization fp8``), FP8 KV (``kv_cache_dtype fp8``) and both, then the two
+with FP8 weights again with the last decoder layer kept in the model dtype (``fp8_keep_layers (-1,)``), each as
 ``radixrelay.model.quantization`` emulates it in float32 (the GPU path computes the same quantization).
 Targets (issue: FP8 on Hopper): agreement >= 95%, perplexity within 3%.
 
@@ -37,7 +38,9 @@ from radixrelay.text.tokenizer import load_tokenizer
 
 CONFIGS = {"fp8 weights": Precision(weights="fp8", emulate=True),
            "fp8 KV": Precision(kv="fp8", emulate=True),
-           "fp8 weights + KV": Precision(weights="fp8", kv="fp8", emulate=True)}
+           "fp8 weights + KV": Precision(weights="fp8", kv="fp8", emulate=True),
+           "fp8 weights, last layer kept": Precision(weights="fp8", emulate=True, keep_layers=(-1,)),
+           "fp8 weights + KV, last layer kept": Precision(weights="fp8", kv="fp8", emulate=True, keep_layers=(-1,))}
 
 
 def text_tokens(limit: int) -> list[int]:
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{count:,} positions of this repository's documentation (README.md, docs/*.md), windows of {args.window} "
              "tokens, teacher-forced; agreement: the most likely next token equals the unquantized model's; perplexity "
              "of the text's next token. FP8 as `radixrelay.model.quantization` emulates it: weights e4m3 per output "
-             "channel x inputs e4m3 per token; KV e4m3 with per-layer scales (1.0: the default model has none). "
+             "channel x inputs e4m3 per token; KV e4m3 with per-layer scales (1.0: the default model has none); "
+             "'last layer kept': the last decoder layer's projections unquantized (`fp8_keep_layers=(-1,)`). "
              "Targets: agreement >= 95%, perplexity within 3%.", "",
              "| configuration | top-1 agreement | perplexity | perplexity / unquantized | seconds |",
              "|---|---|---|---|---|", *rows, ""]

@@ -123,6 +123,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel, precision: Precision,
                  **factory) -> None:
         super().__init__()
+        precision = precision.for_layer(layer_id, config.num_layers)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.self_attn = Attention(config, layer_id, tp, precision, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)

@@ -2,7 +2,9 @@
 
 ``Precision`` says how a model runs: ``weights`` "fp8" quantizes the decoder's linear layers (q/k/v, o,
 gate/up, down) to float8 e4m3 with one scale per output channel (``radixrelay.model.fp8``), their inputs
-per token at run time; embeddings, norms, attention and the LM head stay in the model dtype. ``kv``
+per token at run time; embeddings, norms, attention and the LM head stay in the model dtype, and so do the
+projections of the decoder layers in ``keep_layers`` (indices, negative from the end: -1 is the last layer,
+which on the default model carries a third of FP8's perplexity loss alone). ``kv``
 "fp8" stores K and V in e4m3 with one scale per layer for K and one for V (1.0 unless the checkpoint
 gives ``k_scale`` / ``v_scale``), the attention arithmetic in the model dtype. ``emulate`` runs either on
 the CPU as quantize-then-dequantize in float32: the numbers of the FP8 path without FP8 hardware (tests,
@@ -18,6 +20,7 @@ quantized already (``takes_quantized``: the fused RMSNorm and SiLU-and-mul, ``ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +36,30 @@ class Precision:
     weights: str | None = None     # None or "fp8"
     kv: str = "auto"               # "auto" or "fp8"
     emulate: bool = False          # FP8 as quantize-dequantize in float32 (no FP8 hardware needed)
+    keep_layers: tuple[int, ...] = ()   # decoder layers whose projections stay in the model dtype (-1: last)
 
     def __post_init__(self) -> None:
         if self.weights is not None and self.weights not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.weights!r}")
         if self.kv not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv!r}")
+        check_keep_layers(self.keep_layers, self.weights)
+
+    def kept(self, num_layers: int) -> set[int]:
+        """The decoder layers (0-based) that stay in the model dtype; ``ValueError`` for an index past the model."""
+        out = set()
+        for i in self.keep_layers:
+            if not -num_layers <= i < num_layers:
+                raise ValueError(f"fp8_keep_layers: layer {i} is not in a model of {num_layers} layers "
+                                 f"({-num_layers} to {num_layers - 1})")
+            out.add(i % num_layers)
+        return out
+
+    def for_layer(self, layer_id: int, num_layers: int) -> "Precision":
+        """This precision for decoder layer ``layer_id``: its projections in the model dtype if it is kept."""
+        if self.weights is None or layer_id not in self.kept(num_layers):
+            return self
+        return dataclasses.replace(self, weights=None, keep_layers=())
 
     @property
     def any_fp8(self) -> bool:
@@ -78,10 +99,22 @@ class Precision:
         """Which precision each part runs in (the start-up log and ``/metrics``)."""
         model = str(dtype).removeprefix("torch.")
         fp8 = "fp8-e4m3-emulated" if self.emulate else "fp8-e4m3"
-        return {"linear": f"{fp8} (per channel) x {fp8} (per token)" if self.weights == "fp8" else model,
+        kept = f"; layers {', '.join(map(str, self.keep_layers))} in {model}" if self.keep_layers else ""
+        return {"linear": f"{fp8} (per channel) x {fp8} (per token){kept}" if self.weights == "fp8" else model,
                 "kv_cache": (f"{fp8} (per-layer scale)" if self.emulate else f"{fp8} (scale 1)") if self.kv == "fp8"
                 else model,
                 "attention": model if model != "float32" else "float32", "embedding_lm_head_norms": model}
+
+
+def check_keep_layers(keep_layers, weights: str | None) -> None:
+    """``ValueError`` unless ``keep_layers`` is a tuple of distinct integers, given only with FP8 weights."""
+    if not isinstance(keep_layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                     for i in keep_layers):
+        raise ValueError(f"fp8_keep_layers must be a tuple of layer indices, got {keep_layers!r}")
+    if len(set(keep_layers)) != len(keep_layers):
+        raise ValueError(f"fp8_keep_layers: an index appears twice in {keep_layers!r}")
+    if keep_layers and weights != "fp8":
+        raise ValueError("fp8_keep_layers: only with quantization fp8 (the layers kept in the model dtype)")
 
 
 def token_scales(x: torch.Tensor) -> torch.Tensor:

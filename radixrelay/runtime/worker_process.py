@@ -67,7 +67,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     tp = tp or TensorParallel()
     device = torch.device(pick_device(cfg.device, tp))
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    precision = Precision(cfg.quantization, cfg.kv_cache_dtype, cfg.fp8_emulation)
+    precision = Precision(cfg.quantization, cfg.kv_cache_dtype, cfg.fp8_emulation, cfg.fp8_keep_layers)
     model, mc = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format,
                            seed=cfg.seed, tp=tp, precision=precision)
     local = model.local_config                     # this rank's KV heads

@@ -785,7 +785,9 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
     seed = f";seed={cfg.seed}" if cfg.load_format == "dummy" else ""
     tp = f";tp={cfg.tp}" if cfg.tp > 1 else ""           # kv_heads: a rank's share
     # FP8 weights change every K/V; an FP8 KV cache (emulated in a wider dtype too) stores other values
-    fp8 = (";weights=fp8-e4m3" if cfg.quantization == "fp8" else "") + (";kv=fp8-e4m3" if cfg.kv_cache_dtype == "fp8" else "")
+    fp8 = ((";weights=fp8-e4m3" if cfg.quantization == "fp8" else "")
+           + (f";kept-layers={','.join(map(str, cfg.fp8_keep_layers))}" if cfg.fp8_keep_layers else "")
+           + (";kv=fp8-e4m3" if cfg.kv_cache_dtype == "fp8" else ""))
     return (f"kvfile=layer-major-v1;model={path.resolve()};files={stamp};format={cfg.load_format}{seed};dtype={kv.dtype};"
             f"layers={kv.num_layers};page_size={kv.page_size};kv_heads={k.shape[1]};head_dim={k.shape[2]};"
             f"vocab={mc.vocab_size}{tp}{fp8}")

@@ -27,3 +27,16 @@ def test_fp8_without_fp8_hardware_refuses_to_start():
     with pytest.raises(Exception, match="FP8 needs a CUDA device with FP8 tensor cores"):
         with Engine(model="default", device="auto", kv_cache_tokens=1024, quantization="fp8"):
             pass
+
+
+def test_fp8_with_the_last_layer_kept_serves_and_refuses_a_layer_past_the_model():
+    prompt = "A shared system prompt is computed once and"
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(model="default", device="cpu", kv_cache_tokens=2048, quantization="fp8", fp8_emulation=True,
+                fp8_keep_layers=(-1,)) as engine:
+        out = engine.generate([prompt], params)[0]
+    assert len(out.token_ids) == 8
+    with pytest.raises(Exception, match="fp8_keep_layers: layer 30 is not in a model of 30 layers"):
+        with Engine(model="default", device="cpu", kv_cache_tokens=1024, quantization="fp8", fp8_emulation=True,
+                    fp8_keep_layers=(30,)):
+            pass

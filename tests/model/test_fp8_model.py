@@ -164,11 +164,12 @@ def test_fp8_changes_the_tiers_page_keys():
     kv = KVCache(num_layers=1, num_pages=1, page_size=16, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                  device="cpu")
     names = set()
-    for quantization, kv_dtype in ((None, "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")):
+    for quantization, kv_dtype, kept in ((None, "auto", ()), ("fp8", "auto", ()), (None, "fp8", ()),
+                                         ("fp8", "fp8", ()), ("fp8", "auto", (-1,))):
         cfg = SimpleNamespace(model="default", load_format="auto", seed=0, tp=1, quantization=quantization,
-                              kv_cache_dtype=kv_dtype)
+                              kv_cache_dtype=kv_dtype, fp8_keep_layers=kept)
         names.add(kv_namespace(cfg, SimpleNamespace(vocab_size=10), kv))
-    assert len(names) == 4
+    assert len(names) == 5
 
 
 def test_the_precision_is_in_the_metrics():
@@ -179,3 +180,45 @@ def test_the_precision_is_in_the_metrics():
     assert 'radixrelay_precision_info{part="linear",precision="fp8-e4m3-emulated (per channel) x ' in text
     assert 'radixrelay_precision_info{part="kv_cache",precision="fp8-e4m3-emulated (per-layer scale)"} 1.0' in text
     assert 'part="embedding_lm_head_norms",precision="bfloat16"' in text
+
+
+def test_kept_layers_stay_in_the_model_dtype_and_the_others_run_in_fp8():
+    """``keep_layers`` (negative from the end): those decoder layers' projections are plain linear layers with
+    the unquantized weights, the others FP8; the model's logits lie between the unquantized and all-FP8 ones."""
+    base, _ = load_model(TINY, load_format="dummy", seed=3)
+    fp8, _ = load_model(TINY, load_format="dummy", seed=3, precision=EMULATED)
+    kept, _ = load_model(TINY, load_format="dummy", seed=3,
+                         precision=Precision(weights="fp8", emulate=True, keep_layers=(-1,)))
+    first, last = kept.model.layers
+    assert isinstance(first.self_attn.qkv_proj, Fp8Linear) and isinstance(first.mlp.down_proj, Fp8Linear)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        module = last.get_submodule(name)
+        assert not isinstance(module, Fp8Linear), name
+        assert torch.equal(module.weight, base.model.layers[1].get_submodule(name).weight), name
+    assert not last.input_layernorm.quantize_output and not last.mlp.quantized_down
+    ids = torch.arange(24) * 5 % TINY.vocab_size
+
+    def logits(net):
+        session = PagedSession(net, num_pages=8, page_size=4)
+        session.add(0, ids.tolist())
+        return session.step([(0, len(ids))], all_logits=True)
+
+    want, all_fp8, some_fp8 = logits(base), logits(fp8), logits(kept)
+    assert 0 < (some_fp8 - want).norm() < (all_fp8 - want).norm()
+
+
+def test_kept_layers_are_checked():
+    with pytest.raises(ValueError, match="only with quantization fp8"):
+        Precision(keep_layers=(-1,))
+    with pytest.raises(ValueError, match="appears twice"):
+        Precision(weights="fp8", emulate=True, keep_layers=(1, 1))
+    with pytest.raises(ValueError, match="tuple of layer indices"):
+        Precision(weights="fp8", emulate=True, keep_layers=[0])
+    with pytest.raises(ValueError, match="layer 2 is not in a model of 2 layers"):
+        load_model(TINY, load_format="dummy", precision=Precision(weights="fp8", emulate=True, keep_layers=(2,)))
+    with pytest.raises(ValueError, match="fp8_keep_layers: only with quantization fp8"):
+        EngineConfig(fp8_keep_layers=(-1,))
+    with pytest.raises(ValueError, match="fp8_keep_layers: must be a tuple"):
+        EngineConfig(quantization="fp8", fp8_emulation=True, fp8_keep_layers=-1)
+    parts = Precision(weights="fp8", emulate=True, keep_layers=(0, -1)).describe(torch.bfloat16)
+    assert parts["linear"].endswith("; layers 0, -1 in bfloat16")
