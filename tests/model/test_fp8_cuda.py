@@ -69,6 +69,10 @@ def test_model_in_fp8_on_cuda_tracks_its_emulation_and_bf16():
     assert torch.isfinite(fp8).all()
     assert (torch.nn.functional.cosine_similarity(fp8, emulated, dim=-1) > 0.999).all()
     assert (fp8.softmax(-1) - bf16.softmax(-1)).abs().sum(-1).max() < 0.1
+    # the last layer kept in bf16 (fp8_keep_layers): against its emulation, and nearer bf16 than all-FP8
+    kept, kept_emulated = (logits(Precision(weights="fp8", emulate=e, keep_layers=(-1,))) for e in (False, True))
+    assert (torch.nn.functional.cosine_similarity(kept, kept_emulated, dim=-1) > 0.999).all()
+    assert (kept - bf16).norm() < (fp8 - bf16).norm()
 
 
 def test_fp8_kv_cache_serves_with_cascade_equal_to_flat_and_close_to_bf16(tmp_path):
