@@ -1,5 +1,6 @@
 # Sourced by the GPU scripts: results folder ($OUT, else benchmarks/results/$subject: each script sets
-# subject first), carried wheels, device report.
+# subject first), carried wheels, device report. `bash benchmarks/fetch_gpu_wheels.sh` fills .whl/ (and
+# .whl-fa3/) from PyPI here.
 # A bare GPU image (Python 3.12, x86_64) lacks some of radixrelay's dependencies: wheels carried in
 # .whl/ are installed first. Its own packages cover anyio, h11, click, httpx, jinja2, numpy,
 # prometheus-client, tokenizers, tqdm and uvloop; the server and the benchmarks also need (~4 MB)
@@ -19,9 +20,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 dest="${OUT:-benchmarks/results/${subject:-}}"
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+for wheels in .whl .whl-fa3; do
+    if ls $wheels/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels/*.whl
+        export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
