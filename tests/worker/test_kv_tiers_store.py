@@ -193,9 +193,10 @@ def test_saves_are_queued_after_the_forward_cpu():
     store.close()
 
 
-def _shifted_load(device: str, dtype, tol: float) -> None:
+def _shifted_load(device: str, dtype, tol: float, dest=(8, 9, 10)) -> None:
     """A shifted load rotates the keys by the delta: K computed at position p arrives as K at p + d
-    (RoPE of the default-like config), values and other pages untouched."""
+    (RoPE of the default-like config), values and other pages untouched; into scattered pages too (the
+    load staging buffer: the rotation follows the scatter)."""
     from radixrelay.model.config import ModelConfig
     from radixrelay.model.layers import RotaryEmbedding, apply_rope
 
@@ -204,30 +205,32 @@ def _shifted_load(device: str, dtype, tol: float) -> None:
                                          num_kv_heads=2, head_dim=8), device=device)
     store = TierStore(kv, host_pages=4)
     store.rotary = rotary
-    raw = torch.randn(kv.num_layers, 2 * PS, 2, 8, dtype=torch.float64)     # keys before RoPE
-    positions = torch.arange(40, 40 + 2 * PS, device=device)                # pages 5, 6 at 40..47
+    raw = torch.randn(kv.num_layers, 3 * PS, 2, 8, dtype=torch.float64)     # keys before RoPE
+    positions = torch.arange(40, 40 + 3 * PS, device=device)                # pages 5, 6, 7 at 40..51
     cos, sin = rotary(positions)
     for layer in range(kv.num_layers):
-        kv.k[layer][5 * PS:7 * PS] = apply_rope(raw[layer].to(device).float(), cos, sin).to(dtype)
-    store.apply(0, KVTransfers(saves=[(5, 0), (6, 1)]))
+        kv.k[layer][5 * PS:8 * PS] = apply_rope(raw[layer].to(device).float(), cos, sin).to(dtype)
+    store.apply(0, KVTransfers(saves=[(5, 0), (6, 1), (7, 2)]))
     store.acks(wait=True)
-    v_before = [kv.v[l][5 * PS:7 * PS].cpu().clone() for l in range(kv.num_layers)]
+    v_before = [kv.v[l][5 * PS:8 * PS].cpu().clone() for l in range(kv.num_layers)]
     other = _page(kv, 0)
-    store.apply(1, KVTransfers(shifted_loads=[(0, 8, -32), (1, 9, -32)]))   # -> positions 8..15
+    store.apply(1, KVTransfers(shifted_loads=[(i, page, -32) for i, page in enumerate(dest)]))   # -> 8..19
     store.after_forward()
     store.acks(wait=True)
     cos, sin = rotary(positions - 32)
+    rows = torch.cat([torch.arange(page * PS, (page + 1) * PS) for page in dest]).to(device)
     for layer in range(kv.num_layers):
         want = apply_rope(raw[layer].to(device).float(), cos, sin).cpu().double()
-        got = kv.k[layer][8 * PS:10 * PS].cpu().double()
+        got = kv.k[layer][rows].cpu().double()
         assert torch.allclose(got, want, atol=tol, rtol=tol), (layer, (got - want).abs().max())
-        assert torch.equal(kv.v[layer][8 * PS:10 * PS].cpu().float(), v_before[layer].float())
+        assert torch.equal(kv.v[layer][rows].cpu().float(), v_before[layer].float())
     assert torch.equal(_page(kv, 0), other)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float8_e4m3fn, 0.15)], ids=["fp32", "fp8"])
-def test_shifted_load_rotates_keys_cpu(dtype, tol):
-    _shifted_load("cpu", dtype, tol)
+@pytest.mark.parametrize("dest", [(8, 9, 10), (10, 3, 8)], ids=["straight", "scattered"])
+def test_shifted_load_rotates_keys_cpu(dtype, tol, dest):
+    _shifted_load("cpu", dtype, tol, dest)
 
 
 @pytest.mark.gpu
