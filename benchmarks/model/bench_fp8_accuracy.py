@@ -1,8 +1,9 @@
 """FP8 accuracy on the default model, CPU emulation: next-token agreement and perplexity against the
 unquantized model over a fixed text.
 
-The text: this repository's documentation (README.md, then docs/*.md in name order), tokenized with the
-default model's tokenizer, cut into windows of ``--window`` tokens (each read from its own start) until
+The text: ``fp8_accuracy_text.txt`` beside this file, a frozen copy of this repository's documentation as of
+b5e05a7 (README.md, then docs/*.md in name order, joined by blank lines), so the figures stay comparable when
+the documentation changes; tokenized with the default model's tokenizer, cut into windows of ``--window`` tokens (each read from its own start) until
 ``--tokens`` tokens are scored. Every position of every window is scored, teacher-forced:
   top-1 agreement   the share of positions whose most likely next token equals the unquantized model's;
   perplexity        exp(mean negative log-likelihood of the text's actual next token), and its ratio to
@@ -36,6 +37,7 @@ from radixrelay.model import load_model
 from radixrelay.model.quantization import Precision
 from radixrelay.text.tokenizer import load_tokenizer
 
+TEXT = Path(__file__).with_name("fp8_accuracy_text.txt")
 CONFIGS = {"fp8 weights": Precision(weights="fp8", emulate=True),
            "fp8 KV": Precision(kv="fp8", emulate=True),
            "fp8 weights + KV": Precision(weights="fp8", kv="fp8", emulate=True),
@@ -46,11 +48,9 @@ CONFIGS = {"fp8 weights": Precision(weights="fp8", emulate=True),
 def text_tokens(limit: int) -> list[int]:
     from radixrelay.model.registry import tokenizer_path
 
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    text = "\n\n".join(f.read_text() for f in files)
-    ids = load_tokenizer(tokenizer_path(EngineConfig())).encode(text)
+    ids = load_tokenizer(tokenizer_path(EngineConfig())).encode(TEXT.read_text())
     if len(ids) < limit + 1:
-        raise SystemExit(f"bench_fp8_accuracy: the documentation holds {len(ids)} tokens, fewer than {limit + 1}")
+        raise SystemExit(f"bench_fp8_accuracy: {TEXT.name} holds {len(ids)} tokens, fewer than {limit + 1}")
     return ids[:limit + 1]
 
 
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# FP8 accuracy, default model (SmolLM2-135M-Instruct), CPU emulation", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; commit {source_commit(ROOT)}; torch "
              f"{torch.__version__}. Command: `python -m benchmarks.model.bench_fp8_accuracy {' '.join(sys.argv[1:])}`", "",
-             f"{count:,} positions of this repository's documentation (README.md, docs/*.md), windows of {args.window} "
+             f"{count:,} positions of this repository's documentation (`{TEXT.name}`: README.md, docs/*.md as of "
+             f"b5e05a7), windows of {args.window} "
              "tokens, teacher-forced; agreement: the most likely next token equals the unquantized model's; perplexity "
              "of the text's next token. FP8 as `radixrelay.model.quantization` emulates it: weights e4m3 per output "
              "channel x inputs e4m3 per token; KV e4m3 with per-layer scales (1.0: the default model has none); "
