@@ -25,6 +25,19 @@ def _bad(cls: str, field: str, why: str) -> ValueError:
     return ValueError(f"{cls}.{field}: {why}")
 
 
+def keep_layers_problem(keep_layers, quantization: str | None) -> str | None:
+    """What is wrong with ``fp8_keep_layers`` (None: nothing): a tuple of distinct layer indices, given only with
+    quantization fp8. Whether each index is in the model is checked where the model is built."""
+    if not isinstance(keep_layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                     for i in keep_layers):
+        return f"must be a tuple of layer indices, got {keep_layers!r}"
+    if len(set(keep_layers)) != len(keep_layers):
+        return f"an index appears twice in {keep_layers!r}"
+    if keep_layers and quantization != "fp8":
+        return "only with quantization fp8 (the layers kept in the model dtype)"
+    return None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"            # "default", an HF model directory, or a .gguf file
@@ -151,11 +164,9 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if not isinstance(self.fp8_keep_layers, tuple) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in self.fp8_keep_layers):
-            raise bad("fp8_keep_layers", f"must be a tuple of layer indices, got {self.fp8_keep_layers!r}")
-        if self.fp8_keep_layers and self.quantization != "fp8":
-            raise bad("fp8_keep_layers", "only with quantization fp8 (the layers kept in the model dtype)")
+        why = keep_layers_problem(self.fp8_keep_layers, self.quantization)
+        if why:
+            raise bad("fp8_keep_layers", why)
         if self.device == "cpu" and not self.fp8_emulation and (self.quantization or self.kv_cache_dtype == "fp8"):
             field = "quantization" if self.quantization else "kv_cache_dtype"
             raise bad(field, "FP8 needs a CUDA device with FP8 tensor cores (compute capability 8.9+); on the CPU "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS, keep_layers_problem
 from radixrelay.model.fp8 import E4M3, E4M3_MAX, QuantizedRows, over_e4m3_max, quantize_weight
 from radixrelay.model.layers import fused
 
@@ -43,7 +43,9 @@ class Precision:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.weights!r}")
         if self.kv not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv!r}")
-        check_keep_layers(self.keep_layers, self.weights)
+        why = keep_layers_problem(self.keep_layers, self.weights)
+        if why:
+            raise ValueError(f"fp8_keep_layers: {why}")
 
     def kept(self, num_layers: int) -> set[int]:
         """The decoder layers (0-based) that stay in the model dtype; ``ValueError`` for an index past the model."""
@@ -104,17 +106,6 @@ class Precision:
                 "kv_cache": (f"{fp8} (per-layer scale)" if self.emulate else f"{fp8} (scale 1)") if self.kv == "fp8"
                 else model,
                 "attention": model if model != "float32" else "float32", "embedding_lm_head_norms": model}
-
-
-def check_keep_layers(keep_layers, weights: str | None) -> None:
-    """``ValueError`` unless ``keep_layers`` is a tuple of distinct integers, given only with FP8 weights."""
-    if not isinstance(keep_layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                     for i in keep_layers):
-        raise ValueError(f"fp8_keep_layers must be a tuple of layer indices, got {keep_layers!r}")
-    if len(set(keep_layers)) != len(keep_layers):
-        raise ValueError(f"fp8_keep_layers: an index appears twice in {keep_layers!r}")
-    if keep_layers and weights != "fp8":
-        raise ValueError("fp8_keep_layers: only with quantization fp8 (the layers kept in the model dtype)")
 
 
 def token_scales(x: torch.Tensor) -> torch.Tensor:
