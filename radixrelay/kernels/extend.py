@@ -63,8 +63,10 @@ def _extend_kernel(
     q_tile = tl.load(q + tok[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
                      mask=m_ok[:, None], other=0.0)                   # [BM, D]
     pv_dtype = q_tile.dtype
-    if QK_FP8:                                                         # an e4m3 cache: as the shared node's
-        q_tile, qk_scale = quantize_query_rows(q_tile, qk_scale)
+    if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
+        q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
+    else:
+        q_op, qk_op = q_tile, qk_scale
 
     prefix = tl.load(prefix_lens + b)
     q_pos = prefix + offs_m                                            # [BM] positions of the queries
@@ -80,14 +82,14 @@ def _extend_kernel(
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION,
+        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
                                      QK_FP8)
     for n0 in range(full_hi, hi, BLOCK_N):                             # across the diagonal: causal mask
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
         causal = pos[None, :] <= q_pos[:, None]
-        m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, causal, True,
+        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, causal, True,
                                      DOT_PRECISION, QK_FP8)
 
     out, out_lse = finish_rows(m_i, l_i, acc)

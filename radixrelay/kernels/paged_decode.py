@@ -56,8 +56,10 @@ def paged_decode_program(
     q_tile = tl.load(q + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
                      mask=g_ok[:, None], other=0.0)                   # [BLOCK_H, D]
     pv_dtype = q_tile.dtype
-    if QK_FP8:
-        q_tile, qk_scale = quantize_query_rows(q_tile, qk_scale)      # e4m3 [BLOCK_H, D], scale per row
+    if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
+        q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
+    else:
+        q_op, qk_op = q_tile, qk_scale
 
     lo = tl.load(kv_start + b) + split * chunk
     hi = tl.minimum(tl.load(kv_end + b), lo + chunk)
@@ -71,14 +73,14 @@ def paged_decode_program(
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION,
+        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
                                      QK_FP8)
     if full_hi < hi:
         pos = full_hi + offs_n
         valid = pos < hi
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, valid, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, valid[None, :], True,
+        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, valid[None, :], True,
                                      DOT_PRECISION, QK_FP8)
 
     out, out_lse = finish_rows(m_i, l_i, acc)

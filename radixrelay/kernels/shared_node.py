@@ -92,8 +92,10 @@ def shared_node_program(
         q_tile = tl.load(q + req[:, None] * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
                          mask=m_ok[:, None], other=0.0)               # [BM, D]
         pv_dtype = q_tile.dtype
-        if QK_FP8:
-            q_tile, qk_scale = quantize_query_rows(q_tile, qk_scale)  # e4m3 [BM, D], scale per row [BM]
+        if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
+            q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
+        else:
+            q_op, qk_op = q_tile, qk_scale
 
         kv_len = tl.load(kv_lens + g)
         chunk = tl.cdiv(tl.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
@@ -111,21 +113,21 @@ def shared_node_program(
             for n0 in range(lo, full_hi, BLOCK_N):
                 k = k_desc.load([first_slot + n0, col])
                 v = v_desc.load([first_slot + n0, col]).to(pv_dtype)
-                m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION,
+                m_i, l_i, acc = softmax_step(q_op, k, v, m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
                                              QK_FP8)
         else:
             for n0 in range(lo, full_hi, BLOCK_N):
                 pos = n0 + offs_n
                 k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                                     stride_kv_h, offs_d)
-                m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, None, False,
+                m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False,
                                              DOT_PRECISION, QK_FP8)
         if full_hi < hi:
             pos = full_hi + offs_n
             valid = pos < hi
             k, v = load_kv_tile(k_cache, v_cache, pages, pos, valid, PAGE_SIZE, kv_head, stride_slot,
                                 stride_kv_h, offs_d)
-            m_i, l_i, acc = softmax_step(q_tile, k, v.to(pv_dtype), m_i, l_i, acc, qk_scale, valid[None, :],
+            m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, valid[None, :],
                                          True, DOT_PRECISION, QK_FP8)
 
         out, out_lse = finish_rows(m_i, l_i, acc)
