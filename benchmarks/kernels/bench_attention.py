@@ -118,8 +118,7 @@ class Case:
         self.side = torch.cuda.Stream()
         self.plan = plan_cascade(self.q_indptr, self.q_rows, self.kv_indptr, self.prefix_pages, self.kv_lens,
                                  self.page_table, self.prefix_start, self.ends, num_q_heads=HQ, num_kv_heads=HKV,
-                                 head_dim=D, page_size=PAGE, shared_splits=shared_splits,
-                                 kv_fp8=cache_dtype == torch.float8_e4m3fn)
+                                 head_dim=D, page_size=PAGE, shared_splits=shared_splits)
 
     # ours ---------------------------------------------------------------------------------------
     def flat(self):

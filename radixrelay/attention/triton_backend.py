@@ -79,7 +79,7 @@ class TritonBackend(AttentionBackend):
                 num_q_heads=q.shape[1], num_kv_heads=kv_cache.k[0].shape[1], head_dim=q.shape[2],
                 page_size=batch.page_size, kv_contiguous=runs.contiguous,
                 host=CascadeHost(runs.host_rows, runs.host_indptr, runs.host_kv_lens, cascade.max_own_len),
-                node_kernel=self.node_kernel_for(kv_cache), kv_fp8=kv_cache.dtype == torch.float8_e4m3fn)
+                node_kernel=self.node_kernel_for(kv_cache))
         self._step = _Step(batch.num_tokens - batch.num_decodes, kv_start, decode_plan)
         self._batch = batch
         return self._step

@@ -156,7 +156,7 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
                  shared_splits: int | None = None, own_splits: int | None = None,
                  shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
                  kv_contiguous: bool | None = None, host: CascadeHost | None = None,
-                 node_kernel: str = "triton", kv_fp8: bool = False) -> CascadePlan:
+                 node_kernel: str = "triton") -> CascadePlan:
     """``host``: the host's copies of (q_rows, q_indptr, kv_lens) and max(kv_end - kv_start); without
     it they are read from the device (a sync: avoid it on the serving path). ``node_kernel``: as
     ``cascade_launch``."""
@@ -187,7 +187,7 @@ def plan_cascade(q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_
     launch = cascade_launch(host, num_requests, device, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, shared_splits=shared_splits, own_splits=own_splits,
                             shared_config=shared_config, allow_tma=allow_tma, kv_contiguous=contiguous,
-                            node_kernel=node_kernel, kv_fp8=kv_fp8)
+                            node_kernel=node_kernel)
     indptr, ids = merge_index(rows_host, num_requests, launch.shared_splits, launch.own_splits)
     return CascadePlan(
         q_indptr, q_rows, kv_indptr, kv_pages, kv_lens, page_table, kv_start, kv_end,
@@ -213,14 +213,13 @@ class CascadeLaunch(NamedTuple):
 def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *, num_q_heads: int,
                    num_kv_heads: int, head_dim: int, shared_splits: int | None = None, own_splits: int | None = None,
                    shared_config: tuple[int, int, int, int] | None = None, allow_tma: bool = True,
-                   kv_contiguous: bool | Callable[[], bool] = False, node_kernel: str = "triton",
-                   kv_fp8: bool = False) -> CascadeLaunch:
+                   kv_contiguous: bool | Callable[[], bool] = False, node_kernel: str = "triton") -> CascadeLaunch:
     """``plan_cascade``'s launch choice for a step of ``num_requests`` requests whose shared groups are
     ``host`` (rows, indptr, run lengths, longest own range): host arithmetic only, no tensors. Given
     ``shared_splits`` / ``own_splits`` / ``shared_config`` are kept. ``kv_contiguous``: whether every
     group's pages are consecutive ids (a callable is asked only when the rest allows TMA). ``node_kernel``
     "fa3" (the caller checked that FA3 runs here, ``fa3_node.resolve_node_kernel``): the nodes that would
-    load K/V by TMA go through FlashAttention-3 instead. ``kv_fp8``: the cache is e4m3 (its own node tiles)."""
+    load K/V by TMA go through FlashAttention-3 instead."""
     num_groups = len(host.indptr) - 1
     indptr = host.indptr
     max_rows = max((indptr[g + 1] - indptr[g] for g in range(num_groups)), default=0)
@@ -232,7 +231,7 @@ def cascade_launch(host: CascadeHost, num_requests: int, device: torch.device, *
     kv_tma = bool(allow_tma and num_groups > 0 and (head_dim == 128 or fa3)
                   and max_rows * group >= shared_node.TMA_MIN_ROWS and shared_node.tma_capable(device)
                   and (kv_contiguous() if callable(kv_contiguous) else kv_contiguous))
-    shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma, kv_fp8)
+    shared_config = shared_config or shared_node.tile_config(max_rows * group, kv_tma)
     block_m, block_n = shared_config[:2]
     m_tiles = triton.cdiv(max(max_rows, 1) * group, block_m)
     live_tiles = min(num_groups * m_tiles, triton.cdiv(len(host.rows) * group, block_m) + num_groups)

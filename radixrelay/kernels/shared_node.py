@@ -166,31 +166,28 @@ def _shared_node_kernel(
 TMA_MIN_ROWS = 128
 
 
-def tile_config(rows: int, kv_tma: bool = False, kv_fp8: bool = False) -> tuple[int, int, int, int]:
+def tile_config(rows: int, kv_tma: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` folded query rows per group.
 
     Gathered K/V: BLOCK_M <= 64, 4 warps. K/V by TMA (used only with >= TMA_MIN_ROWS rows): 128 x 64 tiles,
-    8 warps; over an e4m3 cache (``kv_fp8``: Q.K^T on the FP8 tensor cores) one warpgroup of 4 warps. Chosen by
-    sweeps over the grid of batch x node length (benchmarks/results/kernels/attention.md)."""
+    8 warps. Both chosen by sweeps over the grid of batch x node length (benchmarks/results/kernels/attention.md)."""
     if kv_tma:
-        return (128, 64, 4, 3) if kv_fp8 else (128, 64, 8, 3)
+        return 128, 64, 8, 3
     return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
 
 
-def tile_configs(group: int, head_dim: int, device: torch.device,
-                 kv_fp8: bool = False) -> list[tuple[tuple[int, int, int, int], bool]]:
+def tile_configs(group: int, head_dim: int, device: torch.device) -> list[tuple[tuple[int, int, int, int], bool]]:
     """Every ``(config, kv_tma)`` a launch for this model can get (the start-up warm-up compiles each): the
     gathered configs of ``tile_config`` for folded rows ``rows x group``, rows >= 1 (BLOCK_M: the powers of two
     from max(16, group) to 64), and the TMA config where a plan asks for it (Hopper, head dim 128; whether the
-    launch then loads by TMA is ``tma_usable``'s call, made in ``launch_splits`` as in serving); ``kv_fp8``: over
-    an e4m3 cache."""
+    launch then loads by TMA is ``tma_usable``'s call, made in ``launch_splits`` as in serving)."""
     configs = []
     for shift in range(8):                                  # group * 128 rows reach the largest gathered tile
         config = (tile_config(group << shift), False)
         if config not in configs:
             configs.append(config)
     if head_dim == 128 and tma_capable(device):
-        configs.append((tile_config(TMA_MIN_ROWS, True, kv_fp8), True))
+        configs.append((tile_config(TMA_MIN_ROWS, True), True))
     return configs
 
 
@@ -323,7 +320,7 @@ class SharedNode:
         if num_rows == 0 or num_groups == 0:
             return
         kv_tma = kv_contiguous and max_q_rows * group >= TMA_MIN_ROWS and tma_usable(q, k_cache, v_cache)
-        config = config or tile_config(max_q_rows * group, kv_tma, k_cache.dtype == FP8_CACHE)
+        config = config or tile_config(max_q_rows * group, kv_tma)
         block_m, block_n = config[:2]
         slots_per_sm = programs_per_sm(config) if slots_per_sm is None else slots_per_sm
         m_tiles = triton.cdiv(max(max_q_rows, 1) * group, block_m)

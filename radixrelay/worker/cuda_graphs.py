@@ -113,8 +113,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.device = kv_cache.device
         cfg = model.local_config                # this rank's heads
-        self.launch_args = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                          kv_fp8=kv_cache.dtype == torch.float8_e4m3fn)
+        self.heads = dict(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         self.node_kernel = backend.node_kernel_for(kv_cache)           # baked into the launch shapes
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._shapes: dict[tuple, CascadeLaunch] = {}   # size class -> the launch shape its graphs use
@@ -175,7 +174,7 @@ class DecodeGraphs:
                 else CascadeHost((), (0,), (), 1))
         return self._one_split_unbounded(cascade_launch(host, bs, self.device, own_splits=1, allow_tma=tma,
                                                         kv_contiguous=tma, node_kernel=self.node_kernel,
-                                                        **self.launch_args))
+                                                        **self.heads))
 
     def fits(self, num: int, width: int) -> bool:
         """Whether a step of ``num`` rows whose page lists span ``width`` pages can run here."""
@@ -288,7 +287,7 @@ class DecodeGraphs:
             host = (CascadeHost(runs.host_rows, runs.host_indptr, host_lens, shape_key[-1]) if runs is not None
                     else CascadeHost((), (0,), (), shape_key[-1]))
             shape = self._shapes[shape_key] = self._one_split_unbounded(cascade_launch(
-                host, bs, self.device, kv_contiguous=contiguous, node_kernel=self.node_kernel, **self.launch_args))
+                host, bs, self.device, kv_contiguous=contiguous, node_kernel=self.node_kernel, **self.heads))
         caps = (_pow2(num_groups), _pow2(num_rows), _pow2(num_pages))
         key = (bs, caps, _launch_shape(shape))
         g = self._graphs.get(key)
@@ -390,7 +389,7 @@ class DecodeGraphs:
         plan = CascadePlan(   # the size class's launch shape over fixed, padded tensors
             q_indptr=q_indptr, q_rows=q_rows, kv_indptr=kv_indptr, kv_pages=kv_pages, kv_lens=kv_lens,
             page_table=page_table, kv_start=kv_start, kv_end=seq_lens, merge_indptr=merge_indptr,
-            merge_part_ids=merge_part_ids, page_size=self.kv_cache.page_size, head_dim=self.launch_args["head_dim"],
+            merge_part_ids=merge_part_ids, page_size=self.kv_cache.page_size, head_dim=self.heads["head_dim"],
             group=self._group, **shape._asdict())
         ids = torch.zeros(bs, **i64)
         advance = RowAdvance(positions, prefix_lens, seq_lens, v.out_slots, page_table, self.kv_cache.page_size, ids,

@@ -154,8 +154,7 @@ def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = 
                                lambda i=indexed, b=block_h: s.merge(i, b)))
     for block_h in merge.block_h_choices(dims.num_q_heads, dims.head_dim):   # prefill runs into extend rows
         out.append(Variant(f"prefill_merge BLOCK_H={block_h}", lambda b=block_h: s.merge_into_rows(b)))
-    configs = shared_node.tile_configs(dims.group, dims.head_dim, kv_cache.device,
-                                       kv_fp8=kv_cache.dtype == torch.float8_e4m3fn)
+    configs = shared_node.tile_configs(dims.group, dims.head_dim, kv_cache.device)
     for dtype in (torch.float32, s.dtype):   # cascade levels and split nodes (parts); one split (prefill)
         for config, kv_tma in configs:
             out.append(Variant(f"shared_node {config}{' tma' if kv_tma else ''} out={_name(dtype)}",
