@@ -237,22 +237,25 @@ def softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr, D
 @triton.jit
 def quantize_query_rows(q, qk_scale):
     """A query tile [BM, D] -> (its e4m3 values [BM, D], ``qk_scale`` times each row's scale [BM] float32):
-    one scale per (request, query head) row, its largest magnitude over 448 (1 for a zero row), the values
-    divided (rounded to nearest) and cast; ``quantize_query_rows_reference`` is the same in torch."""
+    one scale per (request, query head) row, its largest magnitude over 448 (1 for a zero row); the values
+    times the scale's reciprocal (both rounded to nearest: two divisions per row, not one per value, which a
+    decode program over a short range would feel), clamped and cast. ``quantize_query_rows_reference``: the same
+    in torch, bit for bit."""
     x = q.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     scale = tl.where(amax > 0, tl.div_rn(amax, tl.full([], 448.0, tl.float32)), 1.0)
-    q8 = tl.minimum(tl.maximum(tl.div_rn(x, tl.zeros_like(x) + scale[:, None]), -448.0), 448.0)
+    inv = tl.div_rn(tl.full([], 1.0, tl.float32), scale)
+    q8 = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     return q8.to(tl.float8e4nv), scale * qk_scale
 
 
 def quantize_query_rows_reference(q: torch.Tensor) -> torch.Tensor:
-    """Queries [..., D] as the shared node's FP8 product sees them: each row rounded to e4m3 at its own scale
-    (``quantize_query_rows``), returned in float64."""
-    x = q.double()
+    """Queries [..., D] as the FP8 Q.K^T product sees them (``quantize_query_rows``, float32 steps), in float64."""
+    x = q.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, (amax / 448.0).float().double(), torch.ones_like(amax))
-    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double() * scale
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
+    values = (x * (torch.ones_like(scale) / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return values.double() * scale.double()
 
 
 @triton.jit
