@@ -97,7 +97,6 @@ class TorchBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan_for(batch)
         k, v = kv_cache.k[layer_id], kv_cache.v[layer_id]
-        q = kv_cache.query_as_attended(q)
         o, lse = attend_planned(q, k, v, plan.own, self.sm_scale)
         if not plan.shared:
             return o, lse
@@ -114,8 +113,8 @@ class TorchBackend(AttentionBackend):
         if plan.shared:
             o = self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
         else:       # flat batch: the same computation, without the LSE's fix-up and scatter
-            o = attend_planned(kv_cache.query_as_attended(q), kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own,
-                               self.sm_scale, with_lse=False)[0]
+            o = attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own, self.sm_scale,
+                               with_lse=False)[0]
         return o if out is None else out.copy_(o)
 
 

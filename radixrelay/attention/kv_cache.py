@@ -82,21 +82,6 @@ class KVCache:
         write_slots(self.k[layer_id], slots, k)
         write_slots(self.v[layer_id], slots, v)
 
-    @property
-    def fp8(self) -> bool:
-        """K/V in e4m3, stored (an e4m3 cache) or emulated (``fp8_emulation``)."""
-        return self.dtype == torch.float8_e4m3fn or self.fp8_emulation is not None
-
-    def query_as_attended(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries [T, Hq, D] as attention over this cache sees them: over FP8 K/V each (token, head) row
-        rounded to e4m3 at its own scale, as the kernels' FP8 Q.K^T product does (docs/quantization.md); else
-        ``q`` itself."""
-        if not self.fp8:
-            return q
-        from radixrelay.kernels._common import quantize_query_rows_reference
-
-        return quantize_query_rows_reference(q).to(q.dtype)
-
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 

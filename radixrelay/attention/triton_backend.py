@@ -91,8 +91,6 @@ class TritonBackend(AttentionBackend):
         """``out``: optional (o [T, Hq, D] dtype of q, contiguous D; lse [T, Hq] float32) to write into."""
         step = self._step_for(batch, q, kv_cache)
         k, v = kv_cache.k[layer_id], kv_cache.v[layer_id]
-        if kv_cache.fp8_emulation is not None:     # an e4m3 cache's kernels round the queries themselves
-            q = kv_cache.query_as_attended(q)
         if out is None:
             o = torch.empty_like(q)                                              # [T, Hq, D]
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hq]

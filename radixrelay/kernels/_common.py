@@ -202,60 +202,29 @@ def load_kv_tile(k_cache, v_cache, pages, pos, valid, page_size, kv_head, stride
 
 
 @triton.jit
-def softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 ROW_SCALE: tl.constexpr):
+def softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of a [BM, D] query tile against a [BN, D] K/V tile.
 
     ``qk_scale`` = sm_scale * log2(e); ``m_i`` [BM] running max of the scaled scores (base-2 units),
     ``l_i`` [BM] running sum, ``acc`` [BM, D] fp32.
     With ``MASKED`` the scores outside ``mask`` [BM, BN] are dropped; rows with nothing seen yet keep
     ``m_i = -inf`` and contribute no NaN.
-    With ``ROW_SCALE`` ``q`` is e4m3 (``quantize_query_rows``) and ``qk_scale`` [BM] carries each row's scale:
-    Q.K^T runs on the FP8 tensor cores against an e4m3 ``k``; ``v`` comes in the P.V product's dtype.
     """
     k = k.to(q.dtype)              # an FP8 cache (e4m3, scale 1): exact in the query's dtype; else no-op
-    if not ROW_SCALE:
-        v = v.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN] raw scores q.k
     if MASKED:
         s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)                    # every scale > 0: max commutes
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)
-    if ROW_SCALE:
-        p = tl.exp2(s * qk_scale[:, None] - m_ref[:, None])
-    else:
-        p = tl.exp2(s * qk_scale - m_ref[:, None])                      # scale folded into one FMA
+    p = tl.exp2(s * qk_scale - m_ref[:, None])                          # scale folded into one FMA
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def quantize_query_rows(q, qk_scale):
-    """A query tile [BM, D] -> (its e4m3 values [BM, D], ``qk_scale`` times each row's scale [BM] float32):
-    one scale per (request, query head) row, its largest magnitude over 448 (1 for a zero row); the values
-    times the scale's reciprocal (both rounded to nearest: two divisions per row, not one per value, which a
-    decode program over a short range would feel), clamped and cast. ``quantize_query_rows_reference``: the same
-    in torch, bit for bit."""
-    x = q.to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)
-    scale = tl.where(amax > 0, tl.div_rn(amax, tl.full([], 448.0, tl.float32)), 1.0)
-    inv = tl.div_rn(tl.full([], 1.0, tl.float32), scale)
-    q8 = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-    return q8.to(tl.float8e4nv), scale * qk_scale
-
-
-def quantize_query_rows_reference(q: torch.Tensor) -> torch.Tensor:
-    """Queries [..., D] as the FP8 Q.K^T product sees them (``quantize_query_rows``, float32 steps), in float64."""
-    x = q.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
-    values = (x * (torch.ones_like(scale) / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return values.double() * scale.double()
 
 
 @triton.jit

@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (FP8_CACHE, LOG2E, KernelLaunch, attend_reference, check, check_index,
-                                        check_out, check_page_table, check_qkv, dot_precision, finish_rows,
-                                        gather_kv_reference, load_kv_tile, quantize_query_rows,
-                                        quantize_query_rows_reference, softmax_step)
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_page_table, check_qkv, dot_precision, finish_rows, gather_kv_reference,
+                                        load_kv_tile, softmax_step)
 
 
 # Not specialised (radixrelay.worker.warmup): the index tensors and lse (slices of the step's batch) and
@@ -43,7 +42,7 @@ def _extend_kernel(
     qk_scale, group,
     stride_q_t, stride_q_h, stride_pt_b, stride_slot, stride_kv_h, stride_o_t, stride_o_h, stride_l_t, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # grid: (query tiles, B, Hq); tile index reversed so that the longest tiles start first
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -62,11 +61,6 @@ def _extend_kernel(
     tok = (t0 + offs_m).to(tl.int64)
     q_tile = tl.load(q + tok[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
                      mask=m_ok[:, None], other=0.0)                   # [BM, D]
-    pv_dtype = q_tile.dtype
-    if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
-        q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
-    else:
-        q_op, qk_op = q_tile, qk_scale
 
     prefix = tl.load(prefix_lens + b)
     q_pos = prefix + offs_m                                            # [BM] positions of the queries
@@ -82,15 +76,13 @@ def _extend_kernel(
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
-                                     QK_FP8)
+        m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
     for n0 in range(full_hi, hi, BLOCK_N):                             # across the diagonal: causal mask
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
         causal = pos[None, :] <= q_pos[:, None]
-        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, causal, True,
-                                     DOT_PRECISION, QK_FP8)
+        m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, causal, True, DOT_PRECISION)
 
     out, out_lse = finish_rows(m_i, l_i, acc)
     tl.store(o + tok[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :],
@@ -131,7 +123,7 @@ def bind(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_
         stride_slot=k_cache.stride(0), stride_kv_h=k_cache.stride(1),
         stride_o_t=o.stride(0), stride_o_h=o.stride(1), stride_l_t=lse.stride(0), stride_l_h=lse.stride(1),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        DOT_PRECISION=dot_precision(q.dtype), QK_FP8=k_cache.dtype == FP8_CACHE,
+        DOT_PRECISION=dot_precision(q.dtype),
     ), dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -181,14 +173,11 @@ def extend_attention(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_st
 
 def extend_attention_reference(q, k_cache, v_cache, page_table, page_size, q_indptr, kv_start, prefix_lens,
                                sm_scale=None, dtype: torch.dtype = torch.float64):
-    """Pure torch, one request at a time, in ``dtype``; same contract as ``extend_attention`` (queries rounded as
-    the kernel rounds them over an e4m3 cache).
+    """Pure torch, one request at a time, in ``dtype``; same contract as ``extend_attention``.
 
     Tokens outside every request's range (beyond q_indptr[-1]) are left o = 0, lse = -inf.
     """
     sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    if k_cache.dtype == FP8_CACHE:
-        q = quantize_query_rows_reference(q)
     o = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=dtype, device=q.device)
     for b in range(q_indptr.numel() - 1):

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (FP8_CACHE, LOG2E, KernelLaunch, attend_reference, check, check_index,
-                                        check_out, check_page_table, check_qkv, dot_precision, finish_rows,
-                                        gather_kv_reference, load_kv_tile, num_sms, pick_splits, quantize_query_rows,
-                                        quantize_query_rows_reference, softmax_step)
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_page_table, check_qkv, dot_precision, finish_rows, gather_kv_reference,
+                                        load_kv_tile, num_sms, pick_splits, softmax_step)
 from radixrelay.kernels.merge import bind_merge_splits
 
 
@@ -41,12 +40,12 @@ def paged_decode_program(
     stride_q_b, stride_q_h, stride_pt_b, stride_slot, stride_kv_h,
     stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Request ``b``, KV head ``kv_head``, positions [kv_start + split * chunk, +chunk) clipped to kv_end.
 
     Rows of the tile: the ``group`` query heads of the KV head. Writes o[b, split, heads, :] and
-    lse[b, split, heads]; an empty range writes o = 0, lse = -inf. ``QK_FP8``: as the shared node's.
+    lse[b, split, heads]; an empty range writes o = 0, lse = -inf.
     """
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -55,11 +54,6 @@ def paged_decode_program(
     g_ok = offs_g < group
     q_tile = tl.load(q + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
                      mask=g_ok[:, None], other=0.0)                   # [BLOCK_H, D]
-    pv_dtype = q_tile.dtype
-    if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
-        q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
-    else:
-        q_op, qk_op = q_tile, qk_scale
 
     lo = tl.load(kv_start + b) + split * chunk
     hi = tl.minimum(tl.load(kv_end + b), lo + chunk)
@@ -73,15 +67,13 @@ def paged_decode_program(
         pos = n0 + offs_n
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
-                                     QK_FP8)
+        m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
     if full_hi < hi:
         pos = full_hi + offs_n
         valid = pos < hi
         k, v = load_kv_tile(k_cache, v_cache, pages, pos, valid, PAGE_SIZE, kv_head, stride_slot,
                             stride_kv_h, offs_d)
-        m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, valid[None, :], True,
-                                     DOT_PRECISION, QK_FP8)
+        m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, valid[None, :], True, DOT_PRECISION)
 
     out, out_lse = finish_rows(m_i, l_i, acc)
     tl.store(o + b * stride_o_b + split * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
@@ -103,7 +95,7 @@ def _paged_decode_kernel(
     stride_q_b, stride_q_h, stride_pt_b, stride_slot, stride_kv_h,
     stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # grid: (B, Hkv, splits)
     paged_decode_program(
@@ -111,7 +103,7 @@ def _paged_decode_kernel(
         q, k_cache, v_cache, page_table, kv_start, kv_end, o, lse, qk_scale, chunk, group,
         stride_q_b, stride_q_h, stride_pt_b, stride_slot, stride_kv_h,
         stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s, stride_l_h,
-        PAGE_SIZE, BLOCK_H, BLOCK_N, HEAD_DIM, DOT_PRECISION, QK_FP8,
+        PAGE_SIZE, BLOCK_H, BLOCK_N, HEAD_DIM, DOT_PRECISION,
     )
 
 
@@ -131,7 +123,7 @@ def bind_splits(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm
         stride_o_b=o_dst.stride(0), stride_o_s=o_dst.stride(1), stride_o_h=o_dst.stride(2),
         stride_l_b=lse_dst.stride(0), stride_l_s=lse_dst.stride(1), stride_l_h=lse_dst.stride(2),
         PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=q.shape[2], DOT_PRECISION=dot_precision(q.dtype), QK_FP8=k_cache.dtype == FP8_CACHE,
+        HEAD_DIM=q.shape[2], DOT_PRECISION=dot_precision(q.dtype),
     ), dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
 
 
@@ -204,11 +196,8 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, page_size, kv_start,
 
 def paged_decode_attention_reference(q, k_cache, v_cache, page_table, page_size, kv_start, kv_end, sm_scale=None,
                                      dtype: torch.dtype = torch.float64):
-    """Pure torch, one request at a time, in ``dtype``; same contract as ``paged_decode_attention`` (queries rounded
-    as the kernel rounds them over an e4m3 cache)."""
+    """Pure torch, one request at a time, in ``dtype``; same contract as ``paged_decode_attention``."""
     sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    if k_cache.dtype == FP8_CACHE:
-        q = quantize_query_rows_reference(q)
     o = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=dtype, device=q.device)
     for b in range(q.shape[0]):

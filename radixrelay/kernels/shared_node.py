@@ -42,10 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrelay.kernels._common import (FP8_CACHE, LOG2E, KernelLaunch, attend_reference, check, check_index,
-                                        check_out, check_qkv, dot_precision, finish_rows, gather_kv_reference,
-                                        load_kv_tile, num_sms, pick_splits, quantize_query_rows,
-                                        quantize_query_rows_reference, softmax_step)
+from radixrelay.kernels._common import (LOG2E, KernelLaunch, attend_reference, check, check_index, check_out,
+                                        check_qkv, dot_precision, finish_rows, gather_kv_reference, load_kv_tile,
+                                        num_sms, pick_splits, softmax_step)
 from radixrelay.kernels.merge import bind_merge_splits
 
 
@@ -63,7 +62,7 @@ def shared_node_program(
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr, QK_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     """Query tile ``m_tile`` of group ``g`` against KV split ``split`` of ``splits`` of the group's node, one
     KV head. The node is cut into ``splits`` chunks of equal length (a multiple of BLOCK_N) at run time, from
@@ -72,9 +71,6 @@ def shared_node_program(
     With ``KV_TMA`` every group's pages are consecutive page ids, so token t of the node lives in slot
     first_page * PAGE_SIZE + t: the full K/V tiles come by TMA boxes [BLOCK_N, HEAD_DIM] of the cache
     viewed as [num_slots, Hkv * HEAD_DIM] (``k_desc``, ``v_desc``); the last partial tile is gathered.
-
-    With ``QK_FP8`` (an e4m3 cache) the query tile is rounded to e4m3, one scale per row, and Q.K^T runs on
-    the FP8 tensor cores; V is converted to the query's dtype for P.V.
 
     Writes o[row, split, head, :] and lse[row, split, head] for the tile's rows (nothing if the tile is
     past the group's rows); a split past the node's end writes o = 0, lse = -inf.
@@ -91,11 +87,6 @@ def shared_node_program(
         req = tl.load(q_rows + row, mask=m_ok, other=0).to(tl.int64)
         q_tile = tl.load(q + req[:, None] * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
                          mask=m_ok[:, None], other=0.0)               # [BM, D]
-        pv_dtype = q_tile.dtype
-        if QK_FP8:                                  # an e4m3 cache: e4m3 rows [BM, D], a scale per row [BM]
-            q_op, qk_op = quantize_query_rows(q_tile, qk_scale)
-        else:
-            q_op, qk_op = q_tile, qk_scale
 
         kv_len = tl.load(kv_lens + g)
         chunk = tl.cdiv(tl.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
@@ -112,23 +103,21 @@ def shared_node_program(
             col = kv_head * HEAD_DIM
             for n0 in range(lo, full_hi, BLOCK_N):
                 k = k_desc.load([first_slot + n0, col])
-                v = v_desc.load([first_slot + n0, col]).to(pv_dtype)
-                m_i, l_i, acc = softmax_step(q_op, k, v, m_i, l_i, acc, qk_op, None, False, DOT_PRECISION,
-                                             QK_FP8)
+                v = v_desc.load([first_slot + n0, col])
+                m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
         else:
             for n0 in range(lo, full_hi, BLOCK_N):
                 pos = n0 + offs_n
                 k, v = load_kv_tile(k_cache, v_cache, pages, pos, pos < hi, PAGE_SIZE, kv_head, stride_slot,
                                     stride_kv_h, offs_d)
-                m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, None, False,
-                                             DOT_PRECISION, QK_FP8)
+                m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, None, False, DOT_PRECISION)
         if full_hi < hi:
             pos = full_hi + offs_n
             valid = pos < hi
             k, v = load_kv_tile(k_cache, v_cache, pages, pos, valid, PAGE_SIZE, kv_head, stride_slot,
                                 stride_kv_h, offs_d)
-            m_i, l_i, acc = softmax_step(q_op, k, v.to(pv_dtype), m_i, l_i, acc, qk_op, valid[None, :],
-                                         True, DOT_PRECISION, QK_FP8)
+            m_i, l_i, acc = softmax_step(q_tile, k, v, m_i, l_i, acc, qk_scale, valid[None, :], True,
+                                         DOT_PRECISION)
 
         out, out_lse = finish_rows(m_i, l_i, acc)
         row = row.to(tl.int64)
@@ -148,7 +137,7 @@ def _shared_node_kernel(
     stride_q_b, stride_q_h, stride_slot, stride_kv_h,
     stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr, QK_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     # grid: (query tiles, groups * splits, Hkv); tiles of one (group, split, head) are adjacent
     shared_node_program(
@@ -157,7 +146,7 @@ def _shared_node_kernel(
         splits, group,
         stride_q_b, stride_q_h, stride_slot, stride_kv_h,
         stride_o_r, stride_o_s, stride_o_h, stride_l_r, stride_l_s, stride_l_h,
-        PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, KV_TMA, QK_FP8,
+        PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, KV_TMA,
     )
 
 
@@ -255,7 +244,7 @@ class BoundSplits:
             stride_o_r=o_dst.stride(0), stride_o_s=o_dst.stride(1), stride_o_h=o_dst.stride(2),
             stride_l_r=lse_dst.stride(0), stride_l_s=lse_dst.stride(1), stride_l_h=lse_dst.stride(2),
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=q.shape[2],
-            DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma, QK_FP8=k_cache.dtype == FP8_CACHE,
+            DOT_PRECISION=dot_precision(q.dtype), KV_TMA=kv_tma,
         ), dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
 
     def _descriptors(self, k_cache, v_cache):
@@ -366,11 +355,8 @@ def shared_node_attention(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_i
 
 def shared_node_attention_reference(q, k_cache, v_cache, page_size, q_indptr, q_rows, kv_indptr, kv_pages,
                                     kv_lens, sm_scale=None, dtype: torch.dtype = torch.float64):
-    """Pure torch, one group at a time, in ``dtype``; same contract as ``shared_node_attention`` (over an e4m3
-    cache the queries rounded as the kernel's FP8 product rounds them)."""
+    """Pure torch, one group at a time, in ``dtype``; same contract as ``shared_node_attention``."""
     sm_scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
-    if k_cache.dtype == FP8_CACHE:
-        q = quantize_query_rows_reference(q)
     num_rows = q_rows.numel()
     o = torch.zeros((num_rows, *q.shape[1:]), dtype=dtype, device=q.device)
     lse = torch.full((num_rows, q.shape[1]), float("-inf"), dtype=dtype, device=q.device)

@@ -20,11 +20,6 @@ def make_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
     return k, v
 
 
-def make_query(shape: tuple[int, ...], dtype, gen, device=DEVICE) -> torch.Tensor:
-    """Random queries of ``shape`` in ``dtype``."""
-    return torch.randn(shape, generator=gen, device=device).to(dtype)
-
-
 def page_lists(lengths: list[int], page_size: int, num_pages: int, gen, device=DEVICE) -> list[torch.Tensor]:
     """Disjoint random page lists covering ``lengths`` tokens each (pages drawn without replacement)."""
     need = [-(-n // page_size) for n in lengths]

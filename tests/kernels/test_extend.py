@@ -6,8 +6,8 @@ import torch
 
 from radixrelay.kernels import extend_attention, extend_attention_reference
 from radixrelay.kernels import extend as extend_mod
-from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, make_query, page_lists,
-                                   page_table, poisoned)
+from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table,
+                                   poisoned)
 
 
 def run_case(new_tokens, prefix_lens, kv_start, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed,
@@ -17,7 +17,7 @@ def run_case(new_tokens, prefix_lens, kv_start, num_q_heads, num_kv_heads, head_
     num_pages = sum(-(-e // page_size) for e in ends) + 2
     k_cache, v_cache = make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
     table = page_table(page_lists(ends, page_size, num_pages, gen))
-    q = make_query((sum(new_tokens), num_q_heads, head_dim), dtype, gen)
+    q = torch.randn((sum(new_tokens), num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
     q_indptr = int32([0] + torch.tensor(new_tokens).cumsum(0).tolist())
     args = (q, k_cache, v_cache, table, page_size, q_indptr, int32(kv_start), int32(prefix_lens))
     out = poisoned(tuple(q.shape), dtype)

@@ -7,8 +7,8 @@ import torch
 from radixrelay.kernels import (merge_attention_states, paged_decode_attention, paged_decode_attention_reference,
                                 shared_node_attention, shared_node_attention_reference)
 from radixrelay.kernels import shared_node as shared_mod
-from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, make_query, page_lists,
-                                   page_table, poisoned)
+from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table,
+                                   poisoned)
 
 
 def build_groups(group_rows: list[list[int]], kv_lens: list[int], page_size: int, num_pages: int, gen,
@@ -37,7 +37,7 @@ def run_case(batch, group_rows, kv_lens, num_q_heads, num_kv_heads, head_dim, pa
     if contiguous:
         assert shared_mod.pages_contiguous(index[2], index[3])
         launch["kv_contiguous"] = True
-    q = make_query((batch, num_q_heads, head_dim), dtype, gen)
+    q = torch.randn((batch, num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
     out = poisoned((index[1].numel(), num_q_heads, head_dim), dtype)
     if launch.get("config"):   # drive the launcher directly to pin tiles and split count
         shared_mod._launch(q, k_cache, v_cache, page_size, *index, head_dim**-0.5, *out,
@@ -89,7 +89,7 @@ def run_cascade(batch, prefix_len, suffix_lens, num_q_heads, num_kv_heads, head_
     perm = torch.randperm(num_pages, generator=gen, device=DEVICE).to(torch.int32)
     shared, own = perm[:prefix_pages], page_lists(suffix_lens, page_size, num_pages - prefix_pages, gen)
     table = page_table([torch.cat([shared, perm[prefix_pages:][p.long()]]) for p in own])
-    q = make_query((batch, num_q_heads, head_dim), dtype, gen)
+    q = torch.randn((batch, num_q_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
     ends = int32([prefix_len + s for s in suffix_lens])
     # parts buffer [B, 2, Hq, D]: level 0 = shared prefix, level 1 = own suffix
     o_parts, lse_parts = poisoned((batch, 2, num_q_heads, head_dim), dtype)
