@@ -141,10 +141,7 @@ def attend_planned(
     k = _gather_pages(k_cache, plan).to(compute).transpose(1, 2)              # [B, Hkv, S, D]
     v = _gather_pages(v_cache, plan).to(compute).transpose(1, 2)
     bias = plan.bias(group, compute)                                          # [B, 1, G * Lq, S]
-    if q.device.type == "cpu":
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, attn_mask=bias, scale=scale)
-    else:
-        o, lse = _attend_matmul(qf, k, v, bias, scale)
+    o, lse = _attend_folded(qf, k, v, bias, scale)
     # [B, Hkv, G * Lq, D] -> [B * Lq, Hq, D]: (b, i) rows, heads (kv head, group) as in q.
     o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
     o = o.to(q.dtype) if plan.dense else o.index_select(0, plan.cells).to(q.dtype)
@@ -169,6 +166,16 @@ def _gather_pages(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         return by_page.index_select(0, plan.pages.flatten()).view(batch, num_pages * size, heads, dim)
     slots = plan.pages[:, :, None] * size + torch.arange(size, device=cache.device)
     return cache.index_select(0, slots.flatten()).view(batch, num_pages * size, heads, dim)
+
+
+def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded grid's attention (``_attend_matmul``'s shapes): on the CPU torch's flash-attention kernel,
+    elsewhere ``_attend_matmul``. Looked up at every call, so that an emulation can stand in for it
+    (``benchmarks.model.bench_fp8_sensitivity --attention``: FP8 queries and probabilities)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+    return _attend_matmul(q, k, v, bias, scale)
 
 
 def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,

@@ -91,3 +91,49 @@ def test_the_sensitivity_benchmark_rounds_like_e4m3_and_to_more_bits():
         assert torch.allclose(r / step, torch.round(r / step), atol=1e-3)      # on the grid of ``bits`` bits
         assert ((r - v).abs() <= step / 2 * (1 + 1e-4)).all()                 # the nearest point of it
     assert torch.equal(round_rows(x, 6)[2], torch.zeros(200))
+
+
+def test_the_attention_benchmark_rounds_queries_and_probabilities_like_an_fp8_kernel():
+    """``bench_fp8_sensitivity.fp8_attention``: with nothing rounded ``reference._attend_matmul``'s result; queries:
+    the attention of each (token, head) row's e4m3 quantize / dequantize; probabilities: exp(s - row max) on e4m3's
+    grid against V over the unrounded sum; a row that attends nothing: o = 0, lse = -inf. Within
+    ``fp8_attention_arithmetic`` ``attend_planned`` runs it, after it the CPU kernel again."""
+    from benchmarks.model.bench_fp8_sensitivity import fp8_attention, fp8_attention_arithmetic, round_rows
+    from radixrelay.attention import extend_reference, reference
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 16, generator=gen) * 3 for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask[0] = False                                                 # row 0 attends nothing
+    bias = torch.where(mask, 0.0, float("-inf"))[None, None]
+    plain = fp8_attention(q, k, v, bias, 0.25, queries=False, probs=False)
+    for got, want in zip(plain, reference._attend_matmul(q, k, v, bias, 0.25)):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(plain[0][:, :, 0], torch.zeros(1, 2, 16)) and plain[1][:, :, 0].isneginf().all()
+
+    by_rows = round_rows(q.reshape(-1, 16), 3).reshape(q.shape)
+    rounded_q = fp8_attention(q, k, v, bias, 0.25, queries=True, probs=False)
+    for got, want in zip(rounded_q, reference._attend_matmul(by_rows, k, v, bias, 0.25)):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(rounded_q[0], plain[0], atol=1e-3)
+
+    s = q @ k.transpose(-1, -2) * 0.25 + bias
+    p = torch.exp(s[:, :, 1:] - s[:, :, 1:].amax(-1, keepdim=True))
+    rounded_p = fp8_attention(q, k, v, bias, 0.25, queries=False, probs=True)
+    want = p.to(E4M3).float() @ v / p.sum(-1, keepdim=True)
+    assert torch.allclose(rounded_p[0][:, :, 1:], want, atol=1e-5) and torch.equal(rounded_p[1], plain[1])
+    ones = fp8_attention(q, k, torch.ones_like(v), bias, 0.25, queries=False, probs=True)[0][:, :, 1:, 0]
+    assert not torch.allclose(ones, torch.ones_like(ones), atol=1e-4)          # not renormalised after rounding
+
+    kernel = reference._attend_folded
+    cache_k, cache_v = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()     # [6, 2, 16]
+    args = (q[0].transpose(0, 1).contiguous(), cache_k, cache_v, torch.tensor([[0, 1]], dtype=torch.int32), 3,
+            torch.tensor([0, 6]), torch.tensor([0]))
+    with fp8_attention_arithmetic(False, False):
+        emulated = extend_reference(*args)
+    with fp8_attention_arithmetic(True, True):
+        both = extend_reference(*args)
+    assert reference._attend_folded is kernel
+    kernel_o, kernel_lse = extend_reference(*args)
+    assert torch.allclose(emulated[0], kernel_o, atol=1e-5) and torch.allclose(emulated[1], kernel_lse, atol=1e-5)
+    assert not torch.allclose(both[0], kernel_o, atol=1e-3)
