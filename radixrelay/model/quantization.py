@@ -124,6 +124,7 @@ class Fp8Linear(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.emulate = in_features, out_features, emulate
+        self._split_k_rows: int | None = None           # see split_k
         store = torch.float32 if emulate else E4M3
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=store, device=device),
                                    requires_grad=False)
@@ -184,10 +185,24 @@ class Fp8Linear(nn.Module):
             out = out.to(rows.dtype)
             if self.bias is not None:
                 out = out + self.bias
+        elif self.bias is None and self.split_k(q_x.shape[0]):                # few rows (kernels.fp8_gemm)
+            from radixrelay.kernels.fp8_gemm import fp8_split_k
+
+            out = fp8_split_k(q_x, s_x, self.weight, self.weight_scale, rows.dtype)
         else:
             out = torch._scaled_mm(q_x, self.weight.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
                                    bias=self.bias, out_dtype=rows.dtype)
         return out.reshape(*lead, self.out_features)
+
+    def split_k(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows runs split along K (``kernels.fp8_gemm``: few rows, few output
+        columns, Hopper) instead of ``torch._scaled_mm``; the device half of the rule is asked once."""
+        if self._split_k_rows is None:                  # the most rows it takes (0: never)
+            from radixrelay.kernels import fp8_gemm
+
+            self._split_k_rows = fp8_gemm.MAX_ROWS if not self.emulate and fp8_gemm.split_k_applies(
+                1, self.in_features, self.out_features, self.weight.device) else 0
+        return 0 < rows <= self._split_k_rows
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

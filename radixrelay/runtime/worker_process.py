@@ -101,7 +101,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
     if device.type == "cuda" and backend_name == "triton":
         from radixrelay.worker.warmup import warm_up_kernels   # imports the Triton kernels
 
-        report = warm_up_kernels(local, kv_cache, backend)     # no kernel compiles after ready
+        report = warm_up_kernels(local, kv_cache, backend, model=model)     # no kernel compiles after ready
         if not report.complete:
             logger.warning("kernel warm-up incomplete: skipped %s, errors %s", report.skipped, report.errors)
     extend_rows = small_extend_rows()

@@ -98,12 +98,13 @@ class WarmupReport:
         return text
 
 
-def warm_up_kernels(dims, kv_cache: KVCache, backend=None, *,
+def warm_up_kernels(dims, kv_cache: KVCache, backend=None, *, model: torch.nn.Module | None = None,
                     time_budget_s: float = DEFAULT_BUDGET_S) -> WarmupReport:
     """Launch every kernel variant serving can hit for ``dims`` (an ``AttentionDims`` or the model config)
     over ``kv_cache`` (page size, dtype, device and strides come from it). ``backend``: the worker's
     attention backend; a non-Triton one needs nothing (empty report), a Triton one without ``overlap``
-    never runs the own-KV decode beside the shared node. Returns what it launched and caused."""
+    never runs the own-KV decode beside the shared node. ``model``: its FP8 layers' split-K products too
+    (``fp8_product_variants``). Returns what it launched and caused."""
     start = time.perf_counter()
     if backend is not None and not isinstance(backend, TritonBackend):
         return WarmupReport(0, JitCounts(), 0.0)
@@ -114,6 +115,8 @@ def warm_up_kernels(dims, kv_cache: KVCache, backend=None, *,
     launched, skipped, errors = 0, [], []
     with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         variants = serving_variants(AttentionDims.of(dims), kv_cache, overlap=overlap)
+        if model is not None:
+            variants += fp8_product_variants(model, kv_cache.model_dtype)
         for i, variant in enumerate(variants):
             if time.perf_counter() - start > time_budget_s:
                 skipped = [v.name for v in variants[i:]]
@@ -136,6 +139,28 @@ def warm_up_kernels(dims, kv_cache: KVCache, backend=None, *,
                           tuple(errors), counted)
     logger.info("kernel warm-up: %s", report.summary())
     return report
+
+
+def fp8_product_variants(model: torch.nn.Module, dtype: torch.dtype) -> list[Variant]:
+    """The split-K FP8 product (``radixrelay.kernels.fp8_gemm``) once per distinct shape of the model's FP8
+    layers that take it (decode batches of few rows), on one zero row: rows are not specialised, so one
+    launch covers every batch size."""
+    from radixrelay.kernels.fp8_gemm import fp8_split_k
+    from radixrelay.model.quantization import Fp8Linear
+
+    def launch(layer: Fp8Linear) -> torch.Tensor:
+        q = torch.zeros((1, layer.in_features), dtype=torch.float8_e4m3fn, device=layer.weight.device)
+        scale = torch.ones((1, 1), dtype=torch.float32, device=layer.weight.device)
+        return fp8_split_k(q, scale, layer.weight, layer.weight_scale, dtype)
+
+    variants, shapes = [], set()
+    for layer in model.modules():
+        shape = (getattr(layer, "in_features", 0), getattr(layer, "out_features", 0))
+        if isinstance(layer, Fp8Linear) and layer.bias is None and layer.split_k(1) and shape not in shapes:
+            shapes.add(shape)
+            variants.append(Variant(f"fp8_split_k {shape[0]} -> {shape[1]} out={_name(dtype)}",
+                                    lambda layer=layer: launch(layer)))
+    return variants
 
 
 def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = True) -> list[Variant]:

@@ -1,6 +1,7 @@
 """FP8 on the GPU (``-m gpu``, FP8 tensor cores: H100): the FP8 linear layer through ``torch._scaled_mm``
-against its CPU emulation, inside a CUDA graph too, a model quantized at load against the emulated
-one, and the quantization fused into RMSNorm and SiLU-and-mul against the products' own."""
+against its CPU emulation, inside a CUDA graph too, the split-K product of few rows against cuBLAS's, a model
+quantized at load against the emulated one, and the quantization fused into RMSNorm and SiLU-and-mul against
+the products' own."""
 
 from __future__ import annotations
 
@@ -33,6 +34,34 @@ def test_fp8_linear_on_cuda_equals_its_emulation(rows):
         out = cuda(static)
     graph.replay()
     assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("k, n", [(4096, 4096), (14336, 4096)])
+def test_split_k_product_equals_scaled_mm_on_cuda(rows, k, n):
+    """Few rows through the 8B model's ``o`` and ``down`` shapes: the split-K product (what ``Fp8Linear``
+    runs there on Hopper) equals cuBLAS's FP8 product to fp32 summation order, inside a CUDA graph too."""
+    from radixrelay.kernels.fp8_gemm import fp8_split_k, split_k_capable
+    from radixrelay.kernels.fp8_quant import quantize_rows
+
+    if not split_k_capable(torch.device("cuda")):
+        pytest.skip("the split-K product runs on Hopper")
+    gen = torch.Generator(device="cuda").manual_seed(rows + k)
+    layer = Fp8Linear(k, n, dtype=torch.bfloat16, device="cuda")
+    layer.load_rows(0, torch.randn(n, k, generator=gen, device="cuda") * 0.02)
+    x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+    q_x, s_x = quantize_rows(x)
+    want = torch._scaled_mm(q_x, layer.weight.t(), scale_a=s_x, scale_b=layer.weight_scale[None, :],
+                            out_dtype=torch.bfloat16).float()
+    got = fp8_split_k(q_x, s_x, layer.weight, layer.weight_scale, torch.bfloat16).float()
+    assert ((got - want).norm() / want.norm()).item() < 5e-3                   # bf16 rounding of either
+    assert layer.split_k(rows) and not layer.split_k(256)
+    torch.testing.assert_close(layer(x).float(), got, rtol=0, atol=0)          # the layer takes this path
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    assert torch.equal(out.float(), got)
 
 
 @pytest.mark.parametrize("cols", [4096, 14336])
