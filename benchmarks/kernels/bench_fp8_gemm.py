@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -100,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(rows, k, n, args.replays)
             for key in total:
                 total[key] += r[key]
-            split_total += min(r["split_k"], r["scaled_mm"]) if r["split_k"] == r["split_k"] else r["scaled_mm"]
-            split = "-" if r["split_k"] != r["split_k"] else f"{r['split_k']:.1f}{'*' if r['takes_split_k'] else ''}"
+            ran = not math.isnan(r["split_k"])                     # the shape's K is in whole splits
+            split_total += min(r["split_k"], r["scaled_mm"]) if ran else r["scaled_mm"]
+            split = f"{r['split_k']:.1f}{'*' if r['takes_split_k'] else ''}" if ran else "-"
             lines.append(f"| {rows} | {proj} | {k} -> {n} | {r['bf16']:.1f} | {r['scaled_mm']:.1f} | {split} | "
                          f"{r['fp8']:.1f} | {r['fp8'] / r['bf16']:.2f} | {r['scaled_mm'] / r['bf16']:.2f} | "
                          f"{r['err']:.4f} |")

@@ -4,6 +4,7 @@ GPU idle (few rows, few output columns), every multiprocessor streams a slice of
 API::
 
     split_k_applies(rows, in_features, out_features, device) -> bool     the measured rule (below)
+    split_k_max_rows(in_features, out_features, device) -> int           its row limit for one weight (0: never)
     fp8_split_k(q_x, s_x, w, s_w, out_dtype) -> y [M, N]
 
     q_x: [M, K] e4m3, rows contiguous          s_x: [M, 1] float32, each row's scale
@@ -80,11 +81,16 @@ def split_k_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
+def split_k_max_rows(in_features: int, out_features: int, device: torch.device) -> int:
+    """The most rows a product through an [out, in] FP8 weight on ``device`` takes ``fp8_split_k`` for (module
+    docstring: the measured rule); 0 where it never does."""
+    fits = out_features <= MAX_OUT and in_features % (SPLIT * BLOCK_K) == 0 and split_k_capable(device)
+    return MAX_ROWS if fits else 0
+
+
 def split_k_applies(rows: int, in_features: int, out_features: int, device: torch.device) -> bool:
-    """Whether a product of ``rows`` rows through an [out, in] FP8 weight takes ``fp8_split_k`` (module
-    docstring: the measured rule)."""
-    return (0 < rows <= MAX_ROWS and out_features <= MAX_OUT and in_features % (SPLIT * BLOCK_K) == 0
-            and split_k_capable(device))
+    """Whether a product of ``rows`` rows through an [out, in] FP8 weight takes ``fp8_split_k``."""
+    return 0 < rows <= split_k_max_rows(in_features, out_features, device)
 
 
 def fp8_split_k(q_x: torch.Tensor, s_x: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor,

@@ -198,10 +198,10 @@ class Fp8Linear(nn.Module):
         """Whether a product of ``rows`` rows runs split along K (``kernels.fp8_gemm``: few rows, few output
         columns, Hopper) instead of ``torch._scaled_mm``; the device half of the rule is asked once."""
         if self._split_k_rows is None:                  # the most rows it takes (0: never)
-            from radixrelay.kernels import fp8_gemm
+            from radixrelay.kernels.fp8_gemm import split_k_max_rows
 
-            self._split_k_rows = fp8_gemm.MAX_ROWS if not self.emulate and fp8_gemm.split_k_applies(
-                1, self.in_features, self.out_features, self.weight.device) else 0
+            self._split_k_rows = 0 if self.emulate else split_k_max_rows(self.in_features, self.out_features,
+                                                                         self.weight.device)
         return 0 < rows <= self._split_k_rows
 
     def extra_repr(self) -> str:
