@@ -81,6 +81,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
         FrontendMessage, GenerateRequest, RuntimeMessage, TokenUpdate, UpdateBatch, WorkerCommand, WorkerStep,
         decoder, encoder,
     )
+    from radixrelay.radix.truncation import Truncated
     from radixrelay.scheduler import Scheduler
     from radixrelay.scheduler.config import SchedulerConfig
     from radixrelay.server import openai_protocol as oa
@@ -130,8 +131,8 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
         req = oa.decode_request(body, oa.ChatCompletionRequest)
         ctx = serving.ServingContext(_Info(32768, 65536, tok.vocab_size), tok, template, "m", 1,
                                      ServerMetrics(), max_choices=1, grammars=GrammarCheck(tok))
-        row["request -> choices"] = median_ms(lambda: serving._choices(ctx, req, [ids], [1], None), repeats)
-        sampling = serving._choices(ctx, req, [ids], [1], None)[0].sampling
+        row["request -> choices"] = median_ms(lambda: serving._choices(ctx, req, [Truncated(ids)], [1], None), repeats)
+        sampling = serving._choices(ctx, req, [Truncated(ids)], [1], None)[0].sampling
         msg = GenerateRequest(1, ids, sampling)
         row["ipc: request to scheduler"] = median_ms(lambda: frontend_dec.decode(enc(msg)), repeats)
 
@@ -167,7 +168,7 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
         update = updates[0]
 
         def respond() -> None:
-            choices = serving._choices(ctx, req, [ids], [1], None)
+            choices = serving._choices(ctx, req, [Truncated(ids)], [1], None)
             choices[0].output.apply(TokenUpdate(update))
             job = _Job(choices)
             msgspec.json.encode(serving.chat_response(ctx, job))
