@@ -16,10 +16,10 @@ Two launches. ``_split_k_kernel``, grid (N / BLOCK_N, M / BLOCK_M, SPLIT): progr
 both as TMA tiles (rows past M read as zero), and writes its fp32 partial [BLOCK_M, BLOCK_N]. Then
 ``_reduce_kernel`` sums the SPLIT partials of each output and applies both scales.
 
-The rule, measured on an H100 (benchmarks/results/model/fp8_gemm_h100_80gb_hbm3.md): at 64 rows the 8B model's
-``down`` (14336 -> 4096) and ``o`` (4096 -> 4096) projections take 28.6 / 12.5 us this way against cuBLAS's
-38.8 / 14.0; the wide ``gate_up`` and ``qkv`` gain nothing, and at 256 rows cuBLAS is ahead. So: at most
-``MAX_ROWS`` rows, at most ``MAX_OUT`` output columns, K a multiple of SPLIT x BLOCK_K, Hopper.
+The rule, measured on an H100 (benchmarks/results/model/fp8_gemm_h100_80gb_hbm3.md): at decode batches of up to
+64 rows this is faster than cuBLAS's FP8 product for the 8B model's ``down`` (14336 -> 4096) and ``o``
+(4096 -> 4096) projections; the wide ``gate_up`` and ``qkv`` gain nothing, and from 128 rows cuBLAS is ahead.
+So: at most ``MAX_ROWS`` rows, at most ``MAX_OUT`` output columns, K a multiple of SPLIT x BLOCK_K, Hopper.
 """
 
 from __future__ import annotations

@@ -155,8 +155,10 @@ def fp8_product_variants(model: torch.nn.Module, dtype: torch.dtype) -> list[Var
 
     variants, shapes = [], set()
     for layer in model.modules():
-        shape = (getattr(layer, "in_features", 0), getattr(layer, "out_features", 0))
-        if isinstance(layer, Fp8Linear) and layer.bias is None and layer.split_k(1) and shape not in shapes:
+        if not isinstance(layer, Fp8Linear):
+            continue
+        shape = (layer.in_features, layer.out_features)
+        if layer.bias is None and layer.split_k(1) and shape not in shapes:
             shapes.add(shape)
             variants.append(Variant(f"fp8_split_k {shape[0]} -> {shape[1]} out={_name(dtype)}",
                                     lambda layer=layer: launch(layer)))
