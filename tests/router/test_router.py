@@ -18,48 +18,13 @@ import openai
 import pytest
 
 from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
-from tests.runtime.server_process import ServerProcess, free_port, pid_alive
+from tests.router.router_process import RouterProcess
+from tests.runtime.server_process import ServerProcess, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TENANTS = [f"You are the assistant of tenant {t}. " + " ".join(f"rule{t}x{i} applies;" for i in range(40))
            for t in range(4)]
-
-
-class RouterProcess:
-    def __init__(self, tmp_path, *replicas: str, mode: str = "approximate", store: str | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp_path / f"router-{mode}.log", "wb")
-        args = [a for url in replicas for a in ("--replica", url)] + (["--store", store] if store else [])
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixrelay.cli", "router", *args, "--mode", mode,
-                                      "--port", str(self.port), "--log-level", "warning"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (tmp_path / f"router-{mode}.log").read_text()
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("router not ready")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def metrics(self) -> str:
-        return httpx.get(f"{self.base_url}/metrics", timeout=5).text
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tests.router.test_router import RouterProcess
+from tests.router.router_process import RouterProcess
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
           "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
