@@ -2,12 +2,18 @@
 
 Tokenizing is the one step of a request that costs O(prompt) on every arrival, even when the
 prompt's KV is all cached (tens of milliseconds for a prompt of tens of thousands of tokens). A prompt
-usually extends one seen before (the next turn of a chat, a document asked another question), so
-long texts are cut into chunks of about ``chunk_chars`` characters and each chunk's ids are cached
-by its text: a text that extends an earlier one encodes only its last chunks. Chunks that miss the
-cache are encoded together with ``encode_batch`` (in parallel on several cores).
+usually extends one seen before (the next turn of a chat, a document asked another question), so a
+long text is encoded in two steps:
 
-The result is exactly ``encode(text)``: chunks are cut only in front of a single space between two
+- the longest prefix it shares with a recently encoded long text (``prefix_cache``: texts kept with
+  their ids and the token offset at each of their chunk ends) up to a cut point takes that text's ids
+  as one slice of a packed array; finding it costs a few Python operations and C-level comparisons
+  of the text, whatever its length;
+- the rest, from that cut, is cut into chunks of about ``chunk_chars`` characters whose ids are
+  cached by their text (``chunk_cache``); chunks that miss are encoded together with
+  ``encode_batch`` (in parallel on several cores), each by one thread however many ask at once.
+
+The result is exactly ``encode(text)``: texts are cut only in front of a single space between two
 ASCII letters (``"word| word"``), a place where every pre-tokenizer accepted here splits the text
 whatever surrounds it:
 
@@ -24,12 +30,17 @@ whatever surrounds it:
 Anything else (a normalizer, Metaspace, a BPE without a word-splitting pre-tokenizer, dropout,
 truncation or padding, unknown regexes) is encoded whole. Chunk ends are the first cut at least
 ``chunk_chars`` past the previous end, so two texts sharing a prefix share every chunk that ends
-(one character of look-ahead included) inside it.
+(one character of look-ahead included) inside it. A text sharing ``t[:c + 2]`` with a remembered
+text that has a cut at ``c`` has that cut too, so its first ids are the remembered ones up to ``c``
+and nothing is re-encoded around the seam to check it (``prefix_cache`` says more).
 
-``parts`` yields a text's ids a batch of chunks at a time, so a caller that only needs to know
-whether a text exceeds some number of tokens stops after encoding about that many. The cache is
-bounded by tokens and by bytes (chunk texts plus ids), and one text caches chunks only for its first
-``max_cached_tokens // 4`` tokens: a huge prompt neither fills the cache nor evicts it.
+``encode_array`` gives the ids packed (``array('I')``, no Python int per id); ``encode`` builds the
+list from it. ``parts`` yields a text's ids in parts (a remembered prefix's, then a batch of chunks
+each), so a caller that only needs to know whether a text exceeds some number of tokens stops after
+encoding about that many (a text is remembered only once all its parts were taken). The chunk cache
+is bounded by tokens and by bytes (chunk texts plus ids), and one text caches chunks only for its
+first ``max_cached_tokens // 4`` tokens; the remembered texts by bytes, one text at most a quarter:
+a huge prompt neither fills the caches nor evicts them.
 ``max_chars_per_token`` bounds how many characters one token spells, so a text longer than
 ``n * bound`` characters has more than ``n`` tokens without encoding any of it. Whole texts and
 batches are encoded with ``encode_batch``, which releases the GIL.
@@ -39,19 +50,24 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
+
+from radixrelay.text.chunk_cache import ChunkCache
+from radixrelay.text.prefix_cache import PrefixCache
 
 CHUNK_CHARS = 1024                # ~200 tokens of English text per chunk
 MAX_CACHED_TOKENS = 1 << 19       # LRU bound on the ids held
 MAX_CACHED_BYTES = 16 << 20       # LRU bound on the cache's memory: chunk texts plus ids (4 bytes each)
 BATCH_CHUNKS = 32                 # chunks per encode_batch call (and per part) of a long text
+MAX_PREFIX_BYTES = 64 << 20       # LRU bound on the remembered texts: texts, ids and cut points
+PREFIX_NEW_CHUNKS = 8             # a text sharing a remembered prefix is remembered too when it has
+                                  # this many chunks' characters past the reusable cut (or extends it)
 
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
@@ -66,10 +82,9 @@ _WORD_SPLITS = frozenset({_GPT2, _LLAMA3, _QWEN2})
 _DIGIT_SPLITS = frozenset({r"\p{N}"})
 
 
-def iter_pieces(text: str, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
-    """``text`` cut at the first cut point at least ``chunk_chars`` past the previous cut; the
-    pieces concatenate to ``text``."""
-    start = 0
+def iter_pieces(text: str, chunk_chars: int = CHUNK_CHARS, start: int = 0) -> Iterator[str]:
+    """``text[start:]`` cut at the first cut point at least ``chunk_chars`` past the previous cut
+    (``start`` the first); the pieces concatenate to ``text[start:]``."""
     while True:
         m = _CUT.search(text, start + chunk_chars)
         if m is None:
@@ -138,93 +153,123 @@ def max_chars_per_token(tok: HFTokenizer) -> int | None:
 
 class ChunkedEncoder:
     """``encode(text)`` == ``tok.encode(text, add_special_tokens=False).ids``, cheaper for long
-    texts that share chunks with earlier ones. Safe to share between threads."""
+    texts that share a prefix or chunks with earlier ones. Safe to share between threads.
+    ``max_prefix_bytes=0``: no reuse by prefix (chunks only, as before prefixes were remembered)."""
 
     def __init__(self, tok: HFTokenizer, chunk_chars: int = CHUNK_CHARS,
                  max_cached_tokens: int = MAX_CACHED_TOKENS,
-                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
+                 max_cached_bytes: int = MAX_CACHED_BYTES,
+                 max_prefix_bytes: int = MAX_PREFIX_BYTES) -> None:
         self._tok = tok
         self.chunk_chars = chunk_chars
-        self.max_cached_tokens = max_cached_tokens
-        self.max_cached_bytes = max_cached_bytes
         self.reason = unchunkable_reason(tok)
         self.max_chars_per_token = max_chars_per_token(tok)
-        self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        self.chunks = ChunkCache(tok, max_cached_tokens, max_cached_bytes)
+        self.prefixes = (PrefixCache(max_prefix_bytes, chunk_chars, PREFIX_NEW_CHUNKS * chunk_chars)
+                         if max_prefix_bytes > 0 and self.reason is None else None)
         self._lock = threading.Lock()
-        self.cached_tokens = 0
-        self.cached_bytes = 0
-        self.hits = 0                 # chunks served from the cache
-        self.misses = 0               # chunks encoded
+        self._tokens_encoded = 0      # by whole texts and tails (the chunks' are the chunk cache's)
 
-    @property
-    def enabled(self) -> bool:
-        return self.reason is None
+    # Bounds and counters.
+    enabled = property(lambda self: self.reason is None)
+    max_cached_tokens = property(lambda self: self.chunks.max_tokens)
+    max_cached_bytes = property(lambda self: self.chunks.max_bytes)
+    cached_tokens = property(lambda self: self.chunks.tokens)
+    cached_bytes = property(lambda self: self.chunks.bytes)
+    hits = property(lambda self: self.chunks.hits, doc="chunks served from the cache")
+    misses = property(lambda self: self.chunks.misses, doc="chunks encoded")
+    shared = property(lambda self: self.chunks.shared, doc="chunks waited for (another thread encoding)")
+    max_prefix_bytes = property(lambda self: self.prefixes.max_bytes if self.prefixes else 0)
+    prefix_bytes = property(lambda self: self.prefixes.bytes if self.prefixes else 0)
+    prefix_texts = property(lambda self: len(self.prefixes) if self.prefixes else 0)
+    prefix_hits = property(lambda self: self.prefixes.hits if self.prefixes else 0,
+                           doc="texts that took a remembered text's ids for their prefix")
+    prefix_tokens_reused = property(lambda self: self.prefixes.tokens_reused if self.prefixes else 0)
+    tokens_encoded = property(lambda self: self._tokens_encoded + self.chunks.tokens_encoded,
+                              doc="ids the tokenizer produced for this encoder")
 
     def encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        for ids in self.parts(text):
-            out.extend(ids)
+        if len(text) < 2 * self.chunk_chars or self.reason is not None:
+            return self._whole(text)
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> array[int]:
+        """``encode(text)`` packed (``array('I')``, the caller's own; ``numpy.frombuffer(ids,
+        numpy.uint32)`` views it): a text whose prefix is remembered costs no Python int per id."""
+        if len(text) < 2 * self.chunk_chars or self.reason is not None:
+            return array("I", self._whole(text))
+        parts = list(self._arrays(text))
+        out = parts[0]
+        for part in parts[1:]:
+            out.extend(part)
         return out
 
     def parts(self, text: str) -> Iterator[list[int]]:
-        """``encode(text)`` in consecutive parts of at most ``BATCH_CHUNKS`` chunks each."""
-        if len(text) < 2 * self.chunk_chars:
-            yield self._tok.encode(text, add_special_tokens=False).ids
+        """``encode(text)`` in consecutive parts: a remembered prefix's ids, then the rest at most
+        ``BATCH_CHUNKS`` chunks a part."""
+        if len(text) < 2 * self.chunk_chars or self.reason is not None:
+            yield self._whole(text)
             return
-        if self.reason is not None:
-            yield self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-            return
-        uncached = self.max_cached_tokens // 4     # this text's tokens not yet offered to the cache
-        batch: list[str] = []
-        for piece in iter_pieces(text, self.chunk_chars):
-            batch.append(piece)
-            if len(batch) == BATCH_CHUNKS:
-                ids = self._encode_pieces(batch, cache=uncached > 0)
-                uncached -= len(ids)
-                yield ids
-                batch = []
-        if batch:
-            yield self._encode_pieces(batch, cache=uncached > 0)
+        for part in self._arrays(text):
+            yield part.tolist()
 
     def clear(self) -> None:
-        with self._lock:
-            self._cache.clear()
-            self.cached_tokens = self.cached_bytes = 0
+        self.chunks.clear()
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
-    def _encode_pieces(self, pieces: list[str], cache: bool) -> list[int]:
+    def _whole(self, text: str) -> list[int]:
+        if len(text) < 2 * self.chunk_chars:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         with self._lock:
-            found = [self._get(p) for p in pieces]
-        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
-        fresh: dict[str, list[int]] = {}
-        if missing:
-            encodings = self._tok.encode_batch(missing, add_special_tokens=False)
-            fresh = {p: e.ids for p, e in zip(missing, encodings)}
-            with self._lock:
-                self.misses += len(missing)
-                if cache:
-                    for p, ids in fresh.items():
-                        self._put(p, ids)
-        out: list[int] = []
-        for p, ids in zip(pieces, found):
-            out.extend(fresh[p] if ids is None else ids)
-        return out
-
-    def _get(self, piece: str) -> array[int] | None:
-        ids = self._cache.get(piece)
-        if ids is not None:
-            self._cache.move_to_end(piece)
-            self.hits += 1
+            self._tokens_encoded += len(ids)
         return ids
 
-    def _put(self, piece: str, ids: list[int]) -> None:
-        size = sys.getsizeof(piece) + 4 * len(ids)
-        if piece in self._cache or len(ids) > self.max_cached_tokens or size > self.max_cached_bytes:
-            return
-        self._cache[piece] = array("I", ids)
-        self.cached_tokens += len(ids)
-        self.cached_bytes += size
-        while self._cache and (self.cached_tokens > self.max_cached_tokens
-                               or self.cached_bytes > self.max_cached_bytes):
-            old_piece, old = self._cache.popitem(last=False)
-            self.cached_tokens -= len(old)
-            self.cached_bytes -= sys.getsizeof(old_piece) + 4 * len(old)
+    def _arrays(self, text: str) -> Iterator[array[int]]:
+        """A long text's ids in parts the caller owns: the longest remembered prefix's, then the
+        rest from that cut (chunked when long); the text is remembered once all parts were taken."""
+        prefixes = self.prefixes
+        reuse = None if prefixes is None else prefixes.find(text)
+        keep = prefixes is not None and prefixes.worth_keeping(text, reuse)
+        ids, cuts, offsets = array("I"), array("I"), array("I")      # the text's, if kept
+        start = total = 0
+        if reuse is not None:
+            entry, start, total = reuse.entry, reuse.pos, reuse.offset
+            head = entry.ids[:total]
+            if start == len(text):
+                yield head
+                return
+            if keep:
+                ids = head[:]
+                cuts, offsets = entry.cuts[:reuse.ncuts], entry.offsets[:reuse.ncuts]
+                if not cuts or cuts[-1] != start:
+                    cuts.append(start)
+                    offsets.append(total)
+            yield head
+        if len(text) - start < 2 * self.chunk_chars:
+            part = array("I", self._tok.encode(text[start:], add_special_tokens=False).ids)
+            with self._lock:
+                self._tokens_encoded += len(part)
+            ids.extend(part)
+            yield part
+        else:
+            uncached = self.chunks.max_tokens // 4      # this text's tokens not yet offered to the cache
+            pos = start
+            pieces = iter_pieces(text, self.chunk_chars, start)
+            while batch := list(islice(pieces, BATCH_CHUNKS)):
+                part = array("I")
+                for piece, piece_ids in zip(batch, self.chunks.ids(batch, cache=uncached > 0)):
+                    if keep and pos and (not cuts or cuts[-1] != pos):
+                        cuts.append(pos)
+                        offsets.append(total)
+                    part.extend(piece_ids)
+                    pos += len(piece)
+                    total += len(piece_ids)
+                uncached -= len(part)
+                if keep:
+                    ids.extend(part)
+                yield part
+        if keep:
+            prefixes.remember(text, ids, cuts, offsets)

@@ -56,14 +56,14 @@ PRE_TOKENIZERS = {
 def test_chunks_encode_like_the_whole_text(gguf_tok: HFTokenizer, name: str) -> None:
     make = PRE_TOKENIZERS[name]
     tok = gguf_tok if make is None else with_pre(gguf_tok, make())
-    enc = ChunkedEncoder(tok, chunk_chars=8)
+    enc = ChunkedEncoder(tok, chunk_chars=8, max_prefix_bytes=0)        # chunks only
     assert enc.enabled, enc.reason
     rng = random.Random(name)
     texts = [random_text(rng, rng.randrange(1, 120)) for _ in range(300)] + [c * 3 for c in CORPUS]
     for text in texts:
         for t in (text, text + random_text(rng, 5)):      # the second one reuses chunks
             assert enc.encode(t) == tok.encode(t, add_special_tokens=False).ids, repr(t)
-    assert enc.hits and enc.misses
+    assert enc.hits and enc.misses and not enc.prefix_hits
 
 
 def test_cut_points() -> None:
@@ -79,7 +79,7 @@ def test_an_extended_text_encodes_only_its_new_chunks(gguf_tok: HFTokenizer) -> 
     rng = random.Random(1)
     words = [rng.choice(["alpha", "beta", "gamma", "delta", "it's", "42", "x\n"]) for _ in range(3000)]
     base = " ".join(words)
-    enc = ChunkedEncoder(gguf_tok, chunk_chars=256)
+    enc = ChunkedEncoder(gguf_tok, chunk_chars=256, max_prefix_bytes=0)
     assert enc.encode(base) == gguf_tok.encode(base, add_special_tokens=False).ids
     pieces = len(split_text(base, 256))
     assert enc.misses == pieces and enc.hits == 0
@@ -98,13 +98,13 @@ def test_short_texts_are_not_cached(gguf_tok: HFTokenizer) -> None:
 
 
 def test_the_cache_is_bounded(gguf_tok: HFTokenizer) -> None:
-    enc = ChunkedEncoder(gguf_tok, chunk_chars=16, max_cached_tokens=50)
+    enc = ChunkedEncoder(gguf_tok, chunk_chars=16, max_cached_tokens=50, max_prefix_bytes=0)
     rng = random.Random(2)
     for _ in range(20):
         text = " ".join(rng.choice(["one", "two", "three", "four"]) for _ in range(100))
         assert enc.encode(text) == gguf_tok.encode(text, add_special_tokens=False).ids
         assert enc.cached_tokens <= 50
-        assert enc.cached_tokens == sum(map(len, enc._cache.values()))
+        assert enc.cached_tokens == sum(map(len, enc.chunks._cache.values()))
 
 
 @pytest.mark.parametrize("change, why", [
@@ -127,7 +127,8 @@ def test_unsupported_tokenizers_encode_whole(gguf_tok: HFTokenizer, change, why:
     enc = ChunkedEncoder(tok, chunk_chars=8)
     text = "the cat sat on the mat " * 10
     assert enc.encode(text) == tok.encode(text, add_special_tokens=False).ids
-    assert enc.hits == enc.misses == 0
+    assert enc.encode_array(text).tolist() == tok.encode(text, add_special_tokens=False).ids
+    assert enc.hits == enc.misses == enc.prefix_hits == 0 and enc.prefixes is None
 
 
 def test_tokenizer_json_and_sentencepiece_backends() -> None:
