@@ -113,6 +113,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disk_kv_gib=args.disk_kv_gib, kv_tier_policy=args.kv_tier_policy,
         context_length=args.context_length, truncation=args.truncation, seed=args.seed, tp=args.tp,
         kv_events=getattr(args, "kv_events", None), kv_events_name=_kv_events_name(args),
+        kv_events_key_file=getattr(args, "kv_events_key_file", None),
+        kv_events_password_file=getattr(args, "kv_events_password_file", None),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, fp8_emulation=args.fp8_emulation,
         fp8_keep_layers=args.fp8_keep_layers)
 
@@ -172,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
                         "routers in precise mode (docs/router.md) (default: none)")
     g.add_argument("--kv-events-name", default=None, metavar="URL",
                    help="the URL routers know this server by, in its KV events (default: http://HOST:PORT)")
+    g.add_argument("--kv-events-key-file", default=None, metavar="PATH",
+                   help="sign every KV event with the key on this file's first line (HMAC-SHA256; routers with "
+                        "--store-key-file of the same key then trust them) (default: unsigned)")
+    g.add_argument("--kv-events-password-file", default=None, metavar="PATH",
+                   help="the --kv-events store's password, on this file's first line (default: none)")
 
     router = sub.add_parser("router", help="route requests over several servers by cached prefix",
                             description="Run an OpenAI-compatible router in front of several radixrelay "
@@ -185,7 +192,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="precise: by what the replicas report holding (KV events in --store); approximate: by "
                         "what this router sent where; round-robin: in turn (default: %(default)s)")
     g.add_argument("--store", default=None, metavar="redis://HOST:PORT/DB",
-                   help="the Redis store the replicas publish KV events to (--kv-events); needed by --mode precise")
+                   help="the Redis store the replicas publish KV events to (--kv-events; rediss:// over TLS); "
+                        "needed by --mode precise")
+    g.add_argument("--replica-pattern", default=None, metavar="REGEX",
+                   help="precise mode: replicas whose announced name (URL) fully matches this regular expression "
+                        "may join the pool; without it (or --store-key-file) only --replica URLs are trusted")
+    g.add_argument("--store-key-file", default=None, metavar="PATH",
+                   help="trust only KV events signed with the key on this file's first line (serve "
+                        "--kv-events-key-file); signed announcements may join the pool (default: unsigned)")
+    g.add_argument("--store-password-file", default=None, metavar="PATH",
+                   help="the --store's password, on this file's first line (default: none)")
     g.add_argument("--tokenizer", default="default",
                    help="the replicas' tokenizer: a .gguf file, a Hugging Face directory, or 'default' (the "
                         "embedded model's) (default: %(default)s)")
@@ -253,11 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixrelay: error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve" and engine_config.kv_events is not None:
-        from radixrelay.kv_events import connect
+        from radixrelay.kv_auth import read_key
+        from radixrelay.kv_store import connect, read_password
 
-        try:
-            connect(engine_config.kv_events).close()      # before loading anything: a clear start-up error
-        except ConnectionError as exc:
+        try:                                               # before loading anything: a clear start-up error
+            if engine_config.kv_events_key_file is not None:
+                read_key(engine_config.kv_events_key_file, "--kv-events-key-file")
+            password = read_password(engine_config.kv_events_password_file, "--kv-events-password-file")
+            connect(engine_config.kv_events, password=password).close()
+        except (ConnectionError, ValueError) as exc:
             print(f"radixrelay: error: --kv-events: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
@@ -277,15 +297,21 @@ def _router(args: argparse.Namespace) -> int:
     from radixrelay.text.tokenizer import load_tokenizer
 
     try:
-        config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode, store=args.store)
+        config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode, store=args.store,
+                              replica_pattern=args.replica_pattern, store_key_file=args.store_key_file,
+                              store_password_file=args.store_password_file)
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
         template = _template_text(args.chat_template)
         chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
         events = None
         if config.store is not None:
-            from radixrelay.kv_events import KVEventIndex
+            from radixrelay.kv_store import read_password
+            from radixrelay.router.kv_index import KVEventIndex
+            from radixrelay.router.trust import make_trust
 
-            events = KVEventIndex(config.store)            # ConnectionError (an OSError) if it does not answer
+            trust = make_trust(config.replicas, config.replica_pattern, config.store_key_file)
+            password = read_password(config.store_password_file, "--store-password-file")
+            events = KVEventIndex(config.store, trust=trust, password=password)   # ConnectionError if no answer
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"radixrelay router: error: {exc}", file=sys.stderr)
         return 2

@@ -86,6 +86,10 @@ class EngineConfig:
     # radix tree's page keys and its load to, under the name routers know this server by.
     kv_events: str | None = None
     kv_events_name: str | None = None
+    # files (never the secrets themselves: a config is passed to processes): the key the events are signed
+    # with (``radixrelay.kv_auth``) and the store's password (``radixrelay.kv_store``)
+    kv_events_key_file: str | None = None
+    kv_events_password_file: str | None = None
     # FP8 (``radixrelay.model.quantization``): "fp8" runs the decoder's linear layers in float8 e4m3 (None: the
     # model dtype); kv_cache_dtype "fp8" stores K/V in e4m3 ("auto": the model dtype). They need FP8 tensor
     # cores (CUDA, compute capability 8.9+) unless fp8_emulation runs them as quantize-then-dequantize in

@@ -21,7 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
@@ -52,11 +52,25 @@ class RouterConfig:
     mode: str = "approximate"
     index_capacity: int = 1 << 20          # page keys remembered per replica
     store: str | None = None               # redis://... of the replicas' KV events (precise mode)
+    # The trust boundary over the store (``radixrelay.router.trust``, docs/router.md): names of announced
+    # replicas that may join the pool (a regular expression, full match), the key every entry must be
+    # signed with (its file; signed announcements may join), the store's password (its file).
+    replica_pattern: str | None = None
+    store_key_file: str | None = None
+    store_password_file: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.replicas and not (self.mode == "precise" and self.store is not None):
-            raise ValueError("the router needs at least one --replica (or --mode precise with --store: replicas "
-                             "started with --kv-events announce themselves)")
+        discovers = self.replica_pattern is not None or self.store_key_file is not None
+        if not self.replicas and not (self.mode == "precise" and self.store is not None and discovers):
+            raise ValueError("the router needs at least one --replica (or --mode precise with --store and "
+                             "--replica-pattern or --store-key-file: replicas started with --kv-events whose "
+                             "names match, or whose events are signed with the key, announce themselves)")
+        if self.store is None and (discovers or self.store_password_file is not None):
+            raise ValueError("--replica-pattern, --store-key-file and --store-password-file are about the KV "
+                             "events' store: give --store redis://HOST:PORT/DB (with --mode precise)")
+        from radixrelay.router.trust import compile_pattern
+
+        compile_pattern(self.replica_pattern)
         if len(set(self.replicas)) != len(self.replicas):
             raise ValueError("a replica is given twice")
         if self.mode not in MODES:
@@ -104,6 +118,11 @@ class Router:
         self.upstream_errors = Counter("radixrelay_router_upstream_errors",
                                        "Requests a replica failed to answer (connection refused, reset, "
                                        "closed mid-stream).", ["replica"], registry=self.registry)
+        # precise mode with a stalled KV-event reader: routed approximately (this router's own index) meanwhile
+        self.fallbacks = Counter("radixrelay_router_precise_fallbacks",
+                                 "Requests routed approximately (this router's own index) because the KV-event "
+                                 "reader was stalled.", registry=self.registry)
+        self._precise_failed = False
         self.registry.register(_PoolCollector(self))
 
     # -- routing ---------------------------------------------------------------------------------
@@ -111,23 +130,48 @@ class Router:
     def pick(self, keys: list[bytes], prompt: Prompt | None = None) -> tuple[Replica, int] | None:
         """(replica, the prompt tokens it is expected to hold), or None when no replica is healthy.
         ``keys``: the router's own page keys of the prompt (approximate); ``prompt``: its tokens and salt
-        (precise: looked up under each replica's own page keys)."""
+        (precise: looked up under each replica's own page keys). Precise mode routes approximately while
+        its KV-event reader is stalled, rather than failing requests."""
         healthy = self.pool.healthy()
         if not healthy:
             return None
-        if self.config.mode == "precise" and self.events is not None:
-            held = (self.events.matched_tokens_many([r.url for r in healthy], prompt.token_ids, prompt.salt)
-                    if prompt else [0] * len(healthy))
-            # load: this router's requests in flight there, or what the replica last reported running and
-            # waiting (other routers' requests included), whichever is larger
-            load = [max(r.in_flight, self.events.reported_load(r.url)) for r in healthy]
+        mode = self.config.mode
+        measured = self._precise(healthy, prompt) if mode == "precise" and self.events is not None else None
+        if measured is not None:
+            held, load = measured
         else:
+            if mode == "precise":
+                mode = "approximate"
+                self.fallbacks.inc()
+                if prompt is not None and not keys:
+                    keys = self.prompt_keys.keys_of(prompt)
             held = [self.index.matched(r.url, keys) * PAGE_TOKENS for r in healthy]
             load = [r.in_flight for r in healthy]
         candidates = [Candidate(r.url, n, q) for r, n, q in zip(healthy, held, load, strict=True)]
-        chosen = choose(self.config.mode, candidates, self._turn)
+        chosen = choose(mode, candidates, self._turn)
         self._turn += 1
-        return next(r for r in healthy if r.url == chosen.replica), chosen.matched_tokens
+        replica = next(r for r in healthy if r.url == chosen.replica)
+        if mode != self.config.mode and keys:
+            self.index.record(replica.url, keys)      # the fallback's own index (route records in approximate mode)
+        return replica, chosen.matched_tokens
+
+    def _precise(self, healthy: list[Replica], prompt: Prompt | None) -> tuple[list[int], list[int]] | None:
+        """(matched tokens, load) per replica by their KV events; None while the reader is stalled."""
+        events = self.events
+        if events.stalled():
+            return None
+        try:
+            held = (events.matched_tokens_many([r.url for r in healthy], prompt.token_ids, prompt.salt)
+                    if prompt else [0] * len(healthy))
+            # load: this router's requests in flight there, or what the replica last reported running and
+            # waiting (other routers' requests included), whichever is larger
+            load = [max(r.in_flight, events.reported_load(r.url)) for r in healthy]
+        except Exception:  # noqa: BLE001 - a fault in the index must not fail requests: approximate instead
+            if not self._precise_failed:
+                self._precise_failed = True
+                logger.exception("precise routing failed; routing approximately (logged once)")
+            return None
+        return held, load
 
     async def route(self, request: Request, endpoint: str, path: str) -> Response:
         raw = await request.body()
@@ -273,6 +317,27 @@ class _PoolCollector:
                                     value=events.events)
             yield GaugeMetricFamily("radixrelay_router_kv_event_lag_seconds",
                                     "Age of the latest KV event when this router read it.", value=events.lag_s)
+            yield from _reader_metrics(events)
+
+
+def _reader_metrics(events: KVEventIndex):
+    """The KV-event reader's health: stalled or not, seconds since its last read, restarts, entries refused."""
+    status = events.status()
+    yield GaugeMetricFamily("radixrelay_router_kv_events_reader_stalled",
+                            "1 while the KV-event reader has not read from the store for its stall time "
+                            "(precise mode routes approximately meanwhile).", value=int(status.reader == "stalled"))
+    if status.seconds_since_read is not None:
+        yield GaugeMetricFamily("radixrelay_router_kv_events_seconds_since_read",
+                                "Seconds since the KV-event reader's last successful read.",
+                                value=status.seconds_since_read)
+    yield CounterMetricFamily("radixrelay_router_kv_events_reader_restarts",
+                              "KV-event reader loops started again after a failure.", value=status.restarts)
+    rejected = CounterMetricFamily("radixrelay_router_kv_events_rejected",
+                                   "KV-event entries skipped, by reason (malformed, unsigned, unknown replica, "
+                                   "replayed, ...).", labels=["reason"])
+    for reason, n in sorted(dict(events.rejected).items()):
+        rejected.add_metric([reason], n)
+    yield rejected
 
 
 def build_app(router: Router):
@@ -336,9 +401,13 @@ def _fastapi_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        # 200 while a replica is in the pool, whatever the KV-event reader's state (a stalled one: routing
+        # goes on, approximately); "kv_events" says how the reader is doing
         n = len(router.pool.healthy())
-        return Response(json.dumps({"replicas_in_pool": n}), status_code=200 if n else 503,
-                        media_type="application/json")
+        body: dict = {"replicas_in_pool": n}
+        if router.events is not None:
+            body["kv_events"] = router.events.status().as_json()
+        return Response(json.dumps(body), status_code=200 if n else 503, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,7 +1,8 @@
 """The replicas behind the router and their health.
 
 Replicas come from ``--replica`` URLs and, in precise mode, from the names replicas announce in their KV
-events (``radixrelay.kv_events``). Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
+events (``radixrelay.router.kv_index``: only names the router's trust admits, while their announcements are
+fresh; an announced replica whose announcements expire leaves the pool). Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
 ``HEALTH_TIMEOUT_S``) or a connection error while proxying takes it out of the pool at once (within
 about a second of it stopping), and its index entries are dropped; it rejoins on its next healthy poll.
 """
@@ -43,6 +44,7 @@ class Replica:
     in_flight: int = 0                 # this router's requests sent there and not yet answered
     failures: int = 0                  # health polls and proxy connections that failed, cumulative
     requests: int = 0                  # requests routed there, cumulative
+    discovered: bool = False           # announced (KV events), not given: leaves when its announcements expire
 
 
 @dataclass
@@ -50,7 +52,8 @@ class Pool:
     replicas: list[Replica]
     on_leave: Callable[[Replica], None] = lambda replica: None
     # Replicas that announce themselves (their KV events' names, precise mode): asked before every poll;
-    # a new, well-formed URL joins the pool (healthy once its /health answers).
+    # a new, well-formed URL joins the pool (healthy once its /health answers), and an announced replica
+    # no longer listed leaves it. Given replicas never leave the list (health polling decides).
     discover: Callable[[], Iterable[str]] | None = None
     _task: asyncio.Task | None = field(default=None, repr=False)
     _refused: set[str] = field(default_factory=set, repr=False)
@@ -58,20 +61,26 @@ class Pool:
     def add_discovered(self) -> None:
         if self.discover is None:
             return
-        known = {r.url for r in self.replicas}
+        announced: set[str] = set()
         for name in self.discover():
-            if name in known or name in self._refused:
+            if name in self._refused:
                 continue
             try:
-                url = check_replica_url(name)
+                announced.add(check_replica_url(name))
             except ValueError as exc:
-                self._refused.add(name)
-                logger.warning("a replica announced itself as %r, which is no replica URL: %s", name, exc)
-                continue
-            if url not in known:
-                self.replicas.append(Replica(url))
-                known.add(url)
-                logger.info("replica %s announced itself", url)
+                if len(self._refused) < 1024:
+                    self._refused.add(name)
+                    logger.warning("a replica announced itself as %r, which is no replica URL: %s", name, exc)
+        for replica in [r for r in self.replicas if r.discovered and r.url not in announced]:
+            self.replicas.remove(replica)
+            if replica.healthy:
+                replica.healthy = False
+                self.on_leave(replica)
+            logger.info("replica %s is no longer announced (its KV events stopped): it left the pool", replica.url)
+        known = {r.url for r in self.replicas}
+        for url in sorted(announced - known):
+            self.replicas.append(Replica(url, discovered=True))
+            logger.info("replica %s announced itself", url)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]

@@ -335,9 +335,14 @@ def _kv_events(cfg, ready: WorkerReady):
     does not answer (a start-up error)."""
     if cfg.kv_events is None:
         return None
+    from radixrelay.kv_auth import read_key
     from radixrelay.kv_events import KVEventPublisher
+    from radixrelay.kv_store import read_password
 
-    return KVEventPublisher(cfg.kv_events, cfg.kv_events_name or "", ready.kv_namespace, cfg.page_size)
+    key = read_key(cfg.kv_events_key_file, "--kv-events-key-file") if cfg.kv_events_key_file else None
+    password = read_password(cfg.kv_events_password_file, "--kv-events-password-file")
+    return KVEventPublisher(cfg.kv_events, cfg.kv_events_name or "", ready.kv_namespace, cfg.page_size,
+                            key=key, password=password)
 
 
 def _serve(args: ChildArgs, ctx: zmq.Context) -> int:

@@ -33,17 +33,28 @@ def redis_binary() -> tuple[str, dict[str, str]]:
 
 
 class RedisServer:
-    def __init__(self, tmp_path: Path) -> None:
+    """A redis-server on a free port of 127.0.0.1; with ``password``, it requires it; with ``tls`` (a
+    certificate and its key, PEM files), it speaks TLS only (``rediss://``)."""
+
+    def __init__(self, tmp_path: Path, password: str | None = None, tls: tuple[Path, Path] | None = None) -> None:
         binary, env = redis_binary()
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log = tmp_path / "redis.log"
-        self.proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no", "--dir", str(tmp_path), "--logfile", str(self.log)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{self.port}/0"
+        self.log = tmp_path / f"redis-{self.port}.log"
+        args = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+                "--logfile", str(self.log)]
+        if tls:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(tls[0]),
+                     "--tls-key-file", str(tls[1]), "--tls-auth-clients", "no"]
+        else:
+            args += ["--port", str(self.port)]
+        if password:
+            args += ["--requirepass", password]
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         import redis
 
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        client = redis.Redis(port=self.port, socket_connect_timeout=1, password=password,
+                             **({"ssl": True, "ssl_cert_reqs": None} if tls else {}))
         deadline = time.monotonic() + 20
         while True:
             try:
