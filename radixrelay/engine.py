@@ -98,7 +98,7 @@ class Engine:
         else:
             prompt_list = _as_prompt_list(prompts)
         params = _params_for(prompt_list, sampling_params)
-        self._check_structured(params)
+        self._check_params(params)
         rids: list[int] = []
         try:
             # Each prompt is submitted as soon as it is encoded: the scheduler admits (and the device
@@ -118,7 +118,7 @@ class Engine:
                         *, cache_salt: str | None = None, prompt_schema: str | None = None) -> Iterator[str]:
         """Yield text deltas of one request as they are produced."""
         params = sampling_params or SamplingParams()
-        self._check_structured([params])
+        self._check_params([params])
         rid = self._submit(self._encode(prompt, params, prompt_schema, cache_salt), params, cache_salt)
         output = self._outputs[rid]
         try:
@@ -172,9 +172,14 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _check_structured(self, params: Sequence[SamplingParams]) -> None:
-        """Compile each structured output once here (cached): a bad one raises
-        ``InvalidStructuredOutput`` (a ValueError) before anything is submitted."""
+    def _check_params(self, params: Sequence[SamplingParams]) -> None:
+        """What ``SamplingParams`` cannot check alone, before anything is submitted: stop token ids
+        within the vocabulary (``ValueError``), and each structured output compiled once here
+        (cached): a bad one raises ``InvalidStructuredOutput`` (a ValueError)."""
+        for sp in params:
+            if any(t >= self.vocab_size for t in sp.stop_token_ids):
+                raise ValueError(f"SamplingParams.stop_token_ids: must be in [0, {self.vocab_size}) (the model's "
+                                 f"vocabulary), got {max(sp.stop_token_ids)}")
         for spec in {p.structured for p in params if p.structured is not None}:
             if self._grammars is None:
                 self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)

@@ -19,6 +19,12 @@ INT64_MAX = 2 ** 63 - 1                    # every integer crosses process bound
 # states) and the characters held back while a stop string might still begin.
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
+# Stop token ids per request. The scheduler tests each sampled token against the list (a scan of the
+# tuple; 256 ids: microseconds, 192K: milliseconds per token that the batch mates wait for) and the
+# list travels with the request between processes.
+# Duplicates are allowed and count; ids must be below the model's vocabulary (checked where it is
+# known: the server's 400, ``Engine.generate``'s ValueError).
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +83,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise bad("seed", f"must be None or a signed 64-bit integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are accepted, "
+                                        f"got {len(self.stop_token_ids)}")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
                for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {list(self.stop_token_ids)!r}")

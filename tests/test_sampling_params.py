@@ -8,7 +8,7 @@ import math
 import msgspec
 import pytest
 
-from radixrelay.sampling_params import SamplingParams
+from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 @pytest.mark.parametrize("field, value", [
@@ -21,6 +21,15 @@ from radixrelay.sampling_params import SamplingParams
 def test_unusable_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_stop_token_ids_are_bounded_in_count_duplicates_included():
+    SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
+    SamplingParams(stop_token_ids=(7,) * MAX_STOP_TOKEN_IDS)
+    with pytest.raises(ValueError, match=f"SamplingParams.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} .* got 192000"):
+        SamplingParams(stop_token_ids=tuple(range(192_000)))
+    with pytest.raises(ValueError, match="SamplingParams.stop_token_ids"):
+        SamplingParams(stop_token_ids=(7,) * (MAX_STOP_TOKEN_IDS + 1))
 
 
 def test_edges_that_are_valid():

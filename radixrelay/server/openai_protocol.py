@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from radixrelay.sampling_params import SamplingParams, stop_strings_problem
+from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 # -- errors -----------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] | None = None
     min_p: Probability | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None

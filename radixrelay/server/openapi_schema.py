@@ -18,6 +18,7 @@ import msgspec
 from fastapi.openapi.utils import get_openapi
 from starlette.routing import BaseRoute
 
+from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS
 from radixrelay.server import openai_protocol as oa
 
 _REF = "#/components/schemas/{name}"
@@ -80,7 +81,8 @@ def _narrow_generation(props: dict[str, Any], limits: Limits, table: dict[str, o
     props["stop"] = {"anyOf": [{"type": "string", "minLength": 1},
                                {"type": "array", "items": {"type": "string", "minLength": 1}},
                                {"type": "null"}]}
-    props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": _token(limits)}, {"type": "null"}]}
+    props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": _token(limits), "maxItems": MAX_STOP_TOKEN_IDS},
+                                         {"type": "null"}]}
     # Valid names are those registered at request time (POST /v1/schemas), which a static schema
     # cannot list: published as null only, like the no-op values of unsupported fields.
     props["prompt_schema"] = {"type": "null", "description": "extension: the name of a schema "
