@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from radixrelay.structured.emptiness import language_is_empty
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 if TYPE_CHECKING:
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 CACHE_ENTRIES = 256
 COMPACT = (",", ":")           # JSON is one line, ``json.dumps(separators=(",", ":"))``: no optional whitespace
 _ENGINE_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")       # "[01:15:21] /project/cpp/x.cc:83: "
+# Why a constraint that compiled is refused when no output can satisfy it (``emptiness``).
+_EMPTY = {
+    "json_schema": "no JSON value matches this schema (each way through it refers back to itself "
+                   "before a value is complete, or a part of it admits no value), so no output could satisfy it",
+    "regex": "no string matches this pattern, so no output could satisfy it",
+}
 
 
 class GrammarEngine:
@@ -62,17 +69,40 @@ class GrammarEngine:
         compiler = self._compiler
         try:
             if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                    separators=COMPACT, strict_mode=False)
-            if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.value, any_whitespace=False, separators=COMPACT,
-                                                    strict_mode=True)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.value)
-            return compiler.compile_grammar(choice_grammar(spec.choices))
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                        separators=COMPACT, strict_mode=False)
+            elif spec.kind == "json_schema":
+                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, separators=COMPACT,
+                                                        strict_mode=True)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            else:
+                compiled = compiler.compile_grammar(choice_grammar(spec.choices))
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _ENGINE_NOISE.sub("", str(exc).strip()).strip()
             raise InvalidStructuredOutput(f"{spec.kind}: {message}") from None
+        if self.accepts_nothing(compiled):
+            why = _EMPTY.get(spec.kind, "no output can satisfy this constraint")
+            raise InvalidStructuredOutput(f"{spec.kind}: {why}")
+        return compiled
+
+    def accepts_nothing(self, compiled: Any) -> bool:
+        """Whether no output satisfies ``compiled``: its root derives no finite string
+        (``emptiness.language_is_empty``), or, whatever that reading says, no token (not even EOS)
+        is allowed first."""
+        if language_is_empty(str(compiled.grammar), regex_is_empty=self._regex_is_empty):
+            return True
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
+
+    def _regex_is_empty(self, pattern: str) -> bool | None:
+        """Whether no string matches ``pattern`` (a ``Regex`` element of a grammar); None: unknown."""
+        try:
+            grammar = self._xgr.Grammar.from_regex(pattern)
+        except (RuntimeError, ValueError, TypeError):
+            return None
+        return language_is_empty(str(grammar))
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

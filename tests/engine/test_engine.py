@@ -11,6 +11,7 @@ import time
 import pytest
 
 from radixrelay import Engine, SamplingParams
+from radixrelay.structured import StructuredOutput
 
 pytestmark = pytest.mark.slow
 
@@ -167,6 +168,11 @@ def test_bad_input_raises_clear_errors(engine):
         engine.generate(["hi"], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="SamplingParams for"):
         engine.generate(["a", "b"], [GREEDY])
+    with pytest.raises(ValueError, match=r"stop_token_ids: must be in \[0, "):
+        engine.generate(["hi"], SamplingParams(max_tokens=2, stop_token_ids=(1, engine.vocab_size)))
+    with pytest.raises(ValueError, match="no JSON value matches"):
+        engine.generate(["hi"], SamplingParams(structured=StructuredOutput.json_schema(
+            {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]})))
     # The engine still works afterwards.
     assert engine.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 

@@ -1,7 +1,8 @@
 """Bounds on what one request may ask of the host, over real HTTP: stop strings (count and length),
-JSON-schema repetition keywords and regex counts, ``$ref``s the grammar cannot follow faithfully
-(to itself with nothing optional in between, to a URL, to nothing), and prompt schemas whose
-positions run past the model's context. At each limit: accepted; past it: a 400 naming the field."""
+stop token ids (count), JSON-schema repetition keywords and regex counts, ``$ref``s the grammar
+cannot follow faithfully (to itself with nothing optional in between, to a URL, to nothing),
+schemas and patterns that nothing matches, and prompt schemas whose positions run past the model's
+context. At each limit: accepted; past it: a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import httpx
 import jsonschema
 import pytest
 
-from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from radixrelay.model.registry import resolve_model_path
+from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from radixrelay.structured.spec import MAX_REPETITION
+from radixrelay.text.tokenizer import load_tokenizer
 from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +45,21 @@ def test_stop_strings_at_and_past_the_limits(http):
     _refused(_complete(http, stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), "stop",
              str(MAX_STOP_STRINGS))
     _refused(_complete(http, stop=["y" * (MAX_STOP_STRING_CHARS + 1)]), "stop", str(MAX_STOP_STRING_CHARS))
+
+
+def test_stop_token_ids_at_and_past_the_limit(http):
+    """Past the count a 400 naming the field and the limit (192K ids once slowed the whole batch);
+    duplicates count. At the limit, duplicates included, a request is served and stops on its ids."""
+    _refused(_complete(http, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids",
+             str(MAX_STOP_TOKEN_IDS))
+    _refused(_complete(http, stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids",
+             str(MAX_STOP_TOKEN_IDS))
+    first = _complete(http, max_tokens=1).json()["choices"][0]["text"]
+    ids = load_tokenizer(resolve_model_path("default")).encode(first, add_special_tokens=False)
+    assert len(ids) == 1, (first, ids)
+    stops = [ids[0]] * 3 + [t for t in range(1000, 2000) if t != ids[0]][:MAX_STOP_TOKEN_IDS - 3]
+    stopped = _complete(http, stop_token_ids=stops).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == "", stopped
 
 
 @pytest.mark.parametrize("keyword, schema", [
@@ -74,6 +92,25 @@ def test_refs_the_grammar_cannot_follow_are_400(http, schema, words):
     response = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "response_format": fmt,
                                                         "messages": [{"role": "user", "content": "Hi"}]})
     _refused(response, "response_format", *words)
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]},
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"$ref": "#/items"}, {"$ref": "#/items"}]}},
+    {"type": "string", "pattern": "[^\\s\\S]"},
+])
+def test_a_schema_no_value_matches_is_400(http, schema):
+    """Once answered 200 with empty content: the grammar allowed no token (or none after ``[``)."""
+    _refused(_complete(http, guided_json=schema), "guided_json", "no JSON value matches")
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "response_format": fmt,
+                                                        "messages": [{"role": "user", "content": "Hi"}]})
+    _refused(response, "response_format", "no JSON value matches")
+
+
+def test_a_pattern_no_string_matches_is_400(http):
+    _refused(_complete(http, guided_regex="[^\\s\\S]"), "guided_regex", "no string matches")
+    _refused(_complete(http, guided_regex="a[^\\x00-\\U0010FFFF]"), "guided_regex", "no string matches")
 
 
 def test_local_refs_and_optional_recursion_still_work(http):
