@@ -143,6 +143,9 @@ class EngineConfig:
                 check_store_url(self.kv_events)
             except ValueError as exc:
                 raise bad("kv_events", str(exc)) from None
+        elif self.kv_events_key_file is not None or self.kv_events_password_file is not None:
+            raise bad("kv_events", "a key or password file is for the KV events' store: give --kv-events "
+                                   "redis://HOST:PORT/DB too")
         if self.disk_kv_path is not None and not self.disk_kv_path:
             raise bad("disk_kv_path", "must be non-empty when set (None: no disk tier)")
         if self.disk_kv_path is not None and self.host_kv_gib == 0:

@@ -92,7 +92,7 @@ def version_of(fields: Mapping[bytes, bytes]) -> int:
 
 def parse(fields: Mapping[bytes, bytes]) -> Event:
     """The event of a stream entry; ``Rejected`` saying why it is not one."""
-    size = sum(len(k) + len(v) for k, v in fields.items())
+    size = sum(map(len, fields)) + sum(map(len, fields.values()))
     if size > MAX_ENTRY_BYTES:
         raise Rejected("size", f"{size} bytes, over {MAX_ENTRY_BYTES}")
     version = version_of(fields)
@@ -114,7 +114,21 @@ def parse(fields: Mapping[bytes, bytes]) -> Event:
     return Event(**common)
 
 
+_NAMES: dict[bytes, str] = {}    # names checked already (a URL check is the costliest part of an entry's)
+_MAX_NAMES = 4096
+
+
 def _replica(raw: bytes) -> str:
+    name = _NAMES.get(raw)
+    if name is None:
+        name = _check_replica(raw)
+        if len(_NAMES) >= _MAX_NAMES:
+            _NAMES.clear()
+        _NAMES[raw] = name
+    return name
+
+
+def _check_replica(raw: bytes) -> str:
     from radixrelay.router.replicas import check_replica_url
 
     if not raw or len(raw) > MAX_NAME_BYTES:

@@ -206,3 +206,20 @@ def test_rediss_reaches_a_store_over_tls(tmp_path):
             index.close()
     finally:
         server.stop()
+
+
+def test_the_cli_refuses_bad_trust_flags_with_a_clear_error(capsys, tmp_path):
+    from radixrelay.cli import main
+
+    store, missing = "redis://127.0.0.1:1/0", str(tmp_path / "missing")
+    precise = ["router", "--replica", "http://127.0.0.1:1", "--mode", "precise", "--store", store]
+    cases = [(["router", "--mode", "precise", "--store", store], "needs at least one --replica"),
+             (["router", "--replica", "http://127.0.0.1:1", "--replica-pattern", "x"], "give --store"),
+             ([*precise, "--replica-pattern", "("], "not a regular expression"),
+             ([*precise, "--store-key-file", missing], "--store-key-file: cannot read"),
+             (["serve", "--kv-events-key-file", missing], "give --kv-events"),
+             (["serve", "--kv-events", "redis://:pw@127.0.0.1:1/0"], "--kv-events-password-file"),
+             (["serve", "--kv-events", store, "--kv-events-key-file", missing], "--kv-events-key-file: cannot read")]
+    for argv, why in cases:
+        assert main(argv) == 2, argv
+        assert why in capsys.readouterr().err, argv
