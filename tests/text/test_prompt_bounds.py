@@ -89,9 +89,9 @@ def test_the_cache_is_bounded_by_bytes(tok) -> None:
         text = words(rng, 2000)
         assert enc.encode(text) == base.encode(text, add_special_tokens=False).ids
         assert 0 < enc.cached_bytes <= 20_000
-        assert enc.cached_tokens == sum(map(len, enc._cache.values()))
+        assert enc.cached_tokens == sum(map(len, enc.chunks._cache.values()))
     enc.clear()
-    assert enc.cached_bytes == enc.cached_tokens == 0 and not enc._cache
+    assert enc.cached_bytes == enc.cached_tokens == 0 and not enc.chunks._cache
 
 
 def test_token_ends(tok) -> None:
