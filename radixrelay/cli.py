@@ -208,6 +208,20 @@ def _parser() -> argparse.ArgumentParser:
     _chat_template_arg(g)
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=30080, help="port to listen on (default: %(default)s)")
+    # the limits as a proxy (radixrelay.router.proxy.ProxyLimits: the same defaults, checked there)
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get HTTP 413, as on the server (default: %(default)s)")
+    g.add_argument("--max-response-bytes", type=int, default=64 * 1024 * 1024,
+                   help="a replica's whole answer larger than this is a 502 to the client; a stream is relayed "
+                        "as it arrives, with no total (default: %(default)s)")
+    g.add_argument("--upstream-connect-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="to connect to a replica; past it, HTTP 504 and the replica leaves the pool "
+                        "(default: %(default)s)")
+    g.add_argument("--upstream-read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the longest a replica may stay silent (before its answer or between two bytes of it); "
+                        "past it, HTTP 504, or an error event in a stream (default: %(default)s)")
+    g.add_argument("--max-in-flight", type=int, default=4096,
+                   help="most requests in the router at once; more get HTTP 429 (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
 
     gen = sub.add_parser("generate", help="answer one prompt offline and print the text",
@@ -299,7 +313,7 @@ def _router(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode, store=args.store,
                               replica_pattern=args.replica_pattern, store_key_file=args.store_key_file,
-                              store_password_file=args.store_password_file)
+                              store_password_file=args.store_password_file, limits=_proxy_limits(args))
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
         template = _template_text(args.chat_template)
         chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
@@ -317,6 +331,15 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level, events)
+
+
+def _proxy_limits(args: argparse.Namespace):
+    """The router's limits as a proxy (``ValueError`` for a bad value)."""
+    from radixrelay.router.proxy import ProxyLimits
+
+    return ProxyLimits(max_body_bytes=args.max_body_bytes, max_response_bytes=args.max_response_bytes,
+                       upstream_connect_timeout=args.upstream_connect_timeout,
+                       upstream_read_timeout=args.upstream_read_timeout, max_in_flight=args.max_in_flight)
 
 
 def generate_prompt(tokenizer, text: str, *, raw: bool, chat_template: str | None = None) -> str | list[int]:

@@ -2,7 +2,9 @@
 replica (``policy.choose``), its answer passed back unchanged (status, body; a stream byte for byte, as
 it arrives). A client that disconnects (from a stream, or while waiting for a whole answer) closes the
 upstream connection, which aborts the request on the replica. A replica that fails to answer gets the client an OpenAI error (502) and leaves
-the pool; one that dies mid-stream ends the stream with an error event.
+the pool; one that dies mid-stream ends the stream with an error event and ``data: [DONE]``. The limits as a
+proxy (body and answer sizes, upstream timeouts, no redirects, the in-flight cap) and the router's own error
+answers are ``radixrelay.router.proxy``'s.
 
 ``GET /health`` is 200 while a replica is in the pool; ``GET /metrics`` has the router's counters;
 ``GET /v1/models`` is a healthy replica's.
@@ -19,14 +21,19 @@ from dataclasses import dataclass
 import aiohttp
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
 from radixrelay.kv_events import KVEventIndex
-from radixrelay.router.prompt import PAGE_TOKENS, Prompt, PromptKeys
+from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
+from radixrelay.router.proxy import (
+    OFFLOAD_BYTES, ProxyError, ProxyLimits, ProxyState, RelayedStream, error_response, invalid,
+    parse_object, read_body, read_capped, upstream_error,
+)
 from radixrelay.router.replicas import Pool, Replica
 
 logger = logging.getLogger("radixrelay.router")
@@ -52,6 +59,9 @@ class RouterConfig:
     mode: str = "approximate"
     index_capacity: int = 1 << 20          # page keys remembered per replica
     store: str | None = None               # redis://... of the replicas' KV events (precise mode)
+    # The limits as a proxy (``radixrelay.router.proxy``: body and answer sizes, upstream timeouts, the
+    # in-flight cap), checked when they are made.
+    limits: ProxyLimits = ProxyLimits()
     # The trust boundary over the store (``radixrelay.router.trust``, docs/router.md): names of announced
     # replicas that may join the pool (a regular expression, full match), the key every entry must be
     # signed with (its file; signed announcements may join), the store's password (its file).
@@ -83,11 +93,6 @@ class RouterConfig:
             check_store_url(self.store)
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
-    return Response(json.dumps(body), status_code=status, media_type="application/json")
-
-
 class Router:
     def __init__(self, config: RouterConfig, prompt_keys: PromptKeys, events: KVEventIndex | None = None) -> None:
         self.config = config
@@ -97,8 +102,8 @@ class Router:
         discover = events.replica_names if events is not None and config.mode == "precise" else None
         self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url),
                          discover=discover)
-        self.client: httpx.AsyncClient | None = None          # health polls, /v1/models
-        self.session: aiohttp.ClientSession | None = None     # the proxied requests
+        self.client: httpx.AsyncClient | None = None          # health polls
+        self.session: aiohttp.ClientSession | None = None     # the proxied requests, /v1/models
         self._turn = 0
         self.registry = CollectorRegistry()
         self.decisions = Counter("radixrelay_router_requests", "Requests routed, by mode and replica.",
@@ -124,6 +129,7 @@ class Router:
                                  "reader was stalled.", registry=self.registry)
         self._precise_failed = False
         self.registry.register(_PoolCollector(self))
+        self.proxy = ProxyState(self.registry)                # the in-flight cap, the router's own errors
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -174,64 +180,114 @@ class Router:
         return held, load
 
     async def route(self, request: Request, endpoint: str, path: str) -> Response:
-        raw = await request.body()
+        """The replica's answer to ``request``, or the router's own error answer (``proxy``): never an
+        exception. One this code did not foresee is a 500 in OpenAI's error JSON, logged (once a minute per
+        kind at most). Past ``max_in_flight`` requests in the router: a 429, no replica asked."""
+        proxy = self.proxy
+        if proxy.active >= self.config.limits.max_in_flight:
+            return proxy.answer(ProxyError(429, f"the router has {proxy.active} requests in flight (--max-in-flight)"
+                                           "; retry later", "rate_limit_error", "rate_limit_exceeded"))
+        proxy.active += 1
+        relayed = False
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        prompt = await asyncio.to_thread(self.prompt_keys.prompt, endpoint, body) if len(raw) > 65536 else \
-            self.prompt_keys.prompt(endpoint, body)
+            response = await self._route(request, endpoint, path)
+            relayed = isinstance(response, RelayedStream)          # released when the stream is over
+            return response
+        except ProxyError as exc:
+            return proxy.answer(exc)
+        except Exception as exc:
+            return proxy.unexpected(exc, path)
+        finally:
+            if not relayed:
+                proxy.active -= 1
+
+    async def _route(self, request: Request, endpoint: str, path: str) -> Response:
+        raw = await read_body(request, self.config.limits.max_body_bytes)
+        # parsing and tokenizing a large body takes milliseconds: in a thread, so that other requests and
+        # /health are answered meanwhile
+        body, prompt = await asyncio.to_thread(self._parse, endpoint, raw) if len(raw) > OFFLOAD_BYTES else \
+            self._parse(endpoint, raw)
         keys = self.prompt_keys.keys_of(prompt) if prompt is not None and self.config.mode != "precise" else []
         picked = self.pick(keys, prompt)
         if picked is None:
-            return _error(503, "no replica is available", "service_unavailable")
+            raise ProxyError(503, "no replica is available", "service_unavailable")
         replica, expected = picked
         self.decisions.labels(self.config.mode, replica.url).inc()
         self.predicted.inc(expected)
         replica.requests += 1
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        replica.in_flight += 1
         stream = body.get("stream") is True
+        replica.in_flight += 1
+        relayed = False
         try:
-            resp, content = await self._unless_client_leaves(
-                request, self._exchange(replica, f"{replica.url}{path}", raw, headers, stream))
-        except _ClientGone:
-            replica.in_flight -= 1
-            self.client_gone.inc()
-            return Response(status_code=499)
-        except UPSTREAM_ERRORS as exc:
-            replica.in_flight -= 1
-            self.upstream_errors.labels(replica.url).inc()
-            self.pool.mark_down(replica, f"{type(exc).__name__} while proxying")
-            return _error(502, f"replica {replica.url} did not answer ({type(exc).__name__}); retry the request",
-                          "upstream_error")
-        if resp.status == 200 and keys:
-            self.index.record(replica.url, keys)
-        media = resp.headers.get("content-type")
-        if content is None:                      # a stream: relayed as it arrives
-            return StreamingResponse(self._relay(replica, resp), status_code=200, media_type=media)
-        replica.in_flight -= 1
-        if resp.status == 200:
-            self.reported.inc(_cached_tokens(content))
-        return Response(content, status_code=resp.status, media_type=media)
+            try:
+                resp, content = await self._unless_client_leaves(
+                    request, self._exchange(replica, f"{replica.url}{path}", raw, _forwarded(request), stream))
+            except _ClientGone:
+                self.client_gone.inc()
+                return Response(status_code=499)
+            except ProxyError:                   # the replica's answer refused: a redirect, too large
+                self.upstream_errors.labels(replica.url).inc()
+                raise
+            except UPSTREAM_ERRORS as exc:
+                raise self._upstream_failure(replica, exc) from None
+            if resp.status == 200 and keys:
+                self.index.record(replica.url, keys)
+            media = resp.headers.get("content-type")
+            if content is None:                  # a stream: relayed as it arrives
+                relayed = True
+                return self._relayed(replica, resp, media)
+            if resp.status == 200:
+                self.reported.inc(_cached_tokens(content))
+            return Response(content, status_code=resp.status, media_type=media)
+        finally:
+            if not relayed:
+                replica.in_flight -= 1
+
+    def _parse(self, endpoint: str, raw: bytes) -> tuple[dict, Prompt | None]:
+        """The body and its prompt (``PromptKeys.prompt``); ``ProxyError`` (400) for a body the router
+        cannot use."""
+        body = parse_object(raw)
+        try:
+            return body, self.prompt_keys.prompt(endpoint, body)
+        except InvalidPrompt as exc:
+            raise invalid(str(exc), "prompt") from None
+        except RecursionError:                   # chat messages nested about as deeply as the parser takes
+            raise invalid("the body is nested too deeply") from None
+
+    def _upstream_failure(self, replica: Replica, exc: BaseException, mid_stream: bool = False) -> ProxyError:
+        """``exc``, raised while proxying to ``replica``, as the client's error; counted. The replica leaves the
+        pool unless it was only silent for ``upstream_read_timeout`` (busy is not down: its health polls
+        decide)."""
+        self.upstream_errors.labels(replica.url).inc()
+        limits, name = self.config.limits, type(exc).__name__
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            self.pool.mark_down(replica, f"no connection within {limits.upstream_connect_timeout:g} s")
+            return upstream_error(504, f"replica {replica.url} did not accept a connection within "
+                                  f"{limits.upstream_connect_timeout:g} s; retry the request", "upstream_timeout")
+        if isinstance(exc, asyncio.TimeoutError):
+            return upstream_error(504, f"replica {replica.url} sent nothing for {limits.upstream_read_timeout:g} s "
+                                  "(--upstream-read-timeout)", "upstream_timeout")
+        self.pool.mark_down(replica, f"{name} {'mid-stream' if mid_stream else 'while proxying'}")
+        what = "failed mid-stream" if mid_stream else "did not answer"
+        return upstream_error(502, f"replica {replica.url} {what} ({name}); retry the request", "upstream_error")
 
     async def _exchange(self, replica: Replica, url: str, raw: bytes, headers: dict[str, str], stream: bool
                         ) -> tuple[aiohttp.ClientResponse, bytes | None]:
         """POST ``raw`` to ``url``: (the response, its whole body), or (the response, None) for a stream
-        answered 200 (its body not read yet). Cancelled (the client left) or failed, the connection is closed.
+        answered 200 (its body not read yet). A redirect, or a whole answer over ``max_response_bytes``, is a
+        ``ProxyError`` (502). Cancelled (the client left) or failed, the connection is closed.
         A connection the replica closed before answering (a kept-alive one it timed out as the request went
         out: no response byte came, so the replica did not take the request) is retried once on a new one."""
         try:
-            resp = await self.session.post(url, data=raw, headers=headers)
+            resp = await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
         except aiohttp.ServerDisconnectedError:
             self.retried.labels(replica.url).inc()
-            resp = await self.session.post(url, data=raw, headers=headers)
-        if stream and resp.status == 200:
-            return resp, None
+            resp = await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
         try:
-            content = await resp.read()
+            _refuse_redirect(replica, resp)
+            if stream and resp.status == 200:
+                return resp, None
+            content = await read_capped(resp, self.config.limits.max_response_bytes, replica.url)
         except BaseException:
             resp.close()
             raise
@@ -253,30 +309,63 @@ class Router:
                     await task
                 raise _ClientGone
 
-    async def _relay(self, replica: Replica, resp: aiohttp.ClientResponse):
-        """The replica's stream, chunk by chunk as it arrives; closing it (the client went away) closes the
-        upstream connection, which aborts the request there."""
-        try:
-            async for chunk in resp.content.iter_any():
-                yield chunk
-        except UPSTREAM_ERRORS as exc:
-            self.upstream_errors.labels(replica.url).inc()
-            self.pool.mark_down(replica, f"{type(exc).__name__} mid-stream")
-            error = {"error": {"message": f"replica {replica.url} failed mid-stream ({type(exc).__name__})",
-                               "type": "upstream_error", "param": None, "code": None}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-        finally:
-            replica.in_flight -= 1
-            resp.close()            # read to the end or not: this connection is not reused
+    def _relayed(self, replica: Replica, resp: aiohttp.ClientResponse, media: str | None) -> RelayedStream:
+        """The replica's stream as the client's answer, chunk by chunk as it arrives. A replica that fails or
+        stays silent for ``upstream_read_timeout`` mid-stream: an error event, then ``data: [DONE]``. Once the
+        answer is over (relayed to its end, or its client left: counted in ``client_gone``) the upstream
+        connection is closed, which aborts the request on the replica if it was not done."""
+        ended = False
 
-    async def models(self) -> Response:
+        async def chunks():
+            nonlocal ended
+            tail = b"\n\n"                       # the last bytes relayed: the error event starts an event
+            try:
+                async for chunk in resp.content.iter_any():
+                    tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
+                    yield chunk
+            except UPSTREAM_ERRORS as exc:
+                failure = self._upstream_failure(replica, exc, mid_stream=True)
+                yield (b"" if tail == b"\n\n" else b"\n\n") + failure.sse()
+            ended = True
+
+        def release() -> None:
+            replica.in_flight -= 1
+            self.proxy.active -= 1
+            resp.close()                         # read to the end or not: this connection is not reused
+            if not ended:
+                self.client_gone.inc()
+
+        return RelayedStream(chunks(), release, media)
+
+    async def models(self, request: Request) -> Response:
+        """A healthy replica's ``/v1/models``, asked with the client's headers (its ``Authorization``: a
+        replica started with ``--api-key`` wants it there too); one that fails to answer is skipped."""
         for replica in self.pool.healthy():
             try:
-                resp = await self.client.get(f"{replica.url}/v1/models")
-            except httpx.HTTPError:
+                resp = await self.session.get(f"{replica.url}/v1/models", headers=_forwarded(request),
+                                              allow_redirects=False)
+                try:
+                    _refuse_redirect(replica, resp)
+                    content = await read_capped(resp, self.config.limits.max_response_bytes, replica.url)
+                finally:
+                    resp.close()
+            except UPSTREAM_ERRORS:
                 continue
-            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-        return _error(503, "no replica is available", "service_unavailable")
+            return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type"))
+        raise ProxyError(503, "no replica is available", "service_unavailable")
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    """The client's headers a replica reads (``FORWARDED_HEADERS``); the rest are this connection's."""
+    return {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+
+
+def _refuse_redirect(replica: Replica, resp: aiohttp.ClientResponse) -> None:
+    """A redirect is never followed: it would send the client's body and ``Authorization`` elsewhere."""
+    if 300 <= resp.status < 400:
+        where = resp.headers.get("location", "")[:200]
+        raise upstream_error(502, f"replica {replica.url} answered {resp.status} (a redirect to {where!r}), which "
+                             "the router does not follow", "upstream_redirect")
 
 
 def _cached_tokens(content: bytes) -> int:
@@ -363,11 +452,17 @@ def _fastapi_app(router: Router) -> FastAPI:
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         # the proxied requests: aiohttp's client (a C parser; httpx's pure-Python path was most of the
-        # router's cost); bodies passed through as the replica sent them (no decompression)
+        # router's cost); bodies passed through as the replica sent them (no decompression). No total
+        # timeout (a stream lasts as long as it generates): connecting, then each silence, are bounded.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+        bounds = router.config.limits
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=bounds.upstream_connect_timeout,
+                                        sock_read=bounds.upstream_read_timeout)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        # httpx logs every request at INFO: one line per health poll, twice a second per replica. The
+        # pool logs what matters (a replica joining or leaving).
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
         async with session, httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits) as client:
             router.client, router.session = client, session
             if router.events is not None:
@@ -387,6 +482,21 @@ def _fastapi_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="radixrelay router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
+    # The router's own errors, routing errors (404 unknown path, 405 wrong method) and anything unexpected
+    # answer with OpenAI's error JSON, as the server's do: never FastAPI's {"detail": ...} or a plain-text 500.
+    @app.exception_handler(ProxyError)
+    async def proxy_error(_: Request, exc: ProxyError) -> Response:
+        return router.proxy.answer(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        return router.proxy.unexpected(exc, request.url.path)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.route(request, "chat", "/v1/chat/completions")
@@ -396,8 +506,8 @@ def _fastapi_app(router: Router) -> FastAPI:
         return await router.route(request, "completions", "/v1/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.models(request)
 
     @app.get("/health")
     async def health() -> Response:

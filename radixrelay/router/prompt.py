@@ -14,6 +14,13 @@ from radixrelay.text.tokenizer import Tokenizer
 # The router's own page size for its index (the replicas' pages may differ: a match is a guess anyway).
 PAGE_TOKENS = 64
 NAMESPACE = "radixrelay-router"
+# Token ids the router takes in a completions prompt: [0, 2^31), which every vocabulary fits in (the replica
+# checks its own); larger ones could not be hashed into page keys (int64) and are no token of any model.
+TOKEN_ID_LIMIT = 1 << 31
+
+
+class InvalidPrompt(Exception):
+    """A prompt no replica could take (the router answers 400 itself)."""
 
 
 @dataclass(frozen=True)
@@ -29,16 +36,20 @@ class PromptKeys:
 
     def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens, or None when they cannot be known here (a batch of prompts, a chat
-        the template refuses: routed by load alone; the replica gives the client its error)."""
+        the template refuses: routed by load alone; the replica gives the client its error).
+        ``InvalidPrompt``: token ids out of [0, TOKEN_ID_LIMIT)."""
+        prompt = body.get("prompt") if endpoint != "chat" else None
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt) and \
+                not all(0 <= t < TOKEN_ID_LIMIT for t in prompt):
+            raise InvalidPrompt(f"prompt token ids must be in [0, {TOKEN_ID_LIMIT})")
         try:
             if endpoint == "chat":
                 if self.template is None or not isinstance(body.get("messages"), list):
                     return None
                 return self.tokenizer.encode(self.template.render(body["messages"]), False)
-            prompt = body.get("prompt")
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt, True)
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):    # no bools
                 return list(prompt)
         except (ValueError, TypeError, KeyError):
             return None
