@@ -36,6 +36,7 @@ STALL_S = 5.0            # no successful read for this long: the reader is stall
 EXPIRE_S = 10.0          # a replica silent (no hello or load) for this long: its load and announcement expire
 MAX_SKEW_S = 60.0        # entries dated further ahead of this host's clock are refused
 MAX_ANNOUNCED = 256      # announced (not given) replica names tracked at once
+MAX_REPLICA_KEYS = 1 << 22   # page keys held per replica (a replica's device and host tiers hold far fewer)
 READ_COUNT = 1024        # entries per read round trip
 RETRY_S = 0.5            # pause after a failed read (store down) or a reader failure
 EXPIRE_EVERY_S = 1.0
@@ -98,8 +99,14 @@ class KVEventIndex:
     # -- reading ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """What the stream holds so far (never raises for what an entry holds), then a reader thread."""
-        self.catch_up()
+        """What the stream holds so far (never raises: a failure here is the reader's to retry), then a
+        reader thread."""
+        try:
+            self.catch_up()
+        except Exception as exc:  # noqa: BLE001 - a router starts whatever the stream holds
+            self.restarts += 1
+            self._log_once("reader", "kv events: the first read failed (%s: %s); the reader tries again",
+                           type(exc).__name__, exc)
         self._thread = threading.Thread(target=self._supervise, name="kv-index", daemon=True)
         self._thread.start()
 
@@ -139,7 +146,8 @@ class KVEventIndex:
                 self._read_loop()
             except Exception as exc:  # noqa: BLE001 - a bug must not end the reader: logged, started again
                 self.restarts += 1
-                self._log_once("reader", "kv events: the reader failed (%s: %s); it starts again",
+                self._log_once("reader", "kv events: the reader failed (%s: %s); it starts again (counted in "
+                               "radixrelay_router_kv_events_reader_restarts_total)",
                                type(exc).__name__, exc)
                 self._stop.wait(RETRY_S)
 
@@ -184,7 +192,7 @@ class KVEventIndex:
     def _log_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
-            logger.warning(message + " (logged once; counted in radixrelay_router_kv_events_rejected_total)", *args)
+            logger.warning(message + " (logged once)", *args)
 
     def _apply_entry(self, fields: Mapping[bytes, bytes]) -> None:
         self.events += 1
@@ -192,10 +200,12 @@ class KVEventIndex:
             self._apply(fields)
         except Rejected as exc:
             self.rejected[exc.reason] += 1
-            self._log_once(exc.reason, "kv events: an entry skipped, %s", exc)
+            self._log_once(exc.reason, "kv events: an entry skipped, %s (counted in "
+                           "radixrelay_router_kv_events_rejected_total)", exc)
         except Exception as exc:  # noqa: BLE001 - whatever an entry holds, the reader goes on
             self.rejected["internal"] += 1
-            self._log_once("internal", "kv events: an entry skipped, it failed to apply (%s: %s)",
+            self._log_once("internal", "kv events: an entry skipped, it failed to apply (%s: %s; counted in "
+                           "radixrelay_router_kv_events_rejected_total)",
                            type(exc).__name__, exc)
 
     def _apply(self, fields: Mapping[bytes, bytes]) -> None:
@@ -220,6 +230,8 @@ class KVEventIndex:
             held.namespace, held.page_size = event.namespace, event.page_size
             held.heard_t = max(held.heard_t, event.t)
         elif event.kind == "stored":
+            if len(held.keys) + len(event.keys) > MAX_REPLICA_KEYS:
+                raise Rejected("keys", f"{name} holds {len(held.keys)} page keys; at most {MAX_REPLICA_KEYS} are kept")
             held.keys.update(event.keys)
         elif event.kind == "removed":
             held.keys.difference_update(event.keys)

@@ -61,8 +61,13 @@ class Pool:
     def add_discovered(self) -> None:
         if self.discover is None:
             return
+        try:
+            names = list(self.discover())
+        except Exception:  # noqa: BLE001 - health polling must go on: the pool as it is until the next poll
+            logger.exception("listing the announced replicas failed; the pool stays as it is")
+            return
         announced: set[str] = set()
-        for name in self.discover():
+        for name in names:
             if name in self._refused:
                 continue
             try:

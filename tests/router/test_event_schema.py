@@ -193,3 +193,16 @@ def test_an_announced_replica_that_expires_leaves_the_pool():
     announced.clear()
     pool.add_discovered()
     assert [r.url for r in pool.replicas] == [A] and left == ["http://b1.test:1"]
+
+
+def test_the_keys_held_per_replica_are_bounded(store, client, monkeypatch):
+    from radixrelay.router import kv_index
+
+    monkeypatch.setattr(kv_index, "MAX_REPLICA_KEYS", 5)
+    index = KVEventIndex(store.url, trust=GIVEN)
+    try:
+        append(client, hello(A), entry("stored", A, seq=2, keys=_keys(4)), entry("stored", A, seq=3, keys=_keys(6)))
+        read_all(index)
+        assert index.holds(A) == 4 and index.rejected["keys"] == 1
+    finally:
+        index.close()
