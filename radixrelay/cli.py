@@ -168,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
+    _connection_args(g)
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     g.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
                    help="publish the radix tree's page keys and the server's load to this Redis store, for "
@@ -208,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     _chat_template_arg(g)
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=30080, help="port to listen on (default: %(default)s)")
+    _connection_args(g)
     # the limits as a proxy (radixrelay.router.proxy.ProxyLimits: the same defaults, checked there)
     g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help="larger request bodies get HTTP 413, as on the server (default: %(default)s)")
@@ -237,6 +239,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=32, help="(default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     return parser
+
+
+def _connection_args(group: argparse._ArgumentGroup) -> None:
+    """The connection limits of ``serve`` and ``router`` (radixrelay.net.connections)."""
+    group.add_argument("--request-read-timeout", type=float, default=ServerConfig.request_read_timeout,
+                       metavar="SECONDS",
+                       help="a request's headers and body must arrive within this many seconds of its first byte, "
+                            "else HTTP 408 and the connection is closed; responses (streams) are not limited by "
+                            "it (default: %(default)s)")
+    group.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="most open client connections; more get HTTP 503 and are closed at once (default: "
+                            "from the descriptor limit, raised to the hard limit at start-up, less a reserve)")
 
 
 def _chat_template_arg(group: argparse._ArgumentGroup) -> None:
@@ -278,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 served_model_name=args.served_model_name,
                 chat_template=_template_text(args.chat_template), max_n=args.max_n,
                 max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
-                log_level=args.log_level)
+                log_level=args.log_level, request_read_timeout=args.request_read_timeout,
+                max_connections=args.max_connections)
     except ValueError as exc:
         print(f"radixrelay: error: {exc}", file=sys.stderr)
         return 2
@@ -304,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     from radixrelay.model.registry import resolve_model_path
+    from radixrelay.net.connections import ConnectionLimits
     from radixrelay.router.app import RouterConfig, run_router
     from radixrelay.router.prompt import PromptKeys
     from radixrelay.router.replicas import check_replica_url
@@ -314,6 +330,8 @@ def _router(args: argparse.Namespace) -> int:
         config = RouterConfig(tuple(check_replica_url(u) for u in args.replica), args.mode, store=args.store,
                               replica_pattern=args.replica_pattern, store_key_file=args.store_key_file,
                               store_password_file=args.store_password_file, limits=_proxy_limits(args))
+        # two descriptors per connection (its upstream one); raises the descriptor limit
+        connections = ConnectionLimits(args.request_read_timeout, args.max_connections, 2).resolved()
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
         template = _template_text(args.chat_template)
         chat = ChatTemplate.for_tokenizer(tokenizer, template) if template or tokenizer.chat_template else None
@@ -330,7 +348,8 @@ def _router(args: argparse.Namespace) -> int:
         print(f"radixrelay router: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level, events)
+    return run_router(config, PromptKeys(tokenizer, chat), args.host, args.port, args.log_level, events,
+                      connections=connections)
 
 
 def _proxy_limits(args: argparse.Namespace):

@@ -193,6 +193,10 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout: float = 30.0       # SIGTERM: seconds in-flight requests get to finish
     log_level: str = "info"
+    # Connection limits (radixrelay.net.connections): seconds a request's headers and body get to arrive
+    # (not its response), and the most open connections (None: derived from the descriptor limit).
+    request_read_timeout: float = 30.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -210,3 +214,7 @@ class ServerConfig:
             raise bad("drain_timeout", f"must be >= 0, got {self.drain_timeout}")
         if self.log_level not in LOG_LEVELS:
             raise bad("log_level", f"must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 < self.request_read_timeout <= 3600:
+            raise bad("request_read_timeout", f"must be in (0, 3600] seconds, got {self.request_read_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise bad("max_connections", f"must be >= 1 when set, got {self.max_connections}")

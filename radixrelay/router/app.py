@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
 from radixrelay.kv_events import KVEventIndex
@@ -527,11 +528,24 @@ def _fastapi_app(router: Router) -> FastAPI:
 
 
 def run_router(config: RouterConfig, prompt_keys: PromptKeys, host: str, port: int, log_level: str,
-               events: KVEventIndex | None = None) -> int:
+               events: KVEventIndex | None = None, connections: ConnectionLimits | None = None) -> int:
+    """Serve until stopped; the exit code. ``connections``: the client connections' limits (a read deadline
+    and a cap, ``radixrelay.net.connections``; the defaults when None), resolved here if not yet."""
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
+    from radixrelay.net.log_limits import limit_logs
+
+    limits = connections or ConnectionLimits(fds_per_connection=2)
+    if limits.max_connections is None:
+        limits = limits.resolved()
     app = build_app(Router(config, prompt_keys, events))
     logger.info("routing to %s (%s)", ", ".join(config.replicas), config.mode)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           **uvicorn_options(limits)))
+    limit_logs()                   # after uvicorn.Config, which configures uvicorn's loggers
+    logger.info("connections: at most %d open, %g s to read each request", limits.max_connections,
+                limits.read_timeout_s)
+    server.run()
+    return 0 if server.started else STARTUP_FAILURE
 

@@ -21,6 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -155,10 +156,13 @@ async def read_body(request: Request, cap: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > cap:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > cap:
-            raise too_big
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise too_big
+    except ClientDisconnect:      # the client left mid-body (or its read deadline closed it): not a 500
+        raise ClientGone from None
     return bytes(body)
 
 
@@ -333,6 +337,8 @@ def build_app(state: ServerState) -> FastAPI:
             return json_response(info)
         except oa.APIError as error:
             return error_response(error)
+        except ClientGone:
+            return Response(status_code=499)
 
     @app.get("/v1/schemas", include_in_schema=False)
     async def list_schemas() -> Response:

@@ -4,6 +4,10 @@ uvicorn's default SIGTERM handling closes the listening socket at once and re-ra
 after shutdown; radixrelay instead drains (``ServerState.begin_drain``): new requests get 503 while
 in-flight ones finish, then the runtime stops and the server exits 0. A second SIGINT/SIGTERM
 cuts the drain short: in-flight requests end with an error at once.
+
+Connections are limited at the connection level (``radixrelay.net.connections``): a deadline for reading
+each request (``--request-read-timeout``) and a cap on open ones (``--max-connections``); uvicorn's and
+asyncio's per-connection log records are rate-limited (``radixrelay.net.log_limits``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Callable, Generator
 import uvicorn
 
 from radixrelay.config import EngineConfig, ServerConfig
+from radixrelay.net.connections import ConnectionLimits, uvicorn_options
+from radixrelay.net.log_limits import limit_logs
 from radixrelay.server.app import ServerState, build_app
 
 logger = logging.getLogger("radixrelay.server")
@@ -55,6 +61,8 @@ class _DrainingServer(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until drained or the runtime dies; returns the process exit code."""
     try:
+        # the descriptor limit raised and the connection cap under it, before anything opens files
+        limits = ConnectionLimits(config.request_read_timeout, config.max_connections).resolved()
         state = ServerState(engine_config, config)
     except ValueError as exc:      # e.g. an unsafe --chat-template: refused before anything starts
         logger.error("%s", exc)
@@ -62,8 +70,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     app = build_app(state)
     server = _DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                       timeout_graceful_shutdown=int(config.drain_timeout) + 5),
+                       timeout_graceful_shutdown=int(config.drain_timeout) + 5, **uvicorn_options(limits)),
         on_first_signal=state.begin_drain, on_second_signal=state.hurry_drain)
+    limit_logs()                   # after uvicorn.Config, which configures uvicorn's loggers
+    logger.info("connections: at most %d open, %g s to read each request", limits.max_connections,
+                limits.read_timeout_s)
     state.request_exit = lambda: setattr(server, "should_exit", True)
     asyncio.run(server.serve())
     if not server.started:
