@@ -546,6 +546,9 @@ def run_router(config: RouterConfig, prompt_keys: PromptKeys, host: str, port: i
     limit_logs()                   # after uvicorn.Config, which configures uvicorn's loggers
     logger.info("connections: at most %d open, %g s to read each request", limits.max_connections,
                 limits.read_timeout_s)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:      # uvicorn re-raises the SIGINT it handled once it has shut down
+        pass
     return 0 if server.started else STARTUP_FAILURE
 
