@@ -1,6 +1,7 @@
 """Test helper: a tiny ASGI app served by uvicorn behind ``radixrelay.net``'s connection limits, as a real
-process (``python -m tests.net.stand_in_app --port P [--http h11|httptools] [...]``). It doubles as a
-stand-in replica for the router (``/health``; the completion endpoints answer or stream slowly).
+process (``python -m tests.net.stand_in_app --port P [--http h11|httptools] [...]``, or ``StandInProcess``).
+It doubles as a stand-in replica for the router (``/health``; the completion endpoints answer or stream
+slowly).
 
 - ``GET /health``: 200 ``{"status": "ok"}``.
 - ``POST /echo``: reads the whole body, answers ``{"bytes": N}``.
@@ -15,11 +16,18 @@ import asyncio
 import json
 import logging
 import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import uvicorn
 
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.net.log_limits import limit_logs
+from tests.runtime.server_process import free_port
 
 
 async def _body(receive) -> bytes:
@@ -75,6 +83,37 @@ async def app(scope, receive, send) -> None:
                     "more_body": True})
         await asyncio.sleep(float(request.get("stand_in_delay", 0.2)))
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class StandInProcess:
+    """This app as a process on a free port (``args``: its flags), its output in ``log``."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / f"stand-in-{self.port}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.net.stand_in_app", "--port", str(self.port),
+                                          *args], stdout=out, stderr=subprocess.STDOUT)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"stand-in not ready:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def main() -> None:

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,48 +15,17 @@ from radixrelay.net.log_limits import RateLimitFilter
 from tests.net.sockets import (
     PARTIAL_BODY, PARTIAL_HEAD, close_all, open_conns, post_head, raise_fd_limit, send_slowly, wait_closed,
 )
-from tests.runtime.server_process import free_port
+from tests.net.stand_in_app import StandInProcess
 
 DEADLINE_S = 0.5
 CAP = 20
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
 
 
-class StandIn:
-    """``python -m tests.net.stand_in_app`` on a free port, its output in ``log``."""
-
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / f"stand-in-{self.port}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.net.stand_in_app", "--port", str(self.port),
-                                          *args], stdout=out, stderr=subprocess.STDOUT)
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"stand-in not ready:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module", params=["httptools", "h11"])
 def app(request, tmp_path_factory):
-    srv = StandIn(tmp_path_factory.mktemp(request.param), "--http", request.param,
-                  "--request-read-timeout", str(DEADLINE_S), "--max-connections", str(CAP))
+    srv = StandInProcess(tmp_path_factory.mktemp(request.param), "--http", request.param,
+                         "--request-read-timeout", str(DEADLINE_S), "--max-connections", str(CAP))
     srv.impl = request.param
     yield srv
     srv.stop()
@@ -150,7 +115,7 @@ def test_running_out_of_descriptors_logs_a_line_not_a_traceback_per_accept(tmp_p
     """Past the descriptor limit (here 600, with a cap of 300 that leaves no room for an accept burst),
     asyncio's accept loop fails once per queued connection, each a traceback logged: bounded to a line."""
     raise_fd_limit(3000)
-    srv = StandIn(tmp_path, "--fd-limit", "600", "--max-connections", "300", "--request-read-timeout", "30")
+    srv = StandInProcess(tmp_path, "--fd-limit", "600", "--max-connections", "300", "--request-read-timeout", "30")
     try:
         conns = open_conns(srv.port, 1500)
         time.sleep(1.5)
