@@ -42,7 +42,7 @@ class OpenAICompatible:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
                                   limits=limits)
         if isinstance(chat_template, str):
-            chat_template = RoleMarkers.from_template(ChatTemplate(chat_template, model_name=model))
+            chat_template = RoleMarkers.from_template(ChatTemplate(chat_template, model_name=model, given=True))
         self.markers = chat_template or RoleMarkers.plain()
 
     def generate(self, prompt: str, gen: Gen, on_text: Callable[[str], None]) -> Generation:

@@ -75,7 +75,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-def _compile(template: str) -> jinja2.Template:
+def _compile(template: str, origin: str) -> jinja2.Template:
     env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -85,7 +85,7 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        raise ChatTemplateError(f"{origin} does not compile: {exc}") from exc
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -127,13 +127,17 @@ def _join_text_parts(parts: list[Any], index: int) -> str:
 
 
 class ChatTemplate:
-    """One model's template, compiled once; ``render`` is safe to call from any request."""
+    """One model's template, compiled once; ``render`` is safe to call from any request. ``given``: the
+    template is the user's (``--chat-template``), not the model's own, and errors say so."""
 
     def __init__(
-        self, template: str, *, model_name: str, bos_token: str | None = None, eos_token: str | None = None
+        self, template: str, *, model_name: str, bos_token: str | None = None, eos_token: str | None = None,
+        given: bool = False,
     ) -> None:
         self.model_name = model_name
-        self._compiled = _compile(template)
+        self.origin = "the given chat template (--chat-template)" if given else \
+            f"the chat template of model {model_name!r}"
+        self._compiled = _compile(template, self.origin)
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
         self._refuse_unsafe()
@@ -146,8 +150,7 @@ class ChatTemplate:
             self.render(_PROBE)
         except ChatTemplateError as exc:
             if isinstance(exc.__cause__, SecurityError):
-                raise ChatTemplateError(f"chat template of {self.model_name!r} is unsafe: "
-                                        f"{exc.__cause__}") from exc.__cause__
+                raise ChatTemplateError(f"{self.origin} is unsafe: {exc.__cause__}") from exc.__cause__
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, override: str | None = None) -> ChatTemplate:
@@ -158,7 +161,8 @@ class ChatTemplate:
                 f"model {tokenizer.name!r} has no chat template; use the completions endpoint "
                 "or pass a chat template"
             )
-        return cls(template, model_name=tokenizer.name, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        return cls(template, model_name=tokenizer.name, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                   given=override is not None)
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -179,5 +183,4 @@ class ChatTemplate:
             raise                # validate_messages (a 400 naming the message) / out of memory
         except Exception as exc:  # noqa: BLE001 - any render failure is the template's: TypeError,
             # ZeroDivisionError, OverflowError (a capped range), RecursionError, SecurityError, ...
-            raise ChatTemplateError(f"chat template of {self.model_name!r} failed: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(f"{self.origin} failed: {type(exc).__name__}: {exc}") from exc

@@ -88,6 +88,21 @@ def test_sandbox_blocks_attribute_escape() -> None:
         escape.render(CONVERSATIONS[0] * 3)
 
 
+def test_errors_name_the_template_the_user_gave_not_the_model(tok: Tokenizer) -> None:
+    """A template passed with --chat-template is the user's: its errors say so rather than blame the model."""
+    unsafe = "{{ messages.__class__.__mro__ }}"
+    with pytest.raises(ChatTemplateError, match=r"^the given chat template \(--chat-template\) is unsafe") as info:
+        ChatTemplate.for_tokenizer(tok, override=unsafe)
+    assert tok.name not in str(info.value)
+    with pytest.raises(ChatTemplateError, match=r"^the given chat template \(--chat-template\) does not compile"):
+        ChatTemplate.for_tokenizer(tok, override="{% if %}")
+    failing = ChatTemplate.for_tokenizer(tok, override="{% if messages|length > 2 %}{{ 1 // 0 }}{% endif %}x")
+    with pytest.raises(ChatTemplateError, match=r"^the given chat template \(--chat-template\) failed: Zero"):
+        failing.render(CONVERSATIONS[0] * 3)
+    with pytest.raises(ChatTemplateError, match=r"^the chat template of model 'm' is unsafe"):
+        ChatTemplate(unsafe, model_name="m")
+
+
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
