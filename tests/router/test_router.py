@@ -33,9 +33,17 @@ def store(redis_store):
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, store):
+def key_file(tmp_path_factory) -> str:
+    """The key the replicas sign their KV events with and the precise routers check them by."""
+    path = tmp_path_factory.mktemp("key") / "kv-events.key"
+    path.write_text("a test key of thirty-two bytes..\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, store, key_file):
     servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), "--kv-cache-tokens", "8192",
-                             "--kv-events", store.url) for i in range(2)]
+                             "--kv-events", store.url, "--kv-events-key-file", key_file) for i in range(2)]
     try:
         yield [s.wait_ready() for s in servers]
     finally:
@@ -51,9 +59,9 @@ def router(replicas, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def precise(replicas, store, tmp_path_factory):
+def precise(replicas, store, key_file, tmp_path_factory):
     r = RouterProcess(tmp_path_factory.mktemp("precise"), *(s.base_url for s in replicas), mode="precise",
-                      store=store.url)
+                      store=store.url, extra=("--store-key-file", key_file))
     yield r
     r.stop()
 
@@ -90,7 +98,7 @@ PRECISE_TENANTS = [t.replace("rule", "law") for t in TENANTS]     # prompts neit
 
 
 def test_precise_routing_follows_the_replicas_kv_events_and_a_new_router_finds_them_in_the_store(precise, replicas, store,
-                                                                                     tmp_path):
+                                                                                     key_file, tmp_path):
     client = precise.client()
     for tenant in range(len(TENANTS)):                           # nothing held anywhere: by load
         _ask(client, tenant, "Who are you?", tenants=PRECISE_TENANTS)
@@ -100,14 +108,14 @@ def test_precise_routing_follows_the_replicas_kv_events_and_a_new_router_finds_t
     assert 'radixrelay_router_requests_total{mode="precise"' in text
     assert all(f'radixrelay_router_replica_reported_load{{replica="{r.base_url}"}}' in text for r in replicas)
     assert "radixrelay_router_kv_event_lag_seconds" in text
+    assert 'radixrelay_router_kv_events_rejected_total{reason="signature"} 0.0' in text     # all signed
     assert all(f'radixrelay_router_index_pages{{replica="{r.base_url}"}} 0.0' not in text for r in replicas)
     predicted = float(next(line for line in text.splitlines()
                            if line.startswith("radixrelay_router_predicted_cached_tokens_total")).rsplit(" ", 1)[1])
     assert predicted >= 0.8 * 200 * 2 * len(TENANTS)          # the later questions' held prefixes, foreseen
-    # a second router started now, given no replica but a pattern their names match: they announce themselves
-    # in the stream, which it reads from its start, so it routes as the first does
-    again = RouterProcess(tmp_path, mode="precise", store=store.url,
-                          extra=("--replica-pattern", r"http://127\.0\.0\.1:[0-9]+"))
+    # a second router started now, given no replica but the replicas' key: they announce themselves in the
+    # stream, signed, which it reads from its start, so it routes as the first does
+    again = RouterProcess(tmp_path, mode="precise", store=store.url, extra=("--store-key-file", key_file))
     try:
         _mostly_cached([_ask(again.client(), tenant, "After a restart?", tenants=PRECISE_TENANTS)
                         for tenant in range(len(TENANTS))])
