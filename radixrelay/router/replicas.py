@@ -1,10 +1,11 @@
 """The replicas behind the router and their health.
 
 Replicas come from ``--replica`` URLs and, in precise mode, from the names replicas announce in their KV
-events (``radixrelay.router.kv_index``: only names the router's trust admits, while their announcements are
-fresh; an announced replica whose announcements expire leaves the pool). Each replica's ``/health`` is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within
-``HEALTH_TIMEOUT_S``) or a connection error while proxying takes it out of the pool at once (within
-about a second of it stopping), and its index entries are dropped; it rejoins on its next healthy poll.
+events (``radixrelay.router.kv_index``: only names the router's trust admits, while their announcements
+are fresh; an announced replica whose announcements expire leaves the pool). Each replica's ``/health``
+is polled every ``HEALTH_EVERY_S``; one failed or slow poll (no answer within ``HEALTH_TIMEOUT_S``) or a
+connection error while proxying takes it out of the pool at once (within about a second of it stopping),
+and its index entries are dropped; it rejoins on its next healthy poll.
 """
 
 from __future__ import annotations
