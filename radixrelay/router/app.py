@@ -4,7 +4,7 @@ it arrives). A client that disconnects (from a stream, or while waiting for a wh
 upstream connection, which aborts the request on the replica. A replica that fails to answer gets the client an OpenAI error (502) and leaves
 the pool; one that dies mid-stream ends the stream with an error event and ``data: [DONE]``. The limits as a
 proxy (body and answer sizes, upstream timeouts, no redirects, the in-flight cap) and the router's own error
-answers are ``radixrelay.router.proxy``'s.
+answers are ``radixrelay.router.proxy``'s; the exchanges with the replicas ``radixrelay.router.upstream``'s.
 
 ``GET /health`` is 200 while a replica is in the pool; ``GET /metrics`` has the router's counters;
 ``GET /v1/models`` is a healthy replica's.
@@ -22,7 +22,6 @@ import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -31,28 +30,17 @@ from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
 from radixrelay.kv_events import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
+from radixrelay.router import upstream
 from radixrelay.router.proxy import (
-    OFFLOAD_BYTES, ProxyError, ProxyLimits, ProxyState, RelayedStream, error_response, invalid,
-    parse_object, read_body, read_capped, upstream_error,
+    OFFLOAD_BYTES, ProxyError, ProxyLimits, ProxyState, install_error_handlers, invalid, parse_object, read_body,
+    upstream_error,
 )
 from radixrelay.router.replicas import Pool, Replica
+from radixrelay.router.upstream import (
+    UPSTREAM_ERRORS, ClientGone, RelayedStream, forwarded_headers, open_session, until_client_leaves,
+)
 
 logger = logging.getLogger("radixrelay.router")
-
-# Request headers passed on to the replica (the rest are the router's own connection's).
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-# A replica's failures while the router proxies to it.
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-# Seconds an idle connection to a replica is kept for reuse: below the replicas' own keep-alive (uvicorn's
-# default, 5 s), so that the router rarely sends a request on a connection the replica is closing.
-KEEPALIVE_S = 4.0
-# How often a request waiting for its replica's answer checks that its client is still there.
-DISCONNECT_POLL_S = 0.1
-
-
-class _ClientGone(Exception):
-    """The client disconnected while its request waited for the replica."""
-
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -182,8 +170,8 @@ class Router:
 
     async def route(self, request: Request, endpoint: str, path: str) -> Response:
         """The replica's answer to ``request``, or the router's own error answer (``proxy``): never an
-        exception. One this code did not foresee is a 500 in OpenAI's error JSON, logged (once a minute per
-        kind at most). Past ``max_in_flight`` requests in the router: a 429, no replica asked."""
+        exception. One this code did not foresee is a 500 in OpenAI's error JSON, logged (rate-limited).
+        Past ``max_in_flight`` requests in the router: a 429, no replica asked."""
         proxy = self.proxy
         if proxy.active >= self.config.limits.max_in_flight:
             return proxy.answer(ProxyError(429, f"the router has {proxy.active} requests in flight (--max-in-flight)"
@@ -203,7 +191,8 @@ class Router:
                 proxy.active -= 1
 
     async def _route(self, request: Request, endpoint: str, path: str) -> Response:
-        raw = await read_body(request, self.config.limits.max_body_bytes)
+        limits = self.config.limits
+        raw = await read_body(request, limits.max_body_bytes)
         # parsing and tokenizing a large body takes milliseconds: in a thread, so that other requests and
         # /health are answered meanwhile
         body, prompt = await asyncio.to_thread(self._parse, endpoint, raw) if len(raw) > OFFLOAD_BYTES else \
@@ -216,14 +205,15 @@ class Router:
         self.decisions.labels(self.config.mode, replica.url).inc()
         self.predicted.inc(expected)
         replica.requests += 1
-        stream = body.get("stream") is True
         replica.in_flight += 1
         relayed = False
         try:
             try:
-                resp, content = await self._unless_client_leaves(
-                    request, self._exchange(replica, f"{replica.url}{path}", raw, _forwarded(request), stream))
-            except _ClientGone:
+                resp, content = await until_client_leaves(request, upstream.post(
+                    self.session, replica.url, f"{replica.url}{path}", raw, forwarded_headers(request),
+                    stream=body.get("stream") is True, cap=limits.max_response_bytes,
+                    on_retry=self.retried.labels(replica.url).inc))
+            except ClientGone:
                 self.client_gone.inc()
                 return Response(status_code=499)
             except ProxyError:                   # the replica's answer refused: a redirect, too large
@@ -233,13 +223,12 @@ class Router:
                 raise self._upstream_failure(replica, exc) from None
             if resp.status == 200 and keys:
                 self.index.record(replica.url, keys)
-            media = resp.headers.get("content-type")
             if content is None:                  # a stream: relayed as it arrives
                 relayed = True
-                return self._relayed(replica, resp, media)
+                return self._relay(replica, resp)
             if resp.status == 200:
                 self.reported.inc(_cached_tokens(content))
-            return Response(content, status_code=resp.status, media_type=media)
+            return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type"))
         finally:
             if not relayed:
                 replica.in_flight -= 1
@@ -254,6 +243,17 @@ class Router:
             raise invalid(str(exc), "prompt") from None
         except RecursionError:                   # chat messages nested about as deeply as the parser takes
             raise invalid("the body is nested too deeply") from None
+
+    def _relay(self, replica: Replica, resp: aiohttp.ClientResponse) -> RelayedStream:
+        """The replica's stream to the client (``upstream.relay``); once it is over, the replica's and the
+        router's in-flight counts drop, and a client that left before its end is counted."""
+        def release(ended: bool) -> None:
+            replica.in_flight -= 1
+            self.proxy.active -= 1
+            if not ended:
+                self.client_gone.inc()
+
+        return upstream.relay(resp, lambda exc: self._upstream_failure(replica, exc, mid_stream=True), release)
 
     def _upstream_failure(self, replica: Replica, exc: BaseException, mid_stream: bool = False) -> ProxyError:
         """``exc``, raised while proxying to ``replica``, as the client's error; counted. The replica leaves the
@@ -272,101 +272,13 @@ class Router:
         what = "failed mid-stream" if mid_stream else "did not answer"
         return upstream_error(502, f"replica {replica.url} {what} ({name}); retry the request", "upstream_error")
 
-    async def _exchange(self, replica: Replica, url: str, raw: bytes, headers: dict[str, str], stream: bool
-                        ) -> tuple[aiohttp.ClientResponse, bytes | None]:
-        """POST ``raw`` to ``url``: (the response, its whole body), or (the response, None) for a stream
-        answered 200 (its body not read yet). A redirect, or a whole answer over ``max_response_bytes``, is a
-        ``ProxyError`` (502). Cancelled (the client left) or failed, the connection is closed.
-        A connection the replica closed before answering (a kept-alive one it timed out as the request went
-        out: no response byte came, so the replica did not take the request) is retried once on a new one."""
-        try:
-            resp = await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
-        except aiohttp.ServerDisconnectedError:
-            self.retried.labels(replica.url).inc()
-            resp = await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
-        try:
-            _refuse_redirect(replica, resp)
-            if stream and resp.status == 200:
-                return resp, None
-            content = await read_capped(resp, self.config.limits.max_response_bytes, replica.url)
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
-        return resp, content
-
-    @staticmethod
-    async def _unless_client_leaves(request: Request, awaitable):
-        """``awaitable``'s result, unless the client disconnects first: then it is cancelled (closing the
-        upstream connection) and ``_ClientGone`` raised."""
-        task = asyncio.ensure_future(awaitable)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise _ClientGone
-
-    def _relayed(self, replica: Replica, resp: aiohttp.ClientResponse, media: str | None) -> RelayedStream:
-        """The replica's stream as the client's answer, chunk by chunk as it arrives. A replica that fails or
-        stays silent for ``upstream_read_timeout`` mid-stream: an error event, then ``data: [DONE]``. Once the
-        answer is over (relayed to its end, or its client left: counted in ``client_gone``) the upstream
-        connection is closed, which aborts the request on the replica if it was not done."""
-        ended = False
-
-        async def chunks():
-            nonlocal ended
-            tail = b"\n\n"                       # the last bytes relayed: the error event starts an event
-            try:
-                async for chunk in resp.content.iter_any():
-                    tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
-                    yield chunk
-            except UPSTREAM_ERRORS as exc:
-                failure = self._upstream_failure(replica, exc, mid_stream=True)
-                yield (b"" if tail == b"\n\n" else b"\n\n") + failure.sse()
-            ended = True
-
-        def release() -> None:
-            replica.in_flight -= 1
-            self.proxy.active -= 1
-            resp.close()                         # read to the end or not: this connection is not reused
-            if not ended:
-                self.client_gone.inc()
-
-        return RelayedStream(chunks(), release, media)
-
     async def models(self, request: Request) -> Response:
-        """A healthy replica's ``/v1/models``, asked with the client's headers (its ``Authorization``: a
-        replica started with ``--api-key`` wants it there too); one that fails to answer is skipped."""
-        for replica in self.pool.healthy():
-            try:
-                resp = await self.session.get(f"{replica.url}/v1/models", headers=_forwarded(request),
-                                              allow_redirects=False)
-                try:
-                    _refuse_redirect(replica, resp)
-                    content = await read_capped(resp, self.config.limits.max_response_bytes, replica.url)
-                finally:
-                    resp.close()
-            except UPSTREAM_ERRORS:
-                continue
-            return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type"))
-        raise ProxyError(503, "no replica is available", "service_unavailable")
-
-
-def _forwarded(request: Request) -> dict[str, str]:
-    """The client's headers a replica reads (``FORWARDED_HEADERS``); the rest are this connection's."""
-    return {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
-
-
-def _refuse_redirect(replica: Replica, resp: aiohttp.ClientResponse) -> None:
-    """A redirect is never followed: it would send the client's body and ``Authorization`` elsewhere."""
-    if 300 <= resp.status < 400:
-        where = resp.headers.get("location", "")[:200]
-        raise upstream_error(502, f"replica {replica.url} answered {resp.status} (a redirect to {where!r}), which "
-                             "the router does not follow", "upstream_redirect")
+        """A healthy replica's ``/v1/models``, asked with the client's headers (``upstream.get_models``)."""
+        answer = await upstream.get_models(self.session, [r.url for r in self.pool.healthy()],
+                                           forwarded_headers(request), self.config.limits.max_response_bytes)
+        if answer is None:
+            raise ProxyError(503, "no replica is available", "service_unavailable")
+        return answer
 
 
 def _cached_tokens(content: bytes) -> int:
@@ -452,15 +364,8 @@ def _fastapi_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        # the proxied requests: aiohttp's client (a C parser; httpx's pure-Python path was most of the
-        # router's cost); bodies passed through as the replica sent them (no decompression). No total
-        # timeout (a stream lasts as long as it generates): connecting, then each silence, are bounded.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        bounds = router.config.limits
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=bounds.upstream_connect_timeout,
-                                        sock_read=bounds.upstream_read_timeout)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=timeout,
-                                        skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        # the proxied requests: aiohttp's client (httpx's pure-Python path was most of the router's cost)
+        session = open_session(router.config.limits)
         # httpx logs every request at INFO: one line per health poll, twice a second per replica. The
         # pool logs what matters (a replica joining or leaving).
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
@@ -482,21 +387,7 @@ def _fastapi_app(router: Router) -> FastAPI:
                     router.events.close()
 
     app = FastAPI(title="radixrelay router", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    # The router's own errors, routing errors (404 unknown path, 405 wrong method) and anything unexpected
-    # answer with OpenAI's error JSON, as the server's do: never FastAPI's {"detail": ...} or a plain-text 500.
-    @app.exception_handler(ProxyError)
-    async def proxy_error(_: Request, exc: ProxyError) -> Response:
-        return router.proxy.answer(exc)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception) -> Response:
-        return router.proxy.unexpected(exc, request.url.path)
+    install_error_handlers(app, router.proxy)          # OpenAI's error JSON for every failure, 404 and 405 too
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

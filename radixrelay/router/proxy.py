@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from radixrelay.config import ServerConfig
 from radixrelay.net.log_limits import RateLimitFilter
@@ -144,32 +144,6 @@ async def read_capped(resp: aiohttp.ClientResponse, cap: int, replica: str) -> b
     return bytes(body)
 
 
-class RelayedStream(StreamingResponse):
-    """A replica's stream on its way to the client. ``release`` runs exactly once, when the response is over
-    (sent whole, failed, or its client left), also when the body was never started (a client that left
-    before the first byte): an async generator that never started runs no ``finally`` of its own."""
-
-    def __init__(self, chunks: AsyncGenerator[bytes, None], release: Callable[[], None],
-                 media_type: str | None) -> None:
-        super().__init__(chunks, status_code=200, media_type=media_type)
-        self._chunks = chunks
-        self._release: Callable[[], None] | None = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._chunks.aclose()        # a suspended generator (client gone): its cleanup runs now
-            finally:
-                self.release()
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
 class ProxyState:
     """The router's own bookkeeping as a proxy: requests in it (for the ``max_in_flight`` cap) and the error
     answers it gave itself, by HTTP status."""
@@ -189,3 +163,24 @@ class ProxyState:
         """A failure this code did not foresee, as a 500 in OpenAI's error JSON; logged (rate-limited)."""
         logger.error("unexpected error answering %s", path, exc_info=exc)
         return self.answer(ProxyError(500, f"the router failed: {type(exc).__name__}", "server_error"))
+
+
+def install_error_handlers(app: Starlette, state: ProxyState) -> None:
+    """The router's own errors, routing errors (404 unknown path, 405 wrong method) and anything unexpected
+    answer with OpenAI's error JSON, as the server's do: never FastAPI's ``{"detail": ...}`` or a plain-text
+    500."""
+    async def proxy_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProxyError)
+        return state.answer(exc)
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        return state.unexpected(exc, request.url.path)
+
+    app.add_exception_handler(ProxyError, proxy_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)
