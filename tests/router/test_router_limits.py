@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -246,3 +248,6 @@ def test_the_limits_are_the_server_s_and_bad_values_are_refused_at_start():
                          ("upstream_connect_timeout", float("inf")), ("max_in_flight", 0)):
         with pytest.raises(ValueError, match=field.replace("_", "-")):
             ProxyLimits(**{field: value})
+    done = subprocess.run([sys.executable, "-m", "radixrelay.cli", "router", "--replica", "http://127.0.0.1:1",
+                           "--max-in-flight", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "radixrelay router: error: --max-in-flight must be >= 1" in done.stderr
