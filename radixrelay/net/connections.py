@@ -15,7 +15,8 @@ uvicorn's protocols (httptools' and h11's; ``uvicorn.Config(http=cls)``), built 
   an expired deadline starts again instead (the client may be pipelining).
 - Connection cap (``--max-connections``; default from the descriptor limit, ``default_max_connections``): a
   connection past it gets a 503 (OpenAI error JSON) and is closed at once, before anything is read.
-- Header size (httptools only; h11 refuses past 16 KiB itself): a request head over 64 KiB gets a 431.
+- Header size (httptools only; h11 refuses past 16 KiB itself): a request head still incomplete 64 KiB
+  past the read it began in gets a 431.
 
 Each of these events is logged on ``radixrelay.net``, which ``log_limits`` bounds to one line per cause
 per interval.
@@ -241,8 +242,12 @@ class _HttpToolsLimits(_Limits):
     """httptools' parser calls back on each request's first byte and on its end: the deadline's bounds."""
 
     pipeline: Any
-    _head_bytes = 0                 # bytes received since the current request's head began
-    _in_head = True                 # a request's head is being read (or awaited on a new connection)
+    # The head's size: httptools keeps a head of any size (uvicorn collects its headers). A read in which a
+    # head begins may hold other bytes before it (a body's end): only later reads that the head continues
+    # through are counted whole, so a head is refused once it has outgrown one read by MAX_HEAD_BYTES.
+    _in_head = False                # a request's head has begun and is not complete
+    _head_began = False             # ... in the read being parsed
+    _head_bytes = 0                 # its bytes in the reads after that one
 
     def _answering(self) -> bool:
         # a pipelined request whose head is complete waits in ``pipeline`` behind an earlier one's response
@@ -251,9 +256,9 @@ class _HttpToolsLimits(_Limits):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        self._head_began = False
         super().data_received(data)
-        if self._in_head and not self.transport.is_closing():
-            # llhttp keeps a head of any size (uvicorn collects its headers): bounded here, one read late
+        if self._in_head and not self._head_began and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._close_with(self._gate.head_too_large)
@@ -262,15 +267,15 @@ class _HttpToolsLimits(_Limits):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()  # type: ignore[misc]
+        self._in_head, self._head_began, self._head_bytes = True, True, 0
         self._arm()
 
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes = False, 0
+        self._in_head = False
         super().on_headers_complete()  # type: ignore[misc]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()  # type: ignore[misc]
-        self._in_head = True
         self._disarm()
 
 

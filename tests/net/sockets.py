@@ -10,7 +10,7 @@ import resource
 import selectors
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Half a request head (the header block never ends), and a whole head with half its body.
 PARTIAL_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: applic"

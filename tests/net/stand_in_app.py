@@ -85,6 +85,9 @@ async def app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+REPO = Path(__file__).resolve().parents[2]         # ``-m tests.net.stand_in_app`` is found from there
+
+
 class StandInProcess:
     """This app as a process on a free port (``args``: its flags), its output in ``log``."""
 
@@ -94,7 +97,7 @@ class StandInProcess:
         self.log = tmp_path / f"stand-in-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.net.stand_in_app", "--port", str(self.port),
-                                          *args], stdout=out, stderr=subprocess.STDOUT)
+                                          *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         end = time.monotonic() + 30
         while time.monotonic() < end:
             assert self.proc.poll() is None, self.log.read_text()
