@@ -120,13 +120,16 @@ def test_large_bodies_are_not_taken_for_heads(app):
 
 
 def test_the_log_has_a_line_per_cause_not_per_connection(app):
-    conns = open_conns(app.port, CAP - 2, (PARTIAL_HEAD,))
+    conns = open_conns(app.port, CAP - 2, (PARTIAL_HEAD, b"NOT HTTP AT ALL\r\n\r\n"))
     assert wait_closed(conns, DEADLINE_S + 5) == []
+    assert {c.status() for c in conns} == {408, 400}      # uvicorn's own 400 for what is not HTTP
     time.sleep(0.2)
-    log = app.log.read_text()
-    assert "Traceback" not in log
-    assert sum("408" in line for line in log.splitlines()) <= 2, log       # one; a summary if 10 s went by
-    assert sum("503" in line for line in log.splitlines()) <= 2, log
+    lines = app.log.read_text().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    # one line per cause (and a summary if 10 s went by): uvicorn's, and the deadline's and the cap's
+    assert sum("Invalid HTTP request" in line for line in lines) <= 2, lines
+    assert sum("408" in line for line in lines) <= 2, lines
+    assert sum("503" in line for line in lines) <= 2, lines
 
 
 def test_running_out_of_descriptors_logs_a_line_not_a_traceback_per_accept(tmp_path):
