@@ -6,9 +6,10 @@ usually extends one seen before (the next turn of a chat, a document asked anoth
 long text is encoded in two steps:
 
 - the longest prefix it shares with a recently encoded long text (``prefix_cache``: texts kept with
-  their ids and the token offset at each of their chunk ends) up to a cut point takes that text's ids
-  as one slice of a packed array; finding it costs a few Python operations and C-level comparisons
-  of the text, whatever its length;
+  their ids and the token offset at each of their chunk ends, and about every ``FINE_CHARS``
+  characters over their last chunk, where the next question or turn usually departs) up to a cut
+  point takes that text's ids as one slice of a packed array; finding it costs a few Python
+  operations and C-level comparisons of the text, whatever its length;
 - the rest, from that cut, is cut into chunks of about ``chunk_chars`` characters whose ids are
   cached by their text (``chunk_cache``); chunks that miss are encoded together with
   ``encode_batch`` (in parallel on several cores), each by one thread however many ask at once.
@@ -55,6 +56,7 @@ from array import array
 from collections.abc import Iterator
 from itertools import islice
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -66,6 +68,7 @@ MAX_CACHED_TOKENS = 1 << 19       # LRU bound on the ids held
 MAX_CACHED_BYTES = 16 << 20       # LRU bound on the cache's memory: chunk texts plus ids (4 bytes each)
 BATCH_CHUNKS = 32                 # chunks per encode_batch call (and per part) of a long text
 MAX_PREFIX_BYTES = 64 << 20       # LRU bound on the remembered texts: texts, ids and cut points
+FINE_CHARS = 64                   # cut points this far apart over a remembered text's last chunk
 PREFIX_NEW_CHUNKS = 8             # a text sharing a remembered prefix is remembered too when it has
                                   # this many chunks' characters past the reusable cut (or extends it)
 
@@ -92,6 +95,15 @@ def iter_pieces(text: str, chunk_chars: int = CHUNK_CHARS, start: int = 0) -> It
         yield text[start:m.start()]
         start = m.start()
     yield text[start:]
+
+
+def _batches(items: Iterator[str], n: int) -> Iterator[tuple[list[str], bool]]:
+    """Lists of ``n`` items (the last one shorter), each with whether it is the last."""
+    batch = list(islice(items, n))
+    while batch:
+        after = list(islice(items, n))
+        yield batch, not after
+        batch = after
 
 
 def split_text(text: str, chunk_chars: int = CHUNK_CHARS) -> list[str]:
@@ -167,6 +179,7 @@ class ChunkedEncoder:
         self.chunks = ChunkCache(tok, max_cached_tokens, max_cached_bytes)
         self.prefixes = (PrefixCache(max_prefix_bytes, chunk_chars, PREFIX_NEW_CHUNKS * chunk_chars)
                          if max_prefix_bytes > 0 and self.reason is None else None)
+        self._ints: np.ndarray | None = None            # [vocabulary] int objects, for _to_list
         self._lock = threading.Lock()
         self._tokens_encoded = 0      # by whole texts and tails (the chunks' are the chunk cache's)
 
@@ -191,16 +204,21 @@ class ChunkedEncoder:
     def encode(self, text: str) -> list[int]:
         if len(text) < 2 * self.chunk_chars or self.reason is not None:
             return self._whole(text)
-        return self.encode_array(text).tolist()
+        parts = self._arrays(text, listed=True)
+        out = next(parts)
+        out = out if isinstance(out, list) else out.tolist()
+        for part in parts:
+            out.extend(part)
+        return out
 
     def encode_array(self, text: str) -> array[int]:
         """``encode(text)`` packed (``array('I')``, the caller's own; ``numpy.frombuffer(ids,
         numpy.uint32)`` views it): a text whose prefix is remembered costs no Python int per id."""
         if len(text) < 2 * self.chunk_chars or self.reason is not None:
             return array("I", self._whole(text))
-        parts = list(self._arrays(text))
-        out = parts[0]
-        for part in parts[1:]:
+        parts = self._arrays(text)
+        out = next(parts)
+        for part in parts:
             out.extend(part)
         return out
 
@@ -210,13 +228,22 @@ class ChunkedEncoder:
         if len(text) < 2 * self.chunk_chars or self.reason is not None:
             yield self._whole(text)
             return
-        for part in self._arrays(text):
-            yield part.tolist()
+        for part in self._arrays(text, listed=True):
+            yield part if isinstance(part, list) else part.tolist()
 
     def clear(self) -> None:
         self.chunks.clear()
         if self.prefixes is not None:
             self.prefixes.clear()
+
+    def _to_list(self, ids: array[int]) -> list[int]:
+        """``ids.tolist()`` made of one shared int object per id of the vocabulary."""
+        if self._ints is None:
+            self._ints = np.arange(self._tok.get_vocab_size(with_added_tokens=True), dtype=np.int64).astype(object)
+        packed = np.frombuffer(ids, dtype=np.uint32)
+        if packed.size and packed.max() >= len(self._ints):
+            return ids.tolist()
+        return self._ints[packed].tolist()
 
     def _whole(self, text: str) -> list[int]:
         if len(text) < 2 * self.chunk_chars:
@@ -227,9 +254,10 @@ class ChunkedEncoder:
             self._tokens_encoded += len(ids)
         return ids
 
-    def _arrays(self, text: str) -> Iterator[array[int]]:
-        """A long text's ids in parts the caller owns: the longest remembered prefix's, then the
-        rest from that cut (chunked when long); the text is remembered once all parts were taken."""
+    def _arrays(self, text: str, listed: bool = False) -> Iterator[array[int] | list[int]]:
+        """A long text's ids in parts the caller owns: the longest remembered prefix's (a list when
+        ``listed``), then the rest from that cut (chunked when long) in arrays; the text is
+        remembered once all parts were taken."""
         prefixes = self.prefixes
         reuse = None if prefixes is None else prefixes.find(text)
         keep = prefixes is not None and prefixes.worth_keeping(text, reuse)
@@ -237,30 +265,39 @@ class ChunkedEncoder:
         start = total = 0
         if reuse is not None:
             entry, start, total = reuse.entry, reuse.pos, reuse.offset
-            head = entry.ids[:total]
+            head = prefixes.listed(entry, self._to_list)[:total] if listed else entry.ids[:total]
             if start == len(text):
                 yield head
                 return
             if keep:
-                ids = head[:]
+                ids = entry.ids[:total]
                 cuts, offsets = entry.cuts[:reuse.ncuts], entry.offsets[:reuse.ncuts]
                 if not cuts or cuts[-1] != start:
                     cuts.append(start)
                     offsets.append(total)
             yield head
-        if len(text) - start < 2 * self.chunk_chars:
+        if not keep and len(text) - start < 2 * self.chunk_chars:
             part = array("I", self._tok.encode(text[start:], add_special_tokens=False).ids)
             with self._lock:
                 self._tokens_encoded += len(part)
-            ids.extend(part)
             yield part
         else:
+            # Chunks from the cut; a kept text's last chunk in pieces of FINE_CHARS (each a cut
+            # point), so that texts diverging near its end re-encode little.
             uncached = self.chunks.max_tokens // 4      # this text's tokens not yet offered to the cache
             pos = start
-            pieces = iter_pieces(text, self.chunk_chars, start)
-            while batch := list(islice(pieces, BATCH_CHUNKS)):
+            pieces = (iter_pieces(text, self.chunk_chars, start) if len(text) - start >= 2 * self.chunk_chars
+                      else iter((text[start:],)))
+            for batch, last in _batches(pieces, BATCH_CHUNKS):
+                fine: list[str] = []
+                if keep and last:
+                    fine = list(iter_pieces(text, FINE_CHARS, pos + sum(map(len, batch[:-1]))))
+                    batch.pop()
+                got = self.chunks.ids(batch, cache=uncached > 0) if batch else []
+                if fine:
+                    got += self.chunks.ids(fine, cache=False)
                 part = array("I")
-                for piece, piece_ids in zip(batch, self.chunks.ids(batch, cache=uncached > 0)):
+                for piece, piece_ids in zip(batch + fine, got):
                     if keep and pos and (not cuts or cuts[-1] != pos):
                         cuts.append(pos)
                         offsets.append(total)

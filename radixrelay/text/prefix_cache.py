@@ -19,11 +19,16 @@ points compares only the not yet compared segment at each step, so a lookup is O
 operations and about two passes of C-level comparison and copying over the text. Nothing is held
 locked while comparing: entries never change once made.
 
+A caller that wants a list rather than the packed ids gets a slice of a list made from the entry's
+ids once (``listed``; the encoder makes it of one shared int object per vocabulary entry, so it costs
+8 bytes an id and comparisons of such lists take CPython's identity shortcut).
+
 What is kept (``remember``): a text that extends an entry replaces it (it serves every text the
 entry served, as well); a text that shares a prefix with an entry is added only when it brings at
 least ``min_new_chars`` characters past the entry's reusable cut (so 128 questions over one document
-keep one entry, not 128 copies). Bounded by bytes (texts, ids and cut points), least recently used
-first out; one text may take at most a quarter of the bound, and ``MAX_PER_KEY`` entries share a key.
+keep one entry, not 128 copies). Bounded by bytes (texts, ids, their lists and cut points), least
+recently used first out; one text may take at most a quarter of the bound, and ``MAX_PER_KEY``
+entries share a key.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 MAX_PER_KEY = 8        # entries sharing their first key_chars characters (oldest out first)
@@ -45,11 +51,12 @@ class Entry:
     """A remembered text: ``ids`` is its encoding; ``cuts[i]`` a cut position, ``offsets[i]`` the
     number of ids of ``text[:cuts[i]]`` (both ascending)."""
 
-    __slots__ = ("text", "ids", "cuts", "offsets", "nbytes")
+    __slots__ = ("text", "ids", "cuts", "offsets", "listed", "nbytes")
 
     def __init__(self, text: str, ids: array, cuts: array, offsets: array) -> None:
         assert len(cuts) == len(offsets)
         self.text, self.ids, self.cuts, self.offsets = text, ids, cuts, offsets
+        self.listed: list[int] | None = None       # ids as a list, once a caller wanted one
         self.nbytes = (sys.getsizeof(text) + ids.itemsize * len(ids)
                        + cuts.itemsize * len(cuts) + offsets.itemsize * len(offsets) + 256)
 
@@ -149,14 +156,27 @@ class PrefixCache:
             same.append(entry)
             self._lru[entry] = key
             self.bytes += entry.nbytes
-            while self.bytes > self.max_bytes:
-                self._drop(next(iter(self._lru)))
+            self._evict()
 
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
             self._by_key.clear()
             self.bytes = 0
+
+    def listed(self, entry: Entry, to_list: Callable[[array], list[int]]) -> list[int]:
+        """``entry``'s ids as a list (``to_list(entry.ids)``, made on the first call and kept with
+        the entry, its 8 bytes an id counted): a list of a remembered prefix then costs a slice."""
+        ids = entry.listed
+        if ids is None:
+            ids = to_list(entry.ids)
+            with self._lock:
+                if entry.listed is None and entry in self._lru:
+                    entry.listed = ids
+                    entry.nbytes += 8 * len(ids)
+                    self.bytes += 8 * len(ids)
+                    self._evict()
+        return ids
 
     def worth_keeping(self, text: str, reuse: Reuse | None) -> bool:
         """Whether ``remember`` would keep ``text`` after ``find`` gave ``reuse`` (as things stand)."""
@@ -173,7 +193,13 @@ class PrefixCache:
             found = reuse_in(text, entry, 0 if best is None else best.pos)
             if found is not None:
                 best = found
+                if best.pos == len(text):
+                    break
         return best
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._lru)))
 
     def _drop(self, entry: Entry) -> None:
         key = self._lru.pop(entry)

@@ -103,7 +103,7 @@ class HFBackend:
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.encoder = ChunkedEncoder(tokenizer)   # long texts: chunked, with a cache of chunks
+        self.encoder = ChunkedEncoder(tokenizer)   # long texts: remembered prefixes, then cached chunks
         self.max_chars_per_token = self.encoder.max_chars_per_token
 
     def encode(self, text: str) -> list[int]:

@@ -97,7 +97,11 @@ def test_a_remembered_text_encodes_only_its_tail(gguf_tok: HFTokenizer) -> None:
     assert isinstance(got, array) and got.typecode == "I" and got.tolist() == want
     assert enc.tokens_encoded == encoded and enc.prefix_tokens_reused == len(want)
     got[0] = 7                                     # the caller's own: the cache is unchanged
-    assert enc.encode(doc) == want
+    listed = enc.encode(doc)                       # a list: made once from the entry's ids, then sliced
+    assert listed == want and enc.prefixes.find(doc).entry.listed == want
+    listed[0] = 7
+    assert enc.encode(doc) == want and enc.encode_array(doc).tolist() == want
+    assert enc.prefix_bytes == sum(e.nbytes for e in enc.prefixes._lru)
     for question in ["\n\nWhat is the cat?", " and the mat", "Z?"]:     # after a cut, at the end, in a word
         text = doc + question
         before = enc.tokens_encoded
