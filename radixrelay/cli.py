@@ -81,7 +81,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("KV tiers (host memory and disk behind the radix cache)")
     t.add_argument("--host-kv-gib", type=float, default=None,
                    help="host memory for KV pages evicted from the device, in GiB; 0 turns the tiers off "
-                        "(default: 0 on the CPU; on CUDA 40%% of available RAM, at most 64, pinned)")
+                        "(default: 0 on the CPU, 1 there with --disk-kv-path to stage its pages; on CUDA 40%% "
+                        "of available RAM, at most 64, pinned)")
     t.add_argument("--disk-kv-path", default=None,
                    help="directory for a disk tier below host memory (default: no disk tier); pages are "
                         "keyed by model and KV layout, so a restart with the same path reuses them")
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         return _router(args)
     try:
         engine_config = _engine_config(args)
+        from radixrelay.runtime.preflight import check_startup
+
+        check_startup(engine_config)       # environment variables, --tp against the model: before anything starts
         if args.command == "serve":
             server_config = ServerConfig(
                 host=args.host, port=args.port, api_key=_api_key(args),

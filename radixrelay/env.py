@@ -32,6 +32,10 @@
 - ``RADIXRELAY_STEP_TIMEOUT_S``: seconds a worker step (every rank's) may stay unfinished before that
   worker process counts as hung and exits, failing the runtime (default 120; 0: never;
   ``radixrelay.worker.step_watchdog``).
+
+``check_all`` reads every one that has a format; the CLI and the runtime's launcher run it
+(``radixrelay.runtime.preflight``) before any process starts, so a malformed value is a start-up error
+naming the variable, never a child process failing after the server said it was ready.
 """
 
 from __future__ import annotations
@@ -122,10 +126,29 @@ def gc_mode() -> str:
 
 def step_timeout_s() -> float:
     """``RADIXRELAY_STEP_TIMEOUT_S`` (default 120; 0 turns the watchdog off); a malformed value is an error."""
-    value = _number("RADIXRELAY_STEP_TIMEOUT_S", "a number of seconds >= 0", lambda v: 0 <= v < float("inf"))
+    value = _number("RADIXRELAY_STEP_TIMEOUT_S", "a finite number of seconds > 0, or 0 for no step watchdog",
+                    lambda v: 0 <= v < float("inf"))
     return 120.0 if value is None else value
 
 
 def tp_all_reduce() -> str:
     """``RADIXRELAY_TP_ALLREDUCE`` (default ``auto``): auto, peer, symm or nccl; any other value is an error."""
     return _choice("RADIXRELAY_TP_ALLREDUCE", ("auto", "peer", "symm", "nccl"))
+
+
+CPU_GEMM_MODES = ("auto", "onednn", "blas")
+
+
+def cpu_gemm() -> str:
+    """``RADIXRELAY_CPU_GEMM`` (default ``auto``): auto, onednn or blas; any other value is an error
+    (``radixrelay.model.cpu_gemm`` reads it when imported and checks it on first use)."""
+    return _choice("RADIXRELAY_CPU_GEMM", CPU_GEMM_MODES)
+
+
+def check_all() -> None:
+    """Read every variable above that has a format: a malformed one raises ``ValueError`` naming it.
+    Run before any runtime process starts (``radixrelay.runtime.preflight``), so that a bad value is a
+    start-up error and not a child process failing later, after the server said it was ready."""
+    for read in (grammar_budget_ms, trace_steps, small_extend_rows, overlap_depth, gc_mode, step_timeout_s,
+                 tp_all_reduce, cpu_gemm):
+        read()

@@ -110,3 +110,25 @@ def test_fp8_keep_layers_takes_indices_and_refuses_other_text(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--fp8-keep-layers", "last"])
     assert "expected layer indices separated by commas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, argv, words", [
+    ({"RADIXRELAY_STEP_TIMEOUT_S": "abc"}, ["serve", "--port", "0"], ["RADIXRELAY_STEP_TIMEOUT_S", "'abc'"]),
+    ({"RADIXRELAY_STEP_TIMEOUT_S": "-1"}, ["generate"], ["RADIXRELAY_STEP_TIMEOUT_S", "'-1'"]),
+    ({}, ["serve", "--port", "0", "--tp", "2"], ["tp=2 (--tp)", "9 query heads", "sizes that split it: 1, 3"]),
+    ({}, ["serve", "--port", "0", "--disable-radix-cache", "--disk-kv-path", "/tmp/radixrelay-never-made"],
+     ["disable_radix_cache", "disk_kv_path"]),
+])
+def test_startup_mistakes_stop_the_cli_before_anything_starts(env, argv, words):
+    """Each once printed "startup complete" and then died with a child's traceback, or failed after the
+    worker started: now the CLI exits 2 at once with one line naming the cause."""
+    import os
+    import time
+
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "radixrelay.cli", *argv, "--kv-cache-tokens", "2048"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert all(w in out.stderr for w in words), out.stderr
+    assert "Traceback" not in out.stderr and "startup complete" not in out.stdout + out.stderr
+    assert time.monotonic() - start < 30                   # no model loaded, no process started

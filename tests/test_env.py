@@ -44,3 +44,23 @@ def test_overlap_depth(monkeypatch) -> None:
         monkeypatch.setenv("RADIXRELAY_OVERLAP_DEPTH", bad)
         with pytest.raises(ValueError, match="RADIXRELAY_OVERLAP_DEPTH"):
             env.overlap_depth()
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("RADIXRELAY_STEP_TIMEOUT_S", "abc"), ("RADIXRELAY_STEP_TIMEOUT_S", "-1"), ("RADIXRELAY_STEP_TIMEOUT_S", "inf"),
+    ("RADIXRELAY_GRAMMAR_BUDGET_MS", "0"), ("RADIXRELAY_TRACE_STEPS", "3"), ("RADIXRELAY_SMALL_EXTEND_ROWS", "x"),
+    ("RADIXRELAY_OVERLAP_DEPTH", "1"), ("RADIXRELAY_GC", "off"), ("RADIXRELAY_TP_ALLREDUCE", "ring"),
+    ("RADIXRELAY_CPU_GEMM", "mkl"),
+])
+def test_check_all_names_the_malformed_variable(monkeypatch, name, bad) -> None:
+    """What the CLI and the launcher run before any process starts: every variable with a format."""
+    for var in ("RADIXRELAY_STEP_TIMEOUT_S", "RADIXRELAY_GRAMMAR_BUDGET_MS", "RADIXRELAY_TRACE_STEPS",
+                "RADIXRELAY_SMALL_EXTEND_ROWS", "RADIXRELAY_OVERLAP_DEPTH", "RADIXRELAY_GC",
+                "RADIXRELAY_TP_ALLREDUCE", "RADIXRELAY_CPU_GEMM"):
+        monkeypatch.delenv(var, raising=False)
+    env.check_all()
+    monkeypatch.setenv("RADIXRELAY_STEP_TIMEOUT_S", "0")          # 0: no step watchdog, valid
+    env.check_all()
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name} must be .*got {bad!r}"):
+        env.check_all()

@@ -114,6 +114,23 @@ class ModelConfig:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """What ``tp`` ranks cannot split (``radixrelay.model.parallel``: query heads and the MLP width
+        split evenly, KV heads split or replicated), or None. The vocabulary is padded to a multiple
+        of ``tp``, so it always splits."""
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"{self.num_heads} query heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} KV heads (neither divides the other)")
+        if self.intermediate_size % tp:
+            problems.append(f"an MLP width of {self.intermediate_size}")
+        return f"tensor parallel size {tp} does not split {' and '.join(problems)}" if problems else None
+
+    def tensor_parallel_sizes(self, at_most: int = 64) -> list[int]:
+        """The sizes up to ``at_most`` that split this model."""
+        return [tp for tp in range(1, at_most + 1) if self.tensor_parallel_problem(tp) is None]
+
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
         """Build from a ``config.json`` dict; ``generation`` is ``generation_config.json`` whose

@@ -23,9 +23,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from radixrelay.env import CPU_GEMM_MODES
+
 logger = logging.getLogger("radixrelay.model")
 
-MODES = ("auto", "onednn", "blas")
+MODES = CPU_GEMM_MODES
 _mode = os.environ.get("RADIXRELAY_CPU_GEMM") or "auto"
 _onednn_ok: bool | None = None        # the first-use check's verdict (None: not run yet)
 

@@ -8,19 +8,19 @@ for benchmarks and tests), ``auto`` (picked from what the path holds). Nothing i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from radixrelay.model.config import ModelConfig
+from radixrelay.model.config_files import detect_format, gguf_file, is_gguf, read_hf_config
 from radixrelay.model.layers import uninitialised_parameters
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Precision
 from radixrelay.model.registry import resolve_model_path
 from radixrelay.model.weights_gguf import open_gguf
-from radixrelay.model.weights_hf import iter_safetensors_weights, read_hf_config
+from radixrelay.model.weights_hf import iter_safetensors_weights
 
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 DUMMY_STD = 0.02  # std of dummy weights: keeps activations O(1) through many layers
@@ -55,9 +55,9 @@ def load_model(
         return _dummy(model, device, dtype, seed, tp, precision), model
 
     path = resolve_model_path(model)
-    fmt = _detect_format(path) if load_format == "auto" else load_format
+    fmt = detect_format(path) if load_format == "auto" else load_format
     if fmt == "dummy":
-        config = open_gguf(_gguf_file(path))[0] if _is_gguf(path) else read_hf_config(path)
+        config = open_gguf(gguf_file(path))[0] if is_gguf(path) else read_hf_config(path)
         return _dummy(config, device, dtype, seed, tp, precision), config
     if fmt == "safetensors":
         if not path.is_dir():
@@ -65,34 +65,12 @@ def load_model(
         config = read_hf_config(path)
         weights = iter_safetensors_weights(path)
     elif fmt == "gguf":
-        config, weights = open_gguf(_gguf_file(path))
+        config, weights = open_gguf(gguf_file(path))
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
     net = _uninitialised(config, device, dtype, tp, precision)
     net.load_weights(weights)
     return net.eval().requires_grad_(False), config
-
-
-def _is_gguf(path: Path) -> bool:
-    return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))
-                                      and not any(path.glob("*.safetensors")))
-
-
-def _detect_format(path: Path) -> LoadFormat:
-    if _is_gguf(path):
-        return "gguf"
-    if path.is_dir() and any(path.glob("*.safetensors")):
-        return "safetensors"
-    raise ValueError(f"load_model: {path} holds neither *.safetensors nor a .gguf file")
-
-
-def _gguf_file(path: Path) -> Path:
-    if path.is_file():
-        return path
-    files = sorted(path.glob("*.gguf"))
-    if len(files) != 1:
-        raise ValueError(f"load_model: {path} must hold exactly one .gguf file, found {[f.name for f in files]}")
-    return files[0]
 
 
 @torch.no_grad()

@@ -142,17 +142,11 @@ class TensorParallel:
     # -- what a rank holds ---------------------------------------------------------------------
 
     def check(self, config: ModelConfig) -> None:
-        """Raise ``ValueError`` unless ``config`` splits over ``size`` ranks."""
-        tp = self.size
-        problems = []
-        if config.num_heads % tp:
-            problems.append(f"{config.num_heads} query heads")
-        if config.num_kv_heads % tp and tp % config.num_kv_heads:
-            problems.append(f"{config.num_kv_heads} KV heads (neither divides the other)")
-        if config.intermediate_size % tp:
-            problems.append(f"an MLP width of {config.intermediate_size}")
-        if problems:
-            raise ValueError(f"tensor parallel size {tp} does not split {' and '.join(problems)}")
+        """Raise ``ValueError`` unless ``config`` splits over ``size`` ranks (the rule:
+        ``ModelConfig.tensor_parallel_problem``; the launcher checks it before any process starts)."""
+        problem = config.tensor_parallel_problem(self.size)
+        if problem:
+            raise ValueError(problem)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The shapes one rank computes: its query and KV heads and its MLP width (vocab unchanged)."""

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixrelay.gguf_file import GGUFFile, TensorInfo
+from radixrelay.gguf_file import GGUFFile
 from radixrelay.model.config import ModelConfig
+from radixrelay.model.config_files import gguf_config, tensor_shape
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -44,16 +45,11 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _torch_shape(tensor: TensorInfo) -> tuple[int, ...]:
-    return tuple(reversed(tensor.dims))  # GGUF lists dims innermost first
-
-
 def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """Parse the file once: its ``ModelConfig`` and a lazy iterator of (HF name, float32 CPU
     tensor), dequantising one tensor at a time."""
     file = GGUFFile(path)
-    scalars = {k: v for k, v in file.metadata.items() if not isinstance(v, list)}  # not the vocabulary
-    config = ModelConfig.from_gguf(scalars, {t.name: _torch_shape(t) for t in file.tensors})
+    config = gguf_config(file)
     return config, _iter_weights(file, config)
 
 
@@ -62,7 +58,7 @@ def _iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, to
     for t in file.tensors:
         name = _hf_name(t.name)
         weight = dequantize(file.tensor_bytes(t), t.ggml_type, f"{file.path.name}: tensor {t.name}")
-        weight = weight.reshape(_torch_shape(t))
+        weight = weight.reshape(tensor_shape(t))
         if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_rope(weight, config.num_heads)
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -9,19 +9,8 @@ from pathlib import Path
 
 import torch
 
-from radixrelay.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_hf_config(model_dir: Path) -> ModelConfig:
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{model_dir}: no config.json")
-    cfg = json.loads(config_file.read_text())
-    gen_file = model_dir / "generation_config.json"
-    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-    return ModelConfig.from_hf(cfg, generation)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

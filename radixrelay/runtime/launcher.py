@@ -26,9 +26,9 @@ from pathlib import Path
 import msgspec
 
 from radixrelay.config import EngineConfig
-from radixrelay.env import gc_mode
 from radixrelay.protocol.messages import ChildArgs, Endpoints
 from radixrelay.runtime.child import last_beat, marker
+from radixrelay.runtime.preflight import check_startup
 
 logger = logging.getLogger("radixrelay.runtime")
 CHILD_KINDS = ("worker", "scheduler")          # the worker is tensor-parallel rank 0; ranks 1.. are workers too
@@ -61,7 +61,6 @@ def socket_dir() -> Path:
 
 class RuntimeProcesses:
     def __init__(self, config: EngineConfig) -> None:
-        gc_mode()                      # a malformed RADIXRELAY_GC fails here, not in a child
         self.config = config
         self.ipc_dir = socket_dir()
         def ipc(name: str) -> str:
@@ -77,7 +76,9 @@ class RuntimeProcesses:
         self.watch_hangs = False
 
     def spawn(self) -> None:
-        """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will)."""
+        """Start the children; the frontend must have bound ``scheduler_to_frontend`` (or will). A bad
+        environment variable or tensor-parallel size raises ``ValueError`` here, before any child starts."""
+        check_startup(self.config)
         level = logging.getLevelName(logger.getEffectiveLevel())
         children = [(kind, kind, 0) for kind in CHILD_KINDS]
         children += [(f"worker rank {r}", "worker", r) for r in range(1, self.config.tp)]

@@ -187,7 +187,7 @@ def test_bad_tp_values_are_refused(tmp_path):
         EngineConfig(tp=2, device="cuda:1")
     assert _engine_config(_parser().parse_args(["serve", "--tensor-parallel-size", "2"])).tp == 2
     assert _engine_config(_parser().parse_args(["serve", "--tp", "4"])).tp == 4
-    # A tp that does not split the model's heads is a start-up error naming the reason.
+    # A tp that does not split the model's heads is a start-up error naming the reason, before any process starts.
     model = _model_dir(tmp_path, num_attention_heads=6, num_key_value_heads=3, head_dim=16, hidden_size=96)
-    with pytest.raises(RuntimeError, match="tensor parallel size 4 does not split 6 query heads"):
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not split 6 query heads"):
         _engine(model, tp=4, kv_cache_tokens=1024)

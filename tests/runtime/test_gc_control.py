@@ -147,5 +147,10 @@ def test_bad_env_fails_in_the_parent_before_any_child(monkeypatch) -> None:
     from radixrelay.runtime.launcher import RuntimeProcesses
 
     monkeypatch.setenv("RADIXRELAY_GC", "never")
-    with pytest.raises(ValueError, match="RADIXRELAY_GC"):
-        RuntimeProcesses(EngineConfig())
+    processes = RuntimeProcesses(EngineConfig())
+    try:
+        with pytest.raises(ValueError, match="RADIXRELAY_GC"):
+            processes.spawn()
+        assert processes.children == {}
+    finally:
+        processes.stop()
