@@ -66,8 +66,9 @@ class EngineConfig:
     # Run the scheduler and worker in lock step (one step in flight) instead of overlapping the
     # next step's planning and launch with the device's work; for debugging and comparison.
     disable_overlap: bool = False
-    # KV tiers below the device (AttentionStore): host memory in GiB (None: 0 on the CPU; on CUDA
-    # 40% of available RAM, at most 64 GiB), disk in GiB under ``disk_kv_path`` (None: no disk tier).
+    # KV tiers below the device (AttentionStore): host memory in GiB (None: on CUDA 40% of available RAM,
+    # at most 64 GiB; on the CPU 0, or 1 GiB to stage a disk tier's pages), disk in GiB under
+    # ``disk_kv_path`` (None: no disk tier).
     host_kv_gib: float | None = None
     disk_kv_gib: float = 64.0
     disk_kv_path: str | None = None
@@ -150,6 +151,9 @@ class EngineConfig:
             raise bad("disk_kv_path", "must be non-empty when set (None: no disk tier)")
         if self.disk_kv_path is not None and self.host_kv_gib == 0:
             raise bad("disk_kv_path", "the disk tier stages pages through host memory: host_kv_gib must be > 0")
+        if self.disable_radix_cache and (self.disk_kv_path is not None or self.host_kv_gib):
+            raise bad("disable_radix_cache", "the KV tiers keep pages of the radix cache: with it disabled, "
+                                             "host_kv_gib and disk_kv_path would keep nothing; drop one or the other")
         if self.disk_kv_path is not None:
             from radixrelay.radix.disk_store import unsafe_directory
 

@@ -29,3 +29,29 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
     assert _engine_config(_parser().parse_args(["serve"])).host_kv_gib is None      # auto by device
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--kv-tier-policy", "mru"])
+
+
+def test_tiers_need_the_radix_cache(tmp_path):
+    for kwargs in (dict(disk_kv_path=str(tmp_path)), dict(host_kv_gib=1.0)):
+        with pytest.raises(ValueError, match="EngineConfig.disable_radix_cache: the KV tiers keep pages"):
+            EngineConfig(disable_radix_cache=True, **kwargs)
+    EngineConfig(disable_radix_cache=True, host_kv_gib=0.0)
+
+
+def test_a_disk_tier_alone_on_the_cpu_gets_host_memory_to_stage_through(tmp_path):
+    """``--disk-kv-path`` without ``--host-kv-gib`` on the CPU, where host memory defaults to none, once gave no
+    disk tier and no word of it: it now gets ``CPU_DISK_STAGING_GIB`` of host memory (split across ranks)."""
+    import torch
+
+    from radixrelay import Engine
+    from radixrelay.worker.kv_tiers import CPU_DISK_STAGING_GIB, host_tier_bytes
+
+    cpu = torch.device("cpu")
+    disk = str(tmp_path / "kv")
+    assert host_tier_bytes(EngineConfig(), cpu) == 0
+    assert host_tier_bytes(EngineConfig(disk_kv_path=disk), cpu) == int(CPU_DISK_STAGING_GIB * (1 << 30))
+    assert host_tier_bytes(EngineConfig(disk_kv_path=disk, tp=2), cpu) == int(CPU_DISK_STAGING_GIB * (1 << 30)) // 2
+    assert host_tier_bytes(EngineConfig(disk_kv_path=disk, host_kv_gib=0.25), cpu) == 1 << 28
+    with Engine(kv_cache_tokens=2048, disk_kv_path=disk) as engine:
+        stats = engine.stats()
+        assert stats["tier_host_pages"] > 0 and stats["tier_disk_pages"] > 0, stats

@@ -768,6 +768,9 @@ def _sync(event) -> None:
 
 _AUTO_HOST_FRACTION = 0.4
 _AUTO_HOST_MAX_GIB = 64.0
+# The CPU's host tier when only a disk tier is asked for: the disk tier stages its pages through host
+# memory, and the CPU's KV cache is host memory already, so none is taken unless the disk needs it.
+CPU_DISK_STAGING_GIB = 1.0
 
 
 def kv_namespace(cfg, mc, kv: KVCache) -> str:
@@ -795,11 +798,12 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
 
 def host_tier_bytes(cfg, device: torch.device) -> int:
     """The host memory of one rank's tier: ``cfg.host_kv_gib`` (the server's, split evenly across
-    tensor-parallel ranks) in bytes; unset: none on the CPU, on CUDA a share of available RAM."""
+    tensor-parallel ranks) in bytes; unset: on CUDA a share of available RAM, on the CPU none, or
+    ``CPU_DISK_STAGING_GIB`` with a disk tier (which stages its pages through host memory)."""
     if cfg.host_kv_gib is not None:
         return int(cfg.host_kv_gib * (1 << 30)) // cfg.tp
     if device.type != "cuda":
-        return 0
+        return int(CPU_DISK_STAGING_GIB * (1 << 30)) // cfg.tp if cfg.disk_kv_path is not None else 0
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
