@@ -24,11 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import ClientDisconnect
 
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.router.index import PrefixIndex
 from radixrelay.router.policy import MODES, Candidate, choose
-from radixrelay.kv_events import KVEventIndex
+from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
 from radixrelay.router import upstream
 from radixrelay.router.proxy import (
@@ -192,7 +193,11 @@ class Router:
 
     async def _route(self, request: Request, endpoint: str, path: str) -> Response:
         limits = self.config.limits
-        raw = await read_body(request, limits.max_body_bytes)
+        try:
+            raw = await read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:                 # the client left before its body was whole: nothing to answer
+            self.client_gone.inc()
+            return Response(status_code=499)
         # parsing and tokenizing a large body takes milliseconds: in a thread, so that other requests and
         # /health are answered meanwhile
         body, prompt = await asyncio.to_thread(self._parse, endpoint, raw) if len(raw) > OFFLOAD_BYTES else \

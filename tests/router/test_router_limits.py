@@ -210,6 +210,18 @@ def test_a_client_leaving_a_stream_is_counted_and_closes_the_upstream(router, re
     assert router.metric('radixrelay_router_replica_in_flight{') == 0
 
 
+def test_a_client_leaving_mid_body_is_counted_not_logged(router):
+    counter = "radixrelay_router_client_disconnects_total"
+    before = router.metric(counter)
+    with socket.create_connection(("127.0.0.1", router.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.3)
+    assert _wait_for(lambda: router.metric(counter) == before + 1), router.metrics()
+    log = router.log_path.read_text()
+    assert "Traceback" not in log and "unexpected" not in log.lower(), log[-2000:]
+
+
 def test_past_the_in_flight_cap_the_router_answers_429_itself(router, replica):
     hangs = replica.seen.count(("/v1/completions", "hang"))
     with ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:
