@@ -9,7 +9,8 @@ the encoder):
 - ``same``: the same prompt again (all of it cached);
 - ``new question``: the document with another question each time (what many questions over one
   document send);
-- ``next turn``: the conversation with the model's answer and a new question after it;
+- ``next turn``: the conversation with the model's answer and a new question after it, turn after
+  turn (each prompt extends the one before);
 - ``cold``: the prompt with nothing cached (the encoder cleared first; fewer repeats);
 - ``burst of T``: T threads (a pool) each encoding the document with its own question at once
   (``encode`` or ``encode_array``), wall time of the burst.
@@ -87,9 +88,12 @@ def run(lengths: list[int], repeats: int, threads: list[int], before: str | None
             return template.render([{"role": "user", "content": f"{doc}\n\n{question(i)}"}])
 
         def turn(i: int) -> str:
-            return template.render([{"role": "user", "content": f"{doc}\n\n{question(0)}"},
-                                    {"role": "assistant", "content": answer},
-                                    {"role": "user", "content": question(i)}])
+            """The conversation after i answers (each turn extends the one before)."""
+            messages = [{"role": "user", "content": f"{doc}\n\n{question(0)}"}]
+            for j in range(i):
+                messages += [{"role": "assistant", "content": f"{answer} ({j})"},
+                             {"role": "user", "content": question(10_000 + j)}]
+            return template.render(messages)
 
         first = prompt(0)
         want = hf.encode(first, add_special_tokens=False).ids
@@ -119,8 +123,6 @@ def run(lengths: list[int], repeats: int, threads: list[int], before: str | None
               "encode_array")
         timed("new question: encode", lambda i: prompt(1 + repeats + i), lambda e, t: e.encode(t), repeats)
         timed("new question: parts", lambda i: prompt(1 + 2 * repeats + i), lambda e, t: _gather(e.parts(t)), repeats)
-        for enc in encs.values():
-            enc.encode(turn(0))                 # the conversation so far (the answer to question 0)
         timed("next turn: encode", lambda i: turn(1 + i), lambda e, t: e.encode(t), repeats)
         base = 1 + 3 * repeats + repeats
         bursts = max(3, repeats // 2)

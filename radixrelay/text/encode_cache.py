@@ -309,4 +309,10 @@ class ChunkedEncoder:
                     ids.extend(part)
                 yield part
         if keep:
-            prefixes.remember(text, ids, cuts, offsets)
+            as_list = None                               # list callers: the kept text's list too
+            if listed:
+                done = 0 if reuse is None else reuse.offset
+                before = None if reuse is None else reuse.entry.listed
+                as_list = (before[:done] if before is not None and done else []) + self._to_list(
+                    ids[done:] if before is not None else ids)
+            prefixes.remember(text, ids, cuts, offsets, as_list)

@@ -128,12 +128,18 @@ class PrefixCache:
                 self.tokens_reused += best.offset
         return best
 
-    def remember(self, text: str, ids: array, cuts: array, offsets: array) -> None:
-        """Keep ``text`` (``ids`` = its encoding, ``cuts``/``offsets`` its cut points) if it adds
-        to what the entries serve; ``ids`` and the arrays are the cache's from now on."""
+    def remember(self, text: str, ids: array, cuts: array, offsets: array,
+                 listed: list[int] | None = None) -> None:
+        """Keep ``text`` (``ids`` = its encoding, ``cuts``/``offsets`` its cut points, ``listed``
+        its ids as ``listed`` makes them, if at hand) if it adds to what the entries serve; the
+        arrays and the list are the cache's from now on."""
         if len(text) < self.key_chars + 2:
             return
         entry = Entry(text, ids, cuts, offsets)
+        if listed is not None:
+            assert len(listed) == len(ids)
+            entry.listed = listed
+            entry.nbytes += 8 * len(listed)
         if entry.nbytes > self.max_bytes // 4:
             return
         best = self._best(text)
