@@ -52,6 +52,7 @@ def test_stop_token_ids_at_and_past_the_limit(http):
     duplicates count. At the limit, duplicates included, a request is served and stops on its ids."""
     _refused(_complete(http, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids",
              str(MAX_STOP_TOKEN_IDS))
+    _refused(_complete(http, stop_token_ids=list(range(192_000))), "stop_token_ids", str(MAX_STOP_TOKEN_IDS))
     _refused(_complete(http, stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids",
              str(MAX_STOP_TOKEN_IDS))
     first = _complete(http, max_tokens=1).json()["choices"][0]["text"]
