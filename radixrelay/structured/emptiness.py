@@ -104,9 +104,9 @@ def productive_rules(rules: dict[str, tuple]) -> set[str]:
     not defined counted as productive)."""
     productive: set[str] = set()
     changed = True
-    while changed:
+    while changed:                    # rules are printed root first: the last ones settle first
         changed = False
-        for name, body in rules.items():
+        for name, body in reversed(rules.items()):
             if name not in productive and _choice_ok(body, productive, rules):
                 productive.add(name)
                 changed = True
