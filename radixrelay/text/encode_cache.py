@@ -67,7 +67,7 @@ CHUNK_CHARS = 1024                # ~200 tokens of English text per chunk
 MAX_CACHED_TOKENS = 1 << 19       # LRU bound on the ids held
 MAX_CACHED_BYTES = 16 << 20       # LRU bound on the cache's memory: chunk texts plus ids (4 bytes each)
 BATCH_CHUNKS = 32                 # chunks per encode_batch call (and per part) of a long text
-MAX_PREFIX_BYTES = 64 << 20       # LRU bound on the remembered texts: texts, ids and cut points
+MAX_PREFIX_BYTES = 64 << 20       # LRU bound on the remembered texts: texts, ids, lists, cut points
 FINE_CHARS = 64                   # cut points this far apart over a remembered text's last chunk
 PREFIX_NEW_CHUNKS = 8             # a text sharing a remembered prefix is remembered too when it has
                                   # this many chunks' characters past the reusable cut (or extends it)
@@ -311,8 +311,10 @@ class ChunkedEncoder:
         if keep:
             as_list = None                               # list callers: the kept text's list too
             if listed:
-                done = 0 if reuse is None else reuse.offset
                 before = None if reuse is None else reuse.entry.listed
-                as_list = (before[:done] if before is not None and done else []) + self._to_list(
-                    ids[done:] if before is not None else ids)
+                if before is None:
+                    as_list = self._to_list(ids)
+                else:
+                    as_list = before[:reuse.offset]
+                    as_list += self._to_list(ids[reuse.offset:])
             prefixes.remember(text, ids, cuts, offsets, as_list)

@@ -13,11 +13,14 @@ with the cached ones; the cut points make that unnecessary here.) The end of an 
 cut of ``t`` too when ``t`` extends the text and has ``"word| word"`` there.
 
 Finding the entry: entries are indexed by their first ``key_chars`` characters (every cut is at
-least that far in, so any entry that can serve a text shares them). For each candidate, one
-``startswith`` tells whether ``t`` extends the whole entry; otherwise a binary search over the cut
-points compares only the not yet compared segment at each step, so a lookup is O(log cuts) Python
-operations and about two passes of C-level comparison and copying over the text. Nothing is held
-locked while comparing: entries never change once made.
+least that far in, so any entry that can serve a text shares them; conversations under one system
+prompt share a key, up to ``MAX_PER_KEY`` of them). The candidates are tried most recently used
+first. For each, one ``startswith`` tells whether ``t`` extends the whole entry; otherwise a binary
+search over the cut points compares only the not yet compared segment at each step, so a lookup is
+O(log cuts) Python operations and about two passes of C-level comparison and copying over the text.
+A candidate after one that matched must beat its cut: the ``WINDOW`` characters before its next cut
+are compared first, which turns down one that departed earlier at the cost of a short comparison.
+Nothing is held locked while comparing: entries never change once made.
 
 A caller that wants a list rather than the packed ids gets a slice of a list made from the entry's
 ids once (``listed``; the encoder makes it of one shared int object per vocabulary entry, so it costs
@@ -42,7 +45,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-MAX_PER_KEY = 8        # entries sharing their first key_chars characters (oldest out first)
+MAX_PER_KEY = 32       # entries sharing their first key_chars characters (least recently used out)
+WINDOW = 256           # characters before a cut compared first, to turn most candidates down cheaply
 
 _CUT_AT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")    # encode_cache._CUT, matched at one position
 
@@ -88,6 +92,8 @@ def reuse_in(text: str, entry: Entry, floor: int = 0) -> Reuse | None:
     if lo >= hi:
         return None
     matched = cuts[lo] + 2
+    if floor and not text.startswith(doc[max(0, matched - WINDOW):matched], max(0, matched - WINDOW)):
+        return None                           # (past a better candidate's cut: most differ near it)
     if not text.startswith(doc[:matched]):
         return None
     while hi - lo > 1:                        # text[:cuts[lo] + 2] matches; cuts[hi] does not (or is past n)
@@ -109,7 +115,7 @@ class PrefixCache:
         self.min_new_chars = min_new_chars
         self._lock = threading.Lock()
         self._lru: OrderedDict[Entry, str] = OrderedDict()    # entry -> its key
-        self._by_key: dict[str, list[Entry]] = {}
+        self._by_key: dict[str, list[Entry]] = {}     # least recently used first
         self.bytes = 0
         self.hits = 0                  # texts that took a remembered prefix's ids
         self.tokens_reused = 0         # ids taken so
@@ -122,8 +128,12 @@ class PrefixCache:
         best = self._best(text)
         if best is not None:
             with self._lock:
-                if best.entry in self._lru:
+                key = self._lru.get(best.entry)
+                if key is not None:
                     self._lru.move_to_end(best.entry)
+                    same = self._by_key[key]
+                    same.remove(best.entry)
+                    same.append(best.entry)
                 self.hits += 1
                 self.tokens_reused += best.offset
         return best
@@ -195,7 +205,7 @@ class PrefixCache:
         with self._lock:
             candidates = list(self._by_key.get(text[:self.key_chars], ()))
         best = None
-        for entry in reversed(candidates):    # most recently added first
+        for entry in reversed(candidates):    # most recently used first
             found = reuse_in(text, entry, 0 if best is None else best.pos)
             if found is not None:
                 best = found

@@ -249,3 +249,26 @@ def test_the_tokenizer_reuses_prefixes() -> None:
     ends = tok.encode_ends(text, add_special_tokens=False, head=10, tail=100)
     assert len(ends) == len(whole) and ends[:10] == whole[:10] and ends[len(whole) - 100:] == whole[-100:]
     assert tok._backend.encoder.prefix_hits >= 2
+
+
+def test_conversations_under_one_system_prompt(gguf_tok: HFTokenizer) -> None:
+    """Texts sharing their first characters (one key): each takes the ids of the one it shares most
+    with, whatever order they were remembered in."""
+    rng = random.Random(10)
+    system = "".join(rng.choice(WORDS) for _ in range(40))
+    convs = [system + f" user{k}" + "".join(rng.choice(WORDS) for _ in range(600)) for k in range(12)]
+    enc = ChunkedEncoder(gguf_tok, chunk_chars=64)
+    for conv in convs:
+        enc.encode(conv)
+    assert enc.prefix_texts == len(convs)
+    for k in rng.sample(range(len(convs)), len(convs)):
+        reused, before = enc.prefix_tokens_reused, enc.tokens_encoded
+        text = convs[k][:len(convs[k]) - rng.randrange(0, 200)] + " and then?"
+        want = ref(gguf_tok, text)
+        assert enc.encode(text) == want
+        assert enc.prefix_tokens_reused - reused > len(want) - 80         # its own conversation's
+        assert enc.tokens_encoded - before < 80
+    # A text sharing more with an older entry than with newer ones takes the older one's.
+    half = convs[0][:len(convs[0]) // 2] + "".join(rng.choice(WORDS) for _ in range(200))
+    enc.encode(half)
+    assert enc.prefixes.find(convs[0] + " more").entry.text == convs[0]
