@@ -321,11 +321,19 @@ async def main_async(args: argparse.Namespace) -> int:
             await server.wait_ready(http, 900)
             for k, tokens in enumerate(lengths):
                 for form in args.forms.split(","):
-                    row = await run_length(http, server, tokenizer, tokens, form, args, seed=k)
+                    try:
+                        row = await run_length(http, server, tokenizer, tokens, form, args, seed=k)
+                    except (httpx.HTTPError, ValueError) as exc:
+                        print(f"{tokens} tokens {form}: failed: {type(exc).__name__}: {exc}", flush=True)
+                        if server.proc.poll() is not None:
+                            raise RuntimeError(f"the server exited: {server.log_tail()}") from None
+                        continue
                     rows.append(row)
                     print(_line(row), flush=True)
     finally:
         server.stop()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"long_doc_{slug}_server.log").write_text(server.log_path.read_text(errors="replace")[-200_000:])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"long_doc_{slug}.md").write_text(markdown(meta, rows))
     (out_dir / f"long_doc_{slug}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
