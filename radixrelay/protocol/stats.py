@@ -113,6 +113,14 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tier_disk_read_bytes_per_s: Annotated[float, gauge(
         "The disk tier's measured read rate while reading (bytes per second; 0 until measured).",
         "kv_tier_disk_read_bytes_per_second")] = 0.0
+    # -- host time of requests' scheduler stages, by stage (``radixrelay.scheduler.stages``): read by hand
+    # (labelled metrics ``radixrelay_request_stage_seconds_sum{stage=...}`` / ``_count``) --------------------
+    stage_seconds: Annotated[dict[str, float], apart(
+        "Scheduler host seconds of requests' stages, by stage: match (the radix tree and KV tier lookups of a "
+        "queued request tried for admission), queue (arrival at the scheduler to first admission).")] = {}
+    stage_counts: Annotated[dict[str, int], apart(
+        "Of stage_seconds: the number of times each stage was timed (match: per admission try; queue: per "
+        "request).")] = {}
 
     @property
     def kv_usage(self) -> float:

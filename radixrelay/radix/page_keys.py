@@ -6,12 +6,21 @@ Page ``i`` of a token sequence is keyed by a chained digest:
 position 0 under the same salt and the same model and KV layout (``namespace``), so the lower tiers can
 be content-addressed without a tree of their own, never serve KV across salts, and a disk directory
 reused by a restart with another model or page size never matches (different namespace, different keys).
+
+The bytes hashed for a page are its tokens as native int64 (8 bytes a token), made from the int32 token
+array in one numpy conversion; keys are on disk and in KV events, so this format does not change. What
+is kept cheap is how often a page is hashed: a radix node's keys are computed once in its life and kept
+on it (``path_keys``), and a request hashes only pages past what its tree path holds, as far as a tier
+asks (``radixrelay.scheduler.content_keys``).
 """
 
 from __future__ import annotations
 
-import array
 import hashlib
+
+import numpy as np
+
+from radixrelay.radix.tokens import TokenArray, as_tokens
 
 KEY_BYTES = 16
 
@@ -38,7 +47,8 @@ def path_keys(path, seed: bytes, page_size: int) -> list[bytes]:
     return keys
 
 
-def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], page_size: int, num_pages: int) -> list[bytes]:
+def extend_keys(keys: list[bytes], seed: bytes, token_ids: TokenArray | np.ndarray | list[int], page_size: int,
+                num_pages: int) -> list[bytes]:
     """Append the keys of pages ``len(keys) .. num_pages - 1`` of ``token_ids`` to ``keys`` (in place;
     earlier keys are kept: token lists only grow) and return it. ``num_pages`` whole pages must exist."""
     if num_pages * page_size > len(token_ids):
@@ -46,8 +56,13 @@ def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], page_size:
                          f"tokens, got {len(token_ids)}")
     prev = keys[-1] if keys else seed
     first = len(keys)
-    # the new pages' tokens as int64 bytes in one conversion; each page hashes a slice of them
-    data = memoryview(array.array("q", token_ids[first * page_size:num_pages * page_size]).tobytes())
+    if first >= num_pages:
+        return keys
+    # the new pages' tokens as native int64 bytes in one conversion; each page hashes a slice of them
+    lo, hi = first * page_size, num_pages * page_size
+    tokens = as_tokens(token_ids)[lo:hi] if isinstance(token_ids, (TokenArray, np.ndarray)) else \
+        as_tokens(token_ids[lo:hi])
+    data = memoryview(tokens.astype(np.int64).tobytes())
     step = page_size * 8
     blake2b = hashlib.blake2b
     for j in range(num_pages - first):

@@ -146,6 +146,14 @@ class KVTiers:
             slots.append(entry.slot)
         return slots
 
+    def held_run(self, keys: list[bytes], start: int, stop: int) -> int:
+        """How many of ``keys[start:stop]`` in a row host memory (in any state) or disk holds."""
+        host, disk = self._host, self._disk
+        n = start
+        while n < stop and (keys[n] in host or keys[n] in disk):
+            n += 1
+        return n - start
+
     def fetching_in(self, keys: list[bytes], start: int, stop: int) -> bool:
         """Whether a disk read is in flight for one of ``keys[start:stop]``."""
         return self.fetching_count(keys, start, stop) > 0

@@ -54,7 +54,7 @@ from radixrelay.radix.tiers import KVTiers
 from radixrelay.runtime.audit import PacedAudit
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
-from radixrelay.runtime.token_ids import TokenTable
+from radixrelay.runtime.token_ids import unpack_token_ids
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.text.tokenizer import load_tokenizer
@@ -69,7 +69,7 @@ logger = logging.getLogger("radixrelay.scheduler")
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
                  frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
-                 worker_out: zmq.Socket, vocab_size: int, collector: GcControl, worker_gc: GcStats) -> None:
+                 worker_out: zmq.Socket, collector: GcControl, worker_gc: GcStats) -> None:
         self.scheduler = scheduler
         self.planner = planner            # installed in the scheduler; kept here for its counters
         self.args = args
@@ -80,7 +80,6 @@ class SchedulerLoop:
         self._frontend_msgs = FrameDecoder(FrontendMessage, "frontend -> scheduler", logger)
         self._worker_msgs = FrameDecoder(WorkerMessage, "worker -> scheduler", logger)
         self._live: dict[int, _Pending] = {}
-        self._tokens = TokenTable(vocab_size)   # packed prompt ids -> lists of shared int objects
         self.depth = 1 if args.config.disable_overlap else overlap_depth()
         self._stopping = False
         self.counters = LoopCounters()    # this loop's: written here only
@@ -256,7 +255,7 @@ class SchedulerLoop:
         if self.scheduler.num_waiting >= self.max_queued:
             return reject("queue_full", f"the queue is full ({self.max_queued} waiting requests)")
         try:
-            token_ids = self._tokens.unpack(req.token_ids)
+            token_ids = unpack_token_ids(req.token_ids)         # int32, no Python int per token
             self.scheduler.add_request(req.rid, token_ids, req.sampling, req.cache_salt,
                                        req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs)
         except ValueError as exc:
@@ -389,7 +388,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                                           ready.vocab_size, ready.precision)))
     try:
         return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
-                             ready.vocab_size, collector, GcStats(frozen=ready.gc_frozen)).run()
+                             collector, GcStats(frozen=ready.gc_frozen)).run()
     finally:
         if publisher is not None:
             publisher.close()               # what is queued goes out (bounded), then its thread ends

@@ -38,6 +38,7 @@ from radixrelay.radix.allocator import PageAllocator
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import KVHold, Request
 from radixrelay.scheduler.kv_events import KVEventHook, Publisher
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
@@ -50,11 +51,13 @@ class CacheManager:
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.tree = RadixTree(config.page_size)
+        # content keys of pages, for the tiers and the events alike (computed only when one of them asks)
+        self.keys = ContentKeys(self.tree, config.kv_namespace, use_tree=not config.disable_radix_cache)
         # the lower tiers' coordinator (None: no tiers): saves, promotion's host side, prefetch, acks
-        self.tiers = (TierCoordinator(config, tiers, self.tree)
+        self.tiers = (TierCoordinator(config, tiers, self.tree, self.keys)
                       if tiers is not None and not config.disable_radix_cache else None)
         # KV events: what enters and leaves the tree, for precise routers (None: not published)
-        self.events = (KVEventHook(events, self.tree, config.kv_namespace)
+        self.events = (KVEventHook(events, self.tree, self.keys)
                        if events is not None and not config.disable_radix_cache else None)
         # step ids: the newest planned, the newest whose output was processed (in flight between them)
         self._planned = self._processed = -1
@@ -142,14 +145,14 @@ class CacheManager:
 
     def missing_modules(self, req: Request) -> list[ModuleSpan]:
         """The spans of a modular request that the tree does not hold whole."""
-        return [span for span in req.modules
-                if self.tree.peek_prefix(span.token_ids, span.key)[1] < len(span.token_ids)]
+        return [span for span, ids in zip(req.modules, req.module_ids, strict=True)
+                if self.tree.peek_prefix(ids, span.key)[1] < len(ids)]
 
     def lock_modules(self, req: Request) -> list[ModuleSpan]:
         """Attach the cached spans of modular ``req`` (holding nothing) as its shared pages, each path
         locked. Returns the spans missing (then nothing is attached or locked)."""
-        found = [self.tree.match_prefix(span.token_ids, span.key) for span in req.modules]
-        missing = [span for span, m in zip(req.modules, found) if m.num_tokens < len(span.token_ids)]
+        found = [self.tree.match_prefix(ids, span.key) for span, ids in zip(req.modules, req.module_ids, strict=True)]
+        missing = [span for span, ids, m in zip(req.modules, req.module_ids, found) if m.num_tokens < len(ids)]
         if missing:
             return missing
         hold = req.hold
@@ -300,11 +303,11 @@ class CacheManager:
         if tiers is None or req.modules or req.reusable_prefix // ps <= req.hold.num_shared_pages:
             return 0
         limit = req.reusable_prefix // ps
-        promoted = self._promote_run(req, tiers.page_keys(req, limit), 0, limit)
+        promoted = self._promote_run(req, 0, limit)
         # pages before shifted_at are the previous sequence's own (same keys): promoted above
         if req.shifted_prefix and req.shifted_at // ps <= req.hold.num_shared_pages < limit:
             off = len(req.shifted_prefix) // ps
-            promoted += self._promote_run(req, tiers.shifted_keys(req, off + limit), off, limit)
+            promoted += self._promote_run(req, off, limit)
         return promoted
 
     def load_early(self, req: Request, max_pages: int) -> int:
@@ -328,20 +331,21 @@ class CacheManager:
             limit = req.reusable_prefix // ps
             if limit <= req.hold.num_shared_pages:
                 return 0
-            return self._promote_run(req, tiers.page_keys(req, limit), 0, limit, max_pages, early=True)
+            return self._promote_run(req, 0, limit, max_pages, early=True)
         finally:
             self.unlock(req)
 
-    def _promote_run(self, req: Request, keys: list[bytes], off: int, limit: int, max_pages: int | None = None,
+    def _promote_run(self, req: Request, off: int, limit: int, max_pages: int | None = None,
                      early: bool = False) -> int:
-        """Promote the host pages ``keys[off + have : off + limit]`` (the first ``max_pages`` of them) as
-        ``req``'s pages ``have .. limit - 1`` (``have``: its shared pages); ``off`` pages of offset are
-        loaded with their keys rotated by ``-off * page_size`` positions."""
+        """Promote the host pages of ``req``'s pages ``have .. limit - 1`` (``have``: its shared pages; the
+        first ``max_pages`` of them) that host memory holds in a row; ``off`` > 0: those of a truncated
+        prompt's previous sequence, ``off`` pages further on, loaded with their keys rotated by
+        ``-off * page_size`` positions."""
         tiers, ps, hold = self.tiers, self.page_size, req.hold
         have = hold.num_shared_pages
-        slots = tiers.host_run(keys, off + have, off + limit)
+        keys, slots = tiers.host_run(req, off + have, off + limit, off)
         if max_pages is not None:
-            slots = slots[:max_pages]
+            keys, slots = keys[:max_pages], slots[:max_pages]
         if not slots:
             return 0
         pages = self.alloc(len(slots), cooling=not early)
@@ -355,11 +359,12 @@ class CacheManager:
             raise AssertionError(f"request {req.rid}: promotion found {existing} tokens cached, "
                                  f"expected {have * ps}")
         node = self.tree.match_prefix(req.token_ids, req.salt, start, length=n).node
+        if not off and node.page_keys is None and len(node.pages) == len(keys):
+            node.page_keys = list(keys)          # the new node's content keys: the ones just looked up
         self.tree.lock(node)
         if hold.lock_node is not None:
             self.tree.unlock(hold.lock_node)
-        tiers.load(keys[off + have:off + have + len(slots)], pages, shift=-off * ps, start_now=self.cool(pages),
-                   early=early)
+        tiers.load(keys, pages, shift=-off * ps, start_now=self.cool(pages), early=early)
         hold.pages = hold.pages[:have] + pages
         hold.lock_node = node
         hold.num_shared_pages = have + len(slots)

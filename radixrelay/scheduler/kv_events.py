@@ -2,8 +2,10 @@
 radix tree and of what eviction takes out of it, handed to a ``KVEventPublisher`` (which never blocks).
 
 Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the
-request's salt): a request's are kept on it (``Request.page_keys``, shared with the tiers), a node's on
-the node (``RadixNode.page_keys``), so a prefix is hashed once whichever needs it first.
+request's salt), from the same ``ContentKeys`` as the tiers': a node's kept on the node
+(``RadixNode.page_keys``), a request's on it (``Request.page_keys``, its tree path's read off the nodes), so
+a prefix is hashed once whichever needs it first, and a request over a cached prefix hashes only its own
+new pages.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from radixrelay.radix.page_keys import chain_seed, extend_keys, path_keys
 from radixrelay.radix.tree import RadixNode, RadixTree
+from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import Request
 
 LOAD_EVERY_S = 1.0             # load events at most this often
@@ -26,26 +28,19 @@ class Publisher(Protocol):
 
 
 class KVEventHook:
-    def __init__(self, publisher: Publisher, tree: RadixTree, namespace: str) -> None:
+    def __init__(self, publisher: Publisher, tree: RadixTree, keys: ContentKeys) -> None:
         self.publisher = publisher
         self.tree = tree
         self.page_size = tree.page_size
-        self.namespace = namespace
-        self._seeds: dict[str | None, bytes] = {}
+        self.keys = keys
         self._load_at = 0.0
         tree.on_evict = self._evicted
-
-    def _seed(self, salt: str | None) -> bytes:
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = self._seeds[salt] = chain_seed(self.namespace, salt)
-        return seed
 
     def stored(self, req: Request, num_pages: int) -> None:
         """``req``'s first ``num_pages`` whole pages are in the tree; those not yet told are published."""
         if num_pages <= req.events_told:
             return
-        keys = extend_keys(req.page_keys, self._seed(req.salt), req.token_ids, self.page_size, num_pages)
+        keys = self.keys.ensure(req, num_pages)
         self.publisher.stored(keys[req.events_told:num_pages])
         req.events_told = num_pages
 
@@ -56,7 +51,8 @@ class KVEventHook:
         while node.parent is not None:
             path.append(node)
             node = node.parent
-        path_keys(reversed(path), self._seed(node.salt), self.page_size)     # fills the nodes' page_keys
+        path.reverse()
+        self.keys.of_path(path, node.salt)          # fills the nodes' page_keys
         self.publisher.removed(list(leaf.page_keys))
 
     def cleared(self) -> None:

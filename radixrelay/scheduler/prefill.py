@@ -15,6 +15,7 @@ request fits the whole cache alone: ``Scheduler.add_request`` checks it).
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.policy import order_waiting
 from radixrelay.scheduler.request import Phase, Request
+from radixrelay.scheduler.stages import StageTimes
 
 
 @dataclass
@@ -39,6 +41,7 @@ class PrefillManager:
         self.cache = cache
         self.hit_tokens = 0          # cumulative prompt tokens served from cache (first admission)
         self.prompt_tokens = 0       # cumulative prompt tokens of first admissions
+        self.stages = StageTimes()   # host time of the match and queue stages (written here only)
 
     def reserve_pages(self, req: Request) -> int:
         """Pages ``req`` may still need for decode growth, scaled by the reservation ratio."""
@@ -63,20 +66,24 @@ class PrefillManager:
                      for r in running if not r.prefill_committed}
         tiers = self.cache.tiers
         extend = tiers.host_extension if tiers is not None else None
+        stages = self.stages
         for req in order_waiting(waiting, self.cache.tree, self.config, extend):
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
+            start = time.perf_counter()
             if req.modules:         # waits (in the queue) until its spans are all cached
                 missing = self.cache.lock_modules(req)
                 if missing:
+                    stages.add("match", time.perf_counter() - start)
                     out.missing.extend(missing)
                     continue
             else:
                 waits, near = self._waits_for_shared_prefill(req, computing)
                 if waits or (tiers is not None and tiers.waits_for_fetch(req)):
+                    stages.add("match", time.perf_counter() - start)
                     continue
                 self.cache.match_and_lock(req, near)
-            if not self._admit(req, reserved if running or out.admitted else None):
+            if not self._admit(req, reserved if running or out.admitted else None, start):
                 break
             out.admitted.append(req)
             computing.add(self._next_page_key(req, req.hold.kv_len))
@@ -101,7 +108,7 @@ class PrefillManager:
         """What identifies the first page ``req`` computes past its ``cached`` prefix: requests
         with the same key would compute the same KV."""
         ps = self.config.page_size
-        return req.salt, cached, tuple(req.token_ids[cached:cached + ps])
+        return req.salt, cached, req.token_ids.array[cached:cached + ps].tobytes()
 
     def _waits_for_shared_prefill(self, req: Request, computing: set[tuple]) -> tuple[bool, RadixNode | None]:
         """True when a running request is computing the page ``req`` would compute next: ``req``
@@ -121,16 +128,21 @@ class PrefillManager:
             return False, node                # less than a page left to share
         return self._next_page_key(req, cached) in computing, node
 
-    def _admit(self, req: Request, reserved: int | None) -> bool:
-        """Allocate for ``req`` (its cached prefix matched and locked); False (holding nothing) when it
-        does not fit."""
+    def _admit(self, req: Request, reserved: int | None, match_start: float) -> bool:
+        """Allocate for ``req`` (its cached prefix matched and locked since ``match_start``, a
+        ``perf_counter`` time); False (holding nothing) when it does not fit."""
         cache = self.cache
         need = self.config.pages_for(len(req.token_ids)) - len(req.hold.pages)
         margin = 0 if reserved is None else reserved + self.reserve_pages(req)
         if need + margin > cache.available_pages:
             cache.unlock(req)
+            self.stages.add("match", time.perf_counter() - match_start)
             return False
         need -= cache.promote(req)             # pages host memory holds: loaded, not computed
+        now = time.perf_counter()
+        self.stages.add("match", now - match_start)
+        if req.cached_tokens is None:
+            self.stages.add("queue", now - req.arrived_s)
         added = cache.add_pages(req, need)
         assert added  # need <= available_pages
         req.phase = Phase.RUNNING

@@ -6,7 +6,9 @@ the KV it holds while running is its ``hold`` (``KVHold``), written only by the 
 (``radixrelay.scheduler.cache``; ``tests/scheduler/test_kv_owner.py`` checks it).
 
 Index ranges of one request (``L = len(token_ids)``):
-- ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs;
+- ``token_ids``: ``[0, num_prompt)`` prompt, ``[num_prompt, L)`` sampled outputs; a ``TokenArray`` (one
+  int32 buffer, ``radixrelay.radix.tokens``: no Python object per prompt token; indexing gives ints,
+  slices lists, ``token_ids.array`` the int32 view the radix tree and the content keys read);
 - KV: ``hold.kv_committed`` and ``hold.kv_len`` (``KVHold`` states their ranges and the pages');
 - sampled tokens: ``token_ids`` holds those the host knows; ``num_pending`` more are sampled by
   steps in flight (overlap scheduling: the device feeds them to the next step itself);
@@ -31,7 +33,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from radixrelay.protocol.step import ModuleSpan
+from radixrelay.radix.tokens import TokenArray
 from radixrelay.radix.tree import RadixNode
 from radixrelay.sampling_params import SamplingParams
 
@@ -77,7 +82,7 @@ class Phase(enum.Enum):
 @dataclass(eq=False)
 class Request:
     rid: int
-    token_ids: list[int]
+    token_ids: TokenArray                       # a list or an int32 array given is made one (post-init)
     num_prompt: int
     sampling: SamplingParams
     salt: str | None
@@ -89,7 +94,8 @@ class Request:
     num_pending: int = 0                        # tokens sampled by steps in flight
     prefill_len: int = 0                        # tokens known at admission (prefill target)
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
-    # -- KV tiers: content keys of whole pages of token_ids, computed on demand (page_keys.py) --
+    # -- KV tiers and events: content keys of the leading whole pages of token_ids, computed on demand and
+    # kept (``radixrelay.scheduler.content_keys``: the part the radix tree holds is read off its nodes) --
     page_keys: list[bytes] = field(default_factory=list)
     events_told: int = 0                  # leading whole pages KV events said the tree holds (kv_events)
     # Truncated prompt (radix/truncation.py): tokens dropped since the previous truncation point (at
@@ -108,12 +114,19 @@ class Request:
     tree_hint: tuple[RadixNode, int] | None = None
     # -- modular prompt (see the module docstring) ----------------------------------------------
     modules: list[ModuleSpan] = field(default_factory=list)
+    module_ids: list[np.ndarray] = field(default_factory=list)      # each span's token ids, int32 (as modules)
     rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)
     internal: bool = False                      # computes a module span for modular requests
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     module_tokens: int = 0                      # of which module KV (modular prompts)
     num_emitted: int = 0                        # output tokens already handed to the caller
+    # -- host timings (``SchedulerStats.stage_seconds``) --------------------------------------------------
+    arrived_s: float = 0.0                      # time.perf_counter() at add_request
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, TokenArray):
+            self.token_ids = TokenArray(self.token_ids)
 
     @property
     def num_outputs(self) -> int:

@@ -18,9 +18,11 @@ its pages are reused only by later plans, which the worker runs after the in-fli
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 import msgspec
+import numpy as np
 from dataclasses import dataclass
 
 from radixrelay.protocol.kv import KVTransfers
@@ -30,6 +32,7 @@ from radixrelay.protocol.step import (
     AdmittedRequest, ExtendItem, ModuleSpan, PageAppend, StepOutput, StepPlan, needs_all_tokens, needs_outputs,
 )
 from radixrelay.radix.tiers import KVTiers
+from radixrelay.radix.tokens import TokenArray, as_tokens
 from radixrelay.scheduler.kv_events import Publisher
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import audit_kv
@@ -45,6 +48,11 @@ from radixrelay.scheduler.stop import Detokenize, StopChecker
 # An internal request computing a module span: its prompt's KV is the point; the one token sampled
 # (greedy, never reported) ends it.
 _SPAN_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _span_key(salt: str | None, token_ids) -> tuple[str | None, bytes]:
+    """A module span's identity: its cache key (salt) and its tokens' int32 bytes."""
+    return salt, as_tokens(token_ids).tobytes()
 
 
 @dataclass(frozen=True)
@@ -82,12 +90,12 @@ class Scheduler:
         self._arrivals = 0
         self._retractions = 0
         self._cascade: CascadeHook | None = None     # the cascade planner and its path cache
-        self._span_jobs: dict[tuple[str, tuple[int, ...]], int] = {}   # module span -> internal rid
+        self._span_jobs: dict[tuple[str | None, bytes], int] = {}   # module span (_span_key) -> internal rid
         self._internal_rids = 0                      # internal requests count down from -1
 
     # -- public API ----------------------------------------------------------------------------
 
-    def add_request(self, rid: int, token_ids: list[int], sampling: SamplingParams,
+    def add_request(self, rid: int, token_ids: TokenArray | np.ndarray | list[int], sampling: SamplingParams,
                     cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
                     shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
                     rope_runs: list[tuple[int, int]] | None = None) -> None:
@@ -96,10 +104,17 @@ class Scheduler:
         ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` is reused for
         ``token_ids``, re-positioned. ``modules``/``rope_runs``: a modular prompt
         (``radixrelay.modules.compose``; ``token_ids`` begins with the spans' tokens): the spans' KV
-        comes from their own cache entries, computed first where missing."""
+        comes from their own cache entries, computed first where missing. ``token_ids``: any sequence of
+        ids; an int32 array (``radixrelay.runtime.token_ids.unpack_token_ids``) is taken without a Python
+        object per token."""
+        arrived = time.perf_counter()
         if rid in self._requests:
             raise ValueError(f"request {rid} is already live")
-        if not token_ids:
+        try:
+            token_ids = as_tokens(token_ids)
+        except ValueError as exc:
+            raise ValueError(f"request {rid}: {exc}") from None
+        if not len(token_ids):
             raise ValueError(f"request {rid}: empty prompt")
         # KV is needed for every position but the last sampled token's.
         need = self.config.pages_for(len(token_ids) + sampling.max_tokens - 1)
@@ -115,42 +130,49 @@ class Scheduler:
                              f"must be whole pages of {ps} tokens inside the prompt")
         if rid < 0:
             raise ValueError(f"request {rid}: request ids must be >= 0")
-        if modules:
-            self._check_modular(rid, token_ids, modules, rope_runs or [], sampling)
-        req = Request(rid, list(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
+        module_ids = self._check_modular(rid, token_ids, modules, rope_runs or [], sampling) if modules else []
+        req = Request(rid, TokenArray(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
         req.shifted_prefix, req.shifted_at = list(shifted_prefix or ()), shifted_at
-        req.modules, req.rope_runs = list(modules or ()), list(rope_runs or ())
+        req.modules, req.rope_runs, req.module_ids = list(modules or ()), list(rope_runs or ()), module_ids
+        req.arrived_s = arrived
         self._arrivals += 1
         self._requests[rid] = req
         for span in self.cache.missing_modules(req):
             self._compute_span(span)
         self._waiting.append(req)
 
-    def _check_modular(self, rid: int, token_ids: list[int], modules: list[ModuleSpan],
-                       rope_runs: list[tuple[int, int]], sampling: SamplingParams) -> None:
+    def _check_modular(self, rid: int, token_ids: np.ndarray, modules: list[ModuleSpan],
+                       rope_runs: list[tuple[int, int]], sampling: SamplingParams) -> list[np.ndarray]:
+        """The spans' token ids as int32 arrays, once the modular request checks out."""
         ps = self.config.page_size
-        head = [t for span in modules for t in span.token_ids]
         if self.config.disable_radix_cache:
             raise ValueError(f"request {rid}: modular prompts need the radix cache")
         if any(not span.token_ids or len(span.token_ids) % ps for span in modules):
             raise ValueError(f"request {rid}: every module span must be whole pages of {ps} tokens")
-        if len(token_ids) <= len(head) or token_ids[:len(head)] != head:
+        try:
+            ids = [as_tokens(span.token_ids) for span in modules]
+        except ValueError as exc:
+            raise ValueError(f"request {rid}: a module span's {exc}") from None
+        head = np.concatenate(ids)
+        if len(token_ids) <= len(head) or not np.array_equal(token_ids[:len(head)], head):
             raise ValueError(f"request {rid}: a modular prompt's tokens must be its spans' tokens, then new text")
         if sampling.prompt_logprobs is not None:
             raise ValueError(f"request {rid}: prompt logprobs are not available for modular prompts")
         if any(not isinstance(i, int) or i < 0 for i, _ in rope_runs):
             raise ValueError(f"request {rid}: malformed rope_runs")
+        return ids
 
     def _compute_span(self, span: ModuleSpan) -> None:
         """Queue an internal request that computes ``span``'s KV into the tree (once per span at a time),
         ahead of the requests waiting for it."""
-        key = (span.key, tuple(span.token_ids))
+        key = _span_key(span.key, span.token_ids)
         if key in self._span_jobs:
             return
         self._internal_rids -= 1
         rid = self._internal_rids
-        child = Request(rid, list(span.token_ids), len(span.token_ids), _SPAN_SAMPLING, span.key, self._arrivals)
+        child = Request(rid, TokenArray(span.token_ids), len(span.token_ids), _SPAN_SAMPLING, span.key, self._arrivals)
         child.rope_runs, child.internal = list(span.rope_runs), True
+        child.arrived_s = time.perf_counter()
         self._arrivals += 1
         self._requests[rid] = child
         self._span_jobs[key] = rid
@@ -332,7 +354,7 @@ class Scheduler:
             batch = {id(r): r for r in [*(e.req for e in step.extends), *step.decodes]}
             failed = [self._finish(r, "abort", error=out.error) for r in batch.values()
                       if self._running.get(r.rid) is r]
-            spans = {(r.salt, tuple(r.token_ids[:r.num_prompt])) for r in batch.values() if r.internal}
+            spans = {_span_key(r.salt, r.token_ids.array[:r.num_prompt]) for r in batch.values() if r.internal}
             if spans:                          # requests waiting for a span that failed fail too
                 failed += self._fail_waiting(spans, out.error)
             return [u for u in failed if u.rid >= 0]
@@ -380,7 +402,8 @@ class Scheduler:
             kv_used_pages=alloc.num_pages - self.cache.num_free_pages,
             cached_tokens=tree.cached_tokens, evictable_tokens=tree.evictable_tokens,
             locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
-            prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions)
+            prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions,
+            stage_seconds=dict(self._prefill.stages.seconds), stage_counts=dict(self._prefill.stages.counts))
 
     def audit(self, integrity: bool = True) -> KVAudit:
         """Who holds the KV pages and radix locks, and (``integrity``) ``check_integrity``'s verdict; without
@@ -454,7 +477,7 @@ class Scheduler:
         del self._running[req.rid]
         self._forget_path(req.rid)
         if req.internal:
-            self._span_jobs.pop((req.salt, tuple(req.token_ids[:req.num_prompt])), None)
+            self._span_jobs.pop(_span_key(req.salt, req.token_ids.array[:req.num_prompt]), None)
         self._finished.append((req, error is None))      # released by ``release_finished``
         return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
 
@@ -462,9 +485,9 @@ class Scheduler:
         if self._cascade is not None:
             self._cascade.forget(rid)
 
-    def _fail_waiting(self, spans: set[tuple[str | None, tuple[int, ...]]], error: str) -> list[RequestUpdate]:
+    def _fail_waiting(self, spans: set[tuple[str | None, bytes]], error: str) -> list[RequestUpdate]:
         waiting = [r for r in self._waiting
-                   if any((s.key, tuple(s.token_ids)) in spans for s in r.modules)]
+                   if any(_span_key(s.key, ids) in spans for s, ids in zip(r.modules, r.module_ids))]
         for req in waiting:
             self._waiting.remove(req)
             del self._requests[req.rid]

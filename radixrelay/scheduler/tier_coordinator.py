@@ -2,8 +2,10 @@
 and disk, content-addressed by page keys).
 
 What it does, and who asks:
-- content keys of a request's pages (``page_keys``, ``shifted_keys``), the part the radix tree caches
-  kept on its nodes, so a long shared prefix is hashed once;
+- content keys of a request's pages (``page_keys``, ``shifted_keys``: ``ContentKeys``, shared with the KV
+  events), the part the radix tree caches kept on its nodes, so a long shared prefix is hashed once; host
+  memory and disk are looked up page by page past the device match, with keys asked for in growing runs
+  (``_held_until``), so a lookup hashes the pages a tier holds (and a few more), not the whole prompt;
 - saves (``save``, from the cache manager when pages enter the tree): the pages host memory lacks are
   copied there once; the path's end node stays locked until the worker acknowledges the copy
   (``take_transfers`` sends it with a step, ``on_acks`` unlocks), so device eviction never waits;
@@ -22,22 +24,26 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from collections.abc import Callable
+
 from radixrelay.protocol.kv import KVAcks, KVTransfers
-from radixrelay.radix.page_keys import chain_seed, extend_keys, path_keys
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.tier_costs import TierCosts
 
+FIRST_RUN_PAGES = 4      # a lookup past the device match hashes this many pages first, then 4x as many each time
+
 
 class TierCoordinator:
-    def __init__(self, config: SchedulerConfig, store: KVTiers, tree: RadixTree) -> None:
+    def __init__(self, config: SchedulerConfig, store: KVTiers, tree: RadixTree, keys: ContentKeys) -> None:
         self.config = config
         self.page_size = config.page_size
         self.store = store                                   # the tier state machine
         self.tree = tree
-        self._seeds: dict[str | None, bytes] = {}
+        self.keys = keys                                     # content keys (shared with the KV events)
         self._save_locks: list[RadixNode] = []              # locked for saves not yet sent
         self._locks_by_step: dict[int, list[RadixNode]] = {}  # locked for saves sent with a step
         # this step's saves (``save``): node id -> KVTiers.epoch at which all its keys were in host memory,
@@ -53,44 +59,46 @@ class TierCoordinator:
     # -- content keys ------------------------------------------------------------------------------
 
     def page_keys(self, req: Request, num_pages: int) -> list[bytes]:
-        """Content keys of ``req``'s first ``num_pages`` whole pages (cached on the request). The part
-        of them the device tree caches comes off its nodes (``_node_keys``): a long shared prefix is
-        hashed once, not once per request that asks."""
-        if not req.page_keys and num_pages and not self.config.disable_radix_cache:
-            hint, _ = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
-                                             length=num_pages * self.page_size)
-            if hint is not None:
-                req.page_keys = self._node_keys(req, hint[0])
-        keys = extend_keys(req.page_keys, self._seed(req), req.token_ids, self.page_size, num_pages)
-        return keys if len(keys) == num_pages else keys[:num_pages]
-
-    def _node_keys(self, req: Request, node: RadixNode, path: list[RadixNode] | None = None) -> list[bytes]:
-        """Content keys of the pages of the tree path root -> ``node`` (a prefix of ``req``'s tokens),
-        kept on the nodes (``RadixNode.page_keys``), computed where a node has none yet. ``path``: that
-        path (``RadixTree.path(node)``) if the caller has it."""
-        return path_keys(self.tree.path(node) if path is None else path, self._seed(req), self.page_size)
+        """Content keys of ``req``'s first ``num_pages`` whole pages (``ContentKeys.of``)."""
+        return self.keys.of(req, num_pages)
 
     def shifted_keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of the first ``num_pages`` whole pages of a truncated prompt's previous
-        sequence (``Request.shifted_prefix``, ``radixrelay.radix.truncation``)."""
-        if len(req.shifted_keys) < num_pages:
-            at = req.shifted_at
-            previous = req.token_ids[:at] + req.shifted_prefix + req.token_ids[at:]
-            extend_keys(req.shifted_keys, self._seed(req), previous, self.page_size, num_pages)
-        return req.shifted_keys[:num_pages]
+        sequence (``ContentKeys.shifted``)."""
+        return self.keys.shifted(req, num_pages)
 
-    def _seed(self, req: Request) -> bytes:
-        seed = self._seeds.get(req.salt)
-        if seed is None:
-            seed = self._seeds[req.salt] = chain_seed(self.config.kv_namespace, req.salt)
-        return seed
+    def _held_until(self, req: Request, first: int, stop: int,
+                    count: Callable[[list[bytes], int, int], int]) -> tuple[list[bytes], int]:
+        """(keys, n): ``req``'s pages ``[first, n)`` are the run from ``first`` (before ``stop``) that
+        ``count(keys, start, stop)`` (how many of ``keys[start:stop]`` in a row a tier holds) finds held;
+        ``keys`` holds at least their keys. Keys are asked for in runs of 4, 16, 64, ... pages, so a
+        lookup hashes at most the held pages plus a few and ~4x their number, never the rest of the prompt."""
+        n, run, keys = first, FIRST_RUN_PAGES, req.page_keys
+        while n < stop:
+            end = min(stop, n + run)
+            keys = self.keys.ensure(req, end)
+            n += count(keys, n, end)
+            if n < end:
+                break
+            run *= 4
+        return keys, n
+
+    def _host_count(self, keys: list[bytes], start: int, stop: int) -> int:
+        return len(self.store.host_run(keys, start, stop))
 
     # -- promotion (``CacheManager.promote``) ----------------------------------------------------------
 
-    def host_run(self, keys: list[bytes], start: int, stop: int) -> list[int]:
-        """Host slots of ``keys[start:stop]``, in order, up to the first key host memory cannot load
-        from (``KVTiers.host_run``)."""
-        return self.store.host_run(keys, start, stop)
+    def host_run(self, req: Request, start: int, stop: int, off: int = 0) -> tuple[list[bytes], list[int]]:
+        """The keys and host slots of ``req``'s pages ``[start, stop)`` that host memory can load from,
+        in order, up to the first it cannot (``KVTiers.host_run``). ``off``: pages of a truncated prompt's
+        previous sequence (``shifted_keys``) offset by that many pages instead."""
+        if off:
+            keys = self.shifted_keys(req, stop)
+            slots = self.store.host_run(keys, start, stop)
+        else:
+            keys, end = self._held_until(req, start, stop, self._host_count)
+            slots = self.store.host_run(keys, start, end)
+        return keys[start:start + len(slots)], slots
 
     def load(self, keys: list[bytes], pages: list[int], shift: int, start_now: bool = False,
              early: bool = False) -> None:
@@ -119,8 +127,8 @@ class TierCoordinator:
         if matched // ps >= limit or req.modules:
             return 0
         if req.host_hint is None or req.host_hint[0] != matched:
-            found = len(self.store.host_run(self.page_keys(req, limit), matched // ps, limit)) * ps
-            req.host_hint = (matched, found)
+            _, end = self._held_until(req, matched // ps, limit, self._host_count)
+            req.host_hint = (matched, end * ps - matched)
         return req.host_hint[1]
 
     def waits_for_fetch(self, req: Request) -> bool:
@@ -152,19 +160,22 @@ class TierCoordinator:
         if not store.has_disk and store.num_free_slots * 8 > store.host_pages:
             store.protect(set())      # host memory far from full: no eviction to steer, skip the scan
             return
+        # per request, the run of pages past its device match that host memory or disk holds: keys asked
+        # for as far as that run goes (``_held_until``), not for the whole prompt
         chains: list[tuple[list[bytes], int, int]] = []
         for req in window:
             limit = req.reusable_prefix // self.page_size
             if limit <= 0 or req.modules:     # a modular request's spans are prefetched by their own
                 continue
-            keys = self.page_keys(req, limit)
             req.tree_hint, cached = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
                                                            length=limit * self.page_size)
-            chains.append((keys, cached // self.page_size, limit))
+            first = cached // self.page_size
+            keys, held = self._held_until(req, first, limit, store.held_run)
+            chains.append((keys, first, held))
             if req.shifted_prefix:      # a truncated prompt: its previous sequence's pages too
                 off = len(req.shifted_prefix) // self.page_size
-                chains.append((self.shifted_keys(req, off + limit), off + cached // self.page_size, off + limit))
-        window_keys = {k for keys, first, _ in chains for k in keys[first:]}
+                chains.append((self.shifted_keys(req, off + limit), off + first, off + limit))
+        window_keys = {k for keys, first, stop in chains for k in keys[first:stop]}
         store.protect(window_keys if store.policy == "scheduler" else set())   # this window's, not the last one's
         if store.has_disk:
             min_pages = -(-self.config.disk_min_tokens // self.page_size)
@@ -192,7 +203,7 @@ class TierCoordinator:
         if not pages:
             return
         path = self.tree.path(node)
-        keys = self._node_keys(req, node, path)
+        keys = self.keys.of_path(path, req.salt)
         if len(keys) != len(pages):       # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
         known = 0

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from radixrelay.kv_events import KVEventIndex, KVEventPublisher
+from radixrelay.router.trust import Trust
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
@@ -38,7 +39,7 @@ def test_the_index_holds_what_the_tree_holds(store):
     publisher = KVEventPublisher(store.url, name, NS, PS)
     sched = Scheduler(SchedulerConfig(kv_cache_tokens=64, page_size=PS, kv_namespace=NS), events=publisher)
     worker = FakeWorker(PS, sched.config.num_pages)
-    index = KVEventIndex(store.url)
+    index = KVEventIndex(store.url, trust=Trust(given=frozenset({name})))     # the router believes this replica
     try:
         first = list(range(1, 27))                     # 26 tokens + 4 outputs -> 7 whole pages computed
         sched.add_request(1, first, SamplingParams(max_tokens=5))
