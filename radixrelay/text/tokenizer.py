@@ -18,6 +18,10 @@ once the text is known to have more than ``n`` tokens: at once when it has more 
 ``n`` tokens can spell, else after encoding about ``n`` tokens (backends that chunk; the others
 encode the whole text). ``encode_ends`` counts a text's tokens but keeps only its first and last
 ones (what left truncation serves), in memory bounded by what it keeps.
+
+``encode_array`` is ``encode`` as an int32 numpy array, what frontends send to the scheduler packed:
+with a ``tokenizers`` backend a text whose prefix the encode cache remembers never becomes a Python
+int per id (a slice of the remembered ids, the tail encoded, one copy).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, overload
 
+import numpy as np
 import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -38,6 +44,9 @@ from radixrelay.gguf_file import read_metadata
 from radixrelay.text.encode_cache import ChunkedEncoder
 
 logger = logging.getLogger(__name__)
+# encode_array with a bound: texts up to this many characters per allowed token are encoded whole (English
+# runs ~4-5 characters a token), longer ones in parts that stop once the bound is passed.
+ARRAY_CHARS_PER_TOKEN = 4
 
 
 class TooManyTokens(ValueError):
@@ -88,6 +97,7 @@ class TokenizerBackend(Protocol):
     max_chars_per_token: int | None   # no token spells more characters (None: not known)
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_array(self, text: str) -> array[int]: ...     # encode(text) packed: array('I'), the caller's
     def parts(self, text: str) -> Iterator[list[int]]: ...   # encode(text) in consecutive parts
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -108,6 +118,9 @@ class HFBackend:
 
     def encode(self, text: str) -> list[int]:
         return self.encoder.encode(text)
+
+    def encode_array(self, text: str) -> array[int]:
+        return self.encoder.encode_array(text)
 
     def parts(self, text: str) -> Iterator[list[int]]:
         return self.encoder.parts(text)
@@ -155,6 +168,9 @@ class SentencePieceBackend:
 
     def parts(self, text: str) -> Iterator[list[int]]:
         yield self.encode(text)
+
+    def encode_array(self, text: str) -> array[int]:
+        return array("I", self.encode(text))
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
@@ -257,6 +273,29 @@ class Tokenizer:
                 raise TooManyTokens(max_tokens)
         return ids
 
+    def encode_array(self, text: str, add_special_tokens: bool = True, *,
+                     max_tokens: int | None = None) -> np.ndarray:
+        """``encode`` as int32 [n] (BOS first when the model adds one), the caller's own. With
+        ``max_tokens``: ``TooManyTokens`` as ``encode`` raises it; a text of more than
+        ``ARRAY_CHARS_PER_TOKEN * max_tokens`` characters is encoded in parts, stopping early, so
+        what is held stays proportional to ``max_tokens`` whatever the text's length."""
+        bos = self._bos(add_special_tokens)
+        if max_tokens is not None:
+            most = self._backend.max_chars_per_token
+            if most is not None and len(text) > (max_tokens - len(bos)) * most:
+                raise TooManyTokens(max_tokens)
+            if len(text) > ARRAY_CHARS_PER_TOKEN * max_tokens:
+                return np.asarray(self.encode(text, add_special_tokens, max_tokens=max_tokens), dtype=np.int32)
+        packed = np.frombuffer(self._backend.encode_array(text), dtype=np.uint32)   # [n]: ids < 2**31
+        if max_tokens is not None and len(bos) + len(packed) > max_tokens:
+            raise TooManyTokens(max_tokens)
+        if not bos:
+            return packed.view(np.int32)
+        out = np.empty(len(bos) + len(packed), dtype=np.int32)
+        out[:len(bos)] = bos
+        out[len(bos):] = packed
+        return out
+
     def encode_ends(self, text: str, add_special_tokens: bool = True, *, head: int,
                     tail: int) -> list[int] | TokenEnds:
         """``encode(text)``, or when it has more than ``head + tail`` ids, a ``TokenEnds`` holding
@@ -284,7 +323,9 @@ class Tokenizer:
             return [self.bos_token_id]
         return []
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
         return self._backend.decode(ids, skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
