@@ -25,11 +25,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Truncated:
     ids: Sequence[int]                  # the prompt to serve (the original when nothing was dropped): a list,
-                                        # or the Engine's validated numpy array of ids (sent packed)
+                                        # or a frontend's validated int32 numpy array of ids (sent packed)
     dropped: int = 0                    # tokens dropped after the head
     shifted_prefix: list[int] = field(default_factory=list)   # dropped since the previous point
     shifted_at: int = 0                 # where ``shifted_prefix`` was (the kept head's length)
@@ -58,9 +60,10 @@ class Truncation:
         ps = self.page_size
         return -(-math.ceil(self.ratio * self.context) // ps) * ps
 
-    def apply(self, ids: list[int], max_tokens: int) -> Truncated:
-        """The prompt to serve so that ``len(ids) + max_tokens`` fits the context. Raises
-        ``ValueError`` when no whole number of chunks makes it fit (``max_tokens`` too large)."""
+    def apply(self, ids: Sequence[int] | np.ndarray, max_tokens: int) -> Truncated:
+        """The prompt to serve so that ``len(ids) + max_tokens`` fits the context (an array stays an array,
+        a list a list). Raises ``ValueError`` when no whole number of chunks makes it fit (``max_tokens`` too
+        large)."""
         limit = self.context - max_tokens
         if len(ids) <= limit:
             return Truncated(ids)
@@ -71,4 +74,7 @@ class Truncation:
             raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
                              f"dropping the oldest tokens in chunks of {chunk} cannot make it fit "
                              f"the context of {self.context} tokens")
-        return Truncated(ids[:head] + ids[head + drop:], drop, ids[head + drop - chunk:head + drop], head)
+        shifted = ids[head + drop - chunk:head + drop]
+        if isinstance(ids, np.ndarray):
+            return Truncated(np.concatenate((ids[:head], ids[head + drop:])), drop, shifted.tolist(), head)
+        return Truncated(ids[:head] + ids[head + drop:], drop, shifted, head)
