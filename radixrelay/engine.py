@@ -7,9 +7,12 @@ Prompt modules (``radixrelay.modules``, opt-in): ``engine.register_schema(pml)``
 ``engine.generate(prompts, params, prompt_schema=name)`` then takes prompts written against it (PML
 text, a JSON-style dict, or a ``modules.Prompt``), served from the modules' cached KV.
 
-The Engine is a frontend like the HTTP server: it tokenizes, submits requests to the scheduler
-process over ZMQ (``SyncRuntimeClient``), and detokenizes the token updates that come back. Leaving
-the ``with`` block (or ``close()``) stops the child processes.
+The Engine is a frontend like the HTTP server: its prompts take the server's admission path
+(``radixrelay.admission``: encoding or checking token ids, context fitting, truncation; a refusal is
+an ``AdmissionError``, a ``ValueError`` with the message the server's 400 carries), it submits them to
+the scheduler process over ZMQ (``SyncRuntimeClient``, ids packed), and detokenizes the token updates
+that come back incrementally, each token once (``OutputAssembler``). Leaving the ``with`` block (or
+``close()``) stops the child processes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from radixrelay import modules
+from radixrelay.admission import Admission, Budget, Limits
 from radixrelay.config import EngineConfig
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.modules.compose import ComposedPrompt
@@ -39,7 +43,7 @@ from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.text.output_text import OutputAssembler
 from radixrelay.text.tokenizer import load_tokenizer
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | np.ndarray
 SchemaPrompt = str | dict | modules.Prompt
 
 
@@ -66,8 +70,10 @@ class Engine:
         self.max_context = self._client.info.max_context
         self.vocab_size = self._client.info.vocab_size
         self.kv_cache_tokens = self._client.info.kv_cache_tokens
-        self._truncation = (None if self.config.truncation is None else
-                            Truncation(self.config.truncation, self.max_context, self.config.page_size))
+        truncation = (None if self.config.truncation is None else
+                      Truncation(self.config.truncation, self.max_context, self.config.page_size))
+        self._admission = Admission(self.tokenizer, Limits(self.max_context, self.kv_cache_tokens, self.vocab_size,
+                                                           truncation))
         self._rids = itertools.count()
         self._outputs: dict[int, OutputAssembler] = {}
         self._grammars: GrammarEngine | None = None     # built on the first structured output
@@ -187,40 +193,17 @@ class Engine:
 
     def _encode(self, prompt: Prompt | SchemaPrompt, params: SamplingParams, prompt_schema: str | None = None,
                 cache_salt: str | None = None) -> Truncated | ComposedPrompt:
-        """Token ids of ``prompt``, truncated on context overflow with ``truncation`` set; a prompt against
+        """``prompt`` admitted (``radixrelay.admission``): text encoded, token ids checked, either fitted to the
+        context with ``params.max_tokens`` (truncated on overflow with ``truncation`` set); a prompt against
         ``prompt_schema`` composed from its modules (no truncation: its positions are the schema's)."""
+        budget = Budget(params.max_tokens)
         if prompt_schema is not None:
             composed = self.schemas.compose(prompt_schema, prompt, salt=cache_salt)
-            end = max(composed.end_position, len(composed.token_ids))
-            if end + params.max_tokens > self.max_context:
-                raise ValueError(f"prompt against schema {prompt_schema} ends at position {end}; + max_tokens "
-                                 f"({params.max_tokens}) exceeds the model's context of {self.max_context} tokens")
+            self._admission.composed(composed, budget)
             return composed
-        ids: list[int] | np.ndarray
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:                   # checked in numpy and kept as the array: sent packed, no int per token
-            ids = self._checked_ids(prompt)
-        if not len(ids):
-            raise ValueError("empty prompt")
-        if len(ids) + params.max_tokens > self.max_context:
-            if self._truncation is None or params.max_tokens >= self.max_context:
-                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                 f"model's context of {self.max_context} tokens")
-            return self._truncation.apply(ids if isinstance(ids, list) else ids.tolist(), params.max_tokens)
-        return Truncated(ids)
-
-    def _checked_ids(self, prompt: Sequence[int]) -> np.ndarray:
-        """``prompt`` as int64 [n], every id in ``[0, vocab_size)`` (else ValueError); a long prompt is
-        not a Python loop per token."""
-        try:
-            arr = np.fromiter(prompt, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"prompt token ids must be integers: {exc}") from None
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            bad = arr[(arr < 0) | (arr >= self.vocab_size)][:5].tolist()
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad}")
-        return arr
+            return self._admission.text(prompt, budget).prompt
+        return self._admission.token_ids(prompt, budget).prompt          # type: ignore[arg-type]
 
     def _submit(self, prompt: Truncated | ComposedPrompt, params: SamplingParams, cache_salt: str | None) -> int:
         rid = next(self._rids)
@@ -252,11 +235,12 @@ class Engine:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    """One prompt (text; token ids: a 1-D array, or a sequence whose first item is an integer) or several."""
+    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
         return [prompts]
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]                # one prompt given as token ids
+    if items and isinstance(items[0], (int, np.integer)) and not isinstance(items[0], bool):
+        return [items]                # one prompt given as token ids (checked whole by admission)
     return items
 
 

@@ -153,7 +153,7 @@ def test_bad_input_raises_clear_errors(engine):
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="prompt is empty"):
         engine.generate([""], GREEDY)
     with pytest.raises(ValueError, match="out of range"):
         engine.generate([[10**9]], GREEDY)
@@ -162,7 +162,7 @@ def test_bad_input_raises_clear_errors(engine):
     for bad in (["x"], [2**70], [None]):
         with pytest.raises(ValueError, match="must be integers"):
             engine.generate([bad], GREEDY)
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="prompt is empty"):
         engine.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="context"):
         engine.generate(["hi"], SamplingParams(max_tokens=10**6))
