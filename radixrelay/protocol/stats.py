@@ -287,11 +287,20 @@ class CascadeCounters(msgspec.Struct):
 
 
 class FrontendCounters(msgspec.Struct, frozen=True):
-    """The frontend's (the HTTP server's; empty from the ``Engine``), filled in by its runtime client."""
+    """The frontend's (the HTTP server's; empty from the ``Engine``), filled in by its runtime client and
+    the server (its garbage collection, its requests' stages)."""
 
     malformed_frames: Annotated[int, _MALFORMED_FRAMES] = 0
     gc: Annotated[GcStats, part("the frontend process's garbage collection", "frontend_gc_",
                                 "Frontend process")] = GcStats()
+    # -- host time of requests' server stages, by stage (``radixrelay.server.serving``): read by hand, like
+    # the scheduler's (labelled metrics ``radixrelay_request_stage_seconds_sum{stage=...}`` / ``_count``) ----
+    stage_seconds: Annotated[dict[str, float], apart(
+        "Server host seconds of requests' stages, by stage: parse (body read and JSON decode), render (chat "
+        "template), tokenize (encoding or checking token ids, fitting to the context), submit (hand-off to "
+        "the runtime client until sent).")] = {}
+    stage_counts: Annotated[dict[str, int], apart(
+        "Of stage_seconds: the number of requests timed in each stage.")] = {}
 
 
 class RuntimeStats(msgspec.Struct, frozen=True):

@@ -16,9 +16,10 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -33,6 +34,7 @@ from radixrelay.protocol.step import ModuleSpan
 from radixrelay.runtime.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
+from radixrelay.runtime.token_ids import pack_token_ids
 from radixrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger("radixrelay.runtime")
@@ -93,21 +95,26 @@ class AsyncRuntimeClient:
     def info(self) -> RuntimeReady:
         return self._info
 
-    async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
+    async def generate(self, token_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, *,
                        cache_salt: str | None = None, rid: int | None = None,
                        shifted_prefix: list[int] | None = None,
                        shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
-                       rope_runs: list[tuple[int, int]] | None = None) -> AsyncIterator[TokenUpdate]:
-        """``modules``/``rope_runs``: a modular prompt (``radixrelay.modules.compose.ComposedPrompt``)."""
+                       rope_runs: list[tuple[int, int]] | None = None,
+                       on_sent: Callable[[], None] | None = None) -> AsyncIterator[TokenUpdate]:
+        """``token_ids``: a numpy integer array is sent packed (``runtime/token_ids.py``), a list as it
+        is. ``modules``/``rope_runs``: a modular prompt (``radixrelay.modules.compose.ComposedPrompt``).
+        ``on_sent``: called once the request is on its way to the scheduler."""
         self._check_usable()
         rid = next(self._rids) if rid is None else rid
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[rid] = queue
         done = False
         try:
-            await self._outbox.send(self._encode(GenerateRequest(rid, token_ids, sampling, cache_salt,
-                                                                     shifted_prefix or [], shifted_at,
-                                                                     modules or [], rope_runs or [])))
+            await self._outbox.send(self._encode(GenerateRequest(rid, pack_token_ids(token_ids), sampling,
+                                                                 cache_salt, shifted_prefix or [], shifted_at,
+                                                                 modules or [], rope_runs or [])))
+            if on_sent is not None:
+                on_sent()
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

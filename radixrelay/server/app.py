@@ -287,16 +287,22 @@ def build_app(state: ServerState) -> FastAPI:
     cap = state.config.max_body_bytes
 
     async def generate(request: Request, kind: type[oa.ChatCompletionRequest] | type[oa.CompletionRequest]) -> Response:
+        arrived = time.monotonic()
         ctx = state.serving_context()
+        stages: serving.Stages = {}
         try:
             check_json_content_type(request)
-            req = oa.decode_request(await read_body(request, cap), kind)
-            if isinstance(req, oa.ChatCompletionRequest):
-                choices = await until_disconnect(request, serving.chat_choices(ctx, req))
-            else:
-                choices = await until_disconnect(request, serving.completion_choices(ctx, req))
+            try:
+                with serving.timed(stages, "parse"):
+                    req = oa.decode_request(await read_body(request, cap), kind)
+                if isinstance(req, oa.ChatCompletionRequest):
+                    choices = await until_disconnect(request, serving.chat_choices(ctx, req, stages))
+                else:
+                    choices = await until_disconnect(request, serving.completion_choices(ctx, req, stages))
+            finally:
+                state.metrics.observe_stages(stages)
             await until_disconnect(request, serving.check_structured(ctx, req, choices))
-            job = serving.GenerationJob(ctx, choices, req.cache_salt)
+            job = serving.GenerationJob(ctx, choices, req.cache_salt, arrived)
             if req.stream:
                 first = await until_disconnect(request, serving.start_stream(job))
                 if isinstance(req, oa.ChatCompletionRequest):
@@ -375,7 +381,7 @@ def build_app(state: ServerState) -> FastAPI:
         stats = None
         if state.client is not None and state.client.alive and not state.draining:
             stats = await state.client.stats()
-            frontend = msgspec.structs.replace(stats.frontend, gc=state.collector.stats())
+            frontend = state.metrics.frontend(msgspec.structs.replace(stats.frontend, gc=state.collector.stats()))
             stats = msgspec.structs.replace(stats, frontend=frontend)
         info = state.client.info if state.client is not None else None
         return Response(state.metrics.render(stats, info.precision if info is not None else None),

@@ -7,18 +7,26 @@ the scheduler takes for each scrape: pages by holder (free, cached in the radix 
 requests), radix locks, and whether ``check_integrity`` passed. Once traffic has ended a healthy
 server reports ``radixrelay_kv_idle_baseline 1``: no request pages, no locks
 (``radixrelay.scheduler.audit`` defines the baseline).
+
+Host time of a request by stage is one summary without quantiles,
+``radixrelay_request_stage_seconds_sum{stage=...}`` and ``_count{stage=...}``: the server's stages
+(``parse``, ``render``, ``tokenize``, ``submit``: ``radixrelay.server.serving``), observed here and
+reported in ``FrontendCounters``, and any stage the scheduler reports in ``SchedulerStats``
+(``match``, ``queue``: ``radixrelay.scheduler.stages``). A stage's sum over its count is its mean.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from radixrelay.protocol.stats import KVAudit, Reading, RuntimeStats, SchedulerStats, WorkerCounters, readings
+from radixrelay.protocol.stats import (
+    FrontendCounters, KVAudit, Reading, RuntimeStats, SchedulerStats, WorkerCounters, readings,
+)
 
 PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -32,8 +40,10 @@ class _RuntimeCollector(Collector):
     def __init__(self) -> None:
         self.stats: RuntimeStats | None = None
         self.precision: dict[str, str] = {}
+        self.stages: tuple[FrontendCounters | SchedulerStats, ...] = ()   # whose request stages to show
 
     def collect(self) -> Iterator[Metric]:
+        yield from _stage_metrics(self.stages)
         if self.precision:
             info = GaugeMetricFamily(f"{PREFIX}_precision_info", "The precision each part of the model runs in "
                                      "(linear layers, KV cache, attention, embedding / LM head / norms): 1 per part.",
@@ -55,6 +65,25 @@ class _RuntimeCollector(Collector):
         if self.stats.kv_audit is not None:
             yield from _audit_metrics(self.stats.kv_audit)
         yield from _rank_metrics(self.stats.worker)
+
+
+def _stage_metrics(parts: tuple[FrontendCounters | SchedulerStats, ...]) -> Iterator[Metric]:
+    """Request stages of the frontend and of the scheduler (a stage both report adds up), labelled ``stage``."""
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for part in parts:
+        for stage, value in part.stage_seconds.items():
+            seconds[stage] = seconds.get(stage, 0.0) + value
+        for stage, value in part.stage_counts.items():
+            counts[stage] = counts.get(stage, 0) + value
+    family = SummaryMetricFamily(f"{PREFIX}_request_stage_seconds", "Host seconds of requests' stages, by stage: "
+                                 "the server's parse (body read and JSON decode), render (chat template), tokenize "
+                                 "(encoding or checking token ids, fitting to the context), submit (hand-off to the "
+                                 "runtime client until sent); the scheduler's match (radix and KV tier lookups per "
+                                 "admission try), queue (arrival to first admission).", labels=["stage"])
+    for stage in sorted(counts.keys() | seconds.keys()):
+        family.add_metric([stage], counts.get(stage, 0), seconds.get(stage, 0.0))
+    yield family
 
 
 def _rank_metrics(w: WorkerCounters) -> Iterator[Metric]:
@@ -112,19 +141,37 @@ class ServerMetrics:
         self.inter_token = Histogram(f"{PREFIX}_inter_token_latency_seconds",
                                      "Time between consecutive output tokens of a request.",
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # Request stages (``radixrelay.server.serving``), cumulative; the event loop is the one writer.
+        self._stage_seconds: dict[str, float] = {}
+        self._stage_counts: dict[str, int] = {}
+
+    def observe_stages(self, stages: Mapping[str, float]) -> None:
+        """One request's host seconds by stage: each stage's sum grows by them, its count by one."""
+        for stage, seconds in list(stages.items()):      # a copy: a cancelled request's thread may still add
+            self._stage_seconds[stage] = self._stage_seconds.get(stage, 0.0) + seconds
+            self._stage_counts[stage] = self._stage_counts.get(stage, 0) + 1
+
+    def frontend(self, counters: FrontendCounters) -> FrontendCounters:
+        """``counters`` (the runtime client's) with this server's request stages as of now."""
+        return msgspec.structs.replace(counters, stage_seconds=dict(self._stage_seconds),
+                                       stage_counts=dict(self._stage_counts))
 
     def render(self, stats: RuntimeStats | None, precision: dict[str, str] | None = None) -> bytes:
-        """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics;
-        ``precision``: what each part of the model runs in (``radixrelay_precision_info``)."""
+        """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics but this
+        server's request stages; ``precision``: what each part of the model runs in
+        (``radixrelay_precision_info``)."""
         self._runtime.stats = stats
         self._runtime.precision = precision or {}
+        self._runtime.stages = ((self.frontend(FrontendCounters()),) if stats is None
+                                else (stats.frontend, stats.scheduler))
         return generate_latest(self.registry)
 
 
 def counters_table() -> str:
     """Every metric of the runtime's counters structs as a markdown table: name, ``Engine.stats()`` key,
     help (``python -m radixrelay.server.metrics``; docs/metrics.md points here for the full list)."""
-    zero = RuntimeStats(SchedulerStats(*[0] * len(msgspec.structs.fields(SchedulerStats))))
+    required = [f for f in msgspec.structs.fields(SchedulerStats) if f.required]
+    zero = RuntimeStats(SchedulerStats(*[0] * len(required)))
     rows = {}
     for r in readings(zero):
         name = f"{PREFIX}_{r.metric}" + ("_total" if r.kind == "counter" else "")

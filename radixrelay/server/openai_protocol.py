@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
@@ -48,16 +49,23 @@ _PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 
 def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
     """JSON body -> ``kind``; malformed JSON, wrong types, out-of-range values and unsupported
-    fields -> 400 naming the field."""
+    fields -> 400 naming the field. The body is parsed once (``_wire``): the values of unsupported
+    fields and a completion's ``prompt`` are kept raw while the typed fields are decoded, then
+    checked (``refuse_unsupported``) and decoded by type (``decode_prompt``)."""
+    wire = _WIRE[kind]
     try:
-        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])   # top level only
-        refuse_unsupported(fields, UNSUPPORTED[kind.endpoint])
         try:
-            return msgspec.json.decode(body, type=kind)
+            req = msgspec.json.decode(body, type=wire)
         except msgspec.ValidationError as exc:
             if "got `float`" not in str(exc):
                 raise
-            return msgspec.json.decode(_integral_floats_as_ints(fields), type=kind)
+            fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])   # top level only
+            req = msgspec.json.decode(_integral_floats_as_ints(fields), type=wire)
+        refuse_unsupported(req, UNSUPPORTED[kind.endpoint])
+        values = {name: getattr(req, name) for name in kind.__struct_fields__}
+        if "prompt" in values:
+            values["prompt"] = decode_prompt(values["prompt"], schema=req.prompt_schema is not None)
+        return kind(**values)
     except msgspec.ValidationError as exc:
         match = _PATH.search(str(exc))
         raise invalid(f"invalid request: {exc}", match.group(1) if match else None) from None
@@ -70,12 +78,13 @@ def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
         raise invalid("request body is nested too deeply") from None
 
 
-# Integer fields (and the token ids in ``prompt``): JSON Schema counts 4.0 as an integer, and
-# OpenAI's own API and vLLM accept it, so an integral float is read as that integer. Only these
-# fields are touched (``messages`` reach the chat template exactly as sent), and only when the
-# strict decode failed on a float, so a well-formed body is decoded once.
+# Integer fields: JSON Schema counts 4.0 as an integer, and OpenAI's own API and vLLM accept it, so
+# an integral float is read as that integer. Only these fields are touched (``messages`` reach the
+# chat template exactly as sent), and only when the strict decode failed on a float, so a
+# well-formed body is decoded once. The token ids of ``prompt`` follow the same rule, in numpy
+# (``decode_prompt``, ``radixrelay.admission.checked_ids``).
 _INT_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_k", "seed", "logprobs",
-                         "top_logprobs", "stop_token_ids", "prompt"})
+                         "top_logprobs", "stop_token_ids"})
 
 
 def _integral_floats_as_ints(fields: dict[str, msgspec.Raw]) -> bytes:
@@ -179,11 +188,11 @@ UNSUPPORTED: Mapping[Endpoint, Mapping[str, Unsupported]] = {
 }
 
 
-def refuse_unsupported(fields: Mapping[str, msgspec.Raw], table: Mapping[str, Unsupported]) -> None:
-    """400 for the first field of ``table`` present in ``fields`` with a value that does something."""
-    for name, raw in fields.items():
-        unsupported = table.get(name)
-        if unsupported is not None and not unsupported.accepts(msgspec.json.decode(raw)):
+def refuse_unsupported(req: msgspec.Struct, table: Mapping[str, Unsupported]) -> None:
+    """400 for the first field of ``table`` whose raw value in ``req`` (a ``_wire`` struct; ``null``
+    when absent) does something."""
+    for name, unsupported in table.items():
+        if not unsupported.accepts(msgspec.json.decode(getattr(req, name))):
             raise invalid(f"unsupported value for `{name}`: {unsupported.why}", name)
 
 
@@ -324,7 +333,8 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 class CompletionRequest(GenerationRequest, kw_only=True):
     endpoint: ClassVar[Endpoint] = "completions"
     # A string, token ids, or a list of either (``completion_prompts``); with ``prompt_schema``, PML
-    # text or a JSON object prompt, or a list of them (``schema_prompts``).
+    # text or a JSON object prompt, or a list of them (``schema_prompts``). As ``decode_request``
+    # leaves it: token ids are a numpy array each (``decode_prompt``), never a Python int per id.
     prompt: str | list[Any] | dict[str, Any]
     logprobs: TopLogprobs | None = None
     echo: bool = False
@@ -344,24 +354,34 @@ class MessageParam(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """``prompt`` as a list of prompts: a string, token ids, or a list of either (token ids may be
-    integral floats, read as integers like the typed fields)."""
+def _wire(kind: type[GenerationRequest]) -> type[msgspec.Struct]:
+    """``kind`` as ``decode_request`` parses a body: the values of the endpoint's unsupported fields
+    (``null`` when absent) and a completion's ``prompt`` kept raw."""
+    table = UNSUPPORTED[kind.endpoint]
+    if clash := set(table) & set(kind.__struct_fields__):
+        raise TypeError(f"{kind.__name__}: unsupported fields that are fields: {sorted(clash)}")
+    raw: list[tuple[str, type, msgspec.Raw] | tuple[str, type]] = [
+        (name, msgspec.Raw, msgspec.Raw(b"null")) for name in table]
+    if "prompt" in kind.__struct_fields__:
+        raw.append(("prompt", msgspec.Raw))
+    return msgspec.defstruct(f"{kind.__name__}Wire", raw, bases=(kind,), kw_only=True)
+
+
+_WIRE: Mapping[type[GenerationRequest], type[msgspec.Struct]] = {
+    kind: _wire(kind) for kind in (ChatCompletionRequest, CompletionRequest)}
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | np.ndarray]:
+    """``prompt`` (as ``decode_request`` left it) as a list of prompts: texts, or token ids as numpy
+    arrays (checked by ``radixrelay.admission.checked_ids``)."""
     prompt = req.prompt
     if isinstance(prompt, dict):
         raise invalid("prompt: a JSON object prompt needs `prompt_schema` (modular prompt reuse)", "prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, (str, np.ndarray)):
         return [prompt]
-    if prompt and (ids := _token_ids(prompt)) is not None:
-        return [ids]
-    if prompt and all(isinstance(p, str) for p in prompt):
+    if prompt and all(isinstance(p, (str, np.ndarray)) for p in prompt):
         return list(prompt)
-    if prompt and all(isinstance(p, list) and p for p in prompt):
-        lists = [_token_ids(p) for p in prompt]
-        if all(ids is not None for ids in lists):
-            return lists  # type: ignore[return-value]
-    raise invalid("prompt must be a string, a list of token ids, or a non-empty list of either",
-                  "prompt")
+    raise invalid(_NOT_A_PROMPT, "prompt")
 
 
 def schema_prompts(req: CompletionRequest) -> list[str | dict[str, Any]]:
@@ -376,16 +396,59 @@ def schema_prompts(req: CompletionRequest) -> list[str | dict[str, Any]]:
                   "list of them (not token ids)", "prompt")
 
 
-def _token_ids(values: list[Any]) -> list[int] | None:
-    """``values`` as token ids, or None if one is not an integer (``True`` is not)."""
-    ids = []
-    for v in values:
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
-            return None
-        ids.append(v)
-    return ids
+_NOT_A_PROMPT = "prompt must be a string, a list of token ids, or a non-empty list of either"
+_ANY_PROMPT = msgspec.json.Decoder(str | list[Any] | dict[str, Any])
+_TEXT = msgspec.json.Decoder(str)
+_TEXTS = msgspec.json.Decoder(list[str])
+_IDS = msgspec.json.Decoder(list[int])
+_NUMBERS = msgspec.json.Decoder(list[int | float])
+_ID_LISTS = msgspec.json.Decoder(list[list[int]])
+_NUMBER_LISTS = msgspec.json.Decoder(list[list[int | float]])
+_OPENING = re.compile(rb"\s*([\[{\"]?)\s*(.?)", re.S)    # the first character, and the next one's
+
+
+def decode_prompt(raw: msgspec.Raw, *, schema: bool) -> Any:
+    """A completion's raw ``prompt``: with ``prompt_schema`` as JSON has it (``schema_prompts``); else
+    a string, a list of strings, token ids as one numpy array (int64, or float64 where the JSON has a
+    float: ``checked_ids`` takes integral ones), or a list of such arrays, each decoded at C speed by
+    its type (the first characters tell which); a dict is left for ``completion_prompts`` to refuse."""
+    try:
+        if schema:
+            return _ANY_PROMPT.decode(raw)
+        opening = _OPENING.match(memoryview(raw))
+        first, second = (opening[1], opening[2]) if opening else (b"", b"")
+        if first == b'"':
+            return _TEXT.decode(raw)
+        if first == b"{":
+            return _ANY_PROMPT.decode(raw)
+        if first == b"[" and second == b'"':
+            return _TEXTS.decode(raw)
+        if first == b"[" and second == b"[":
+            try:
+                return [_id_array(ids) for ids in _ID_LISTS.decode(raw)]
+            except msgspec.ValidationError as exc:
+                if "got `float`" not in str(exc):
+                    raise
+                return [_id_array(ids, floats=True) for ids in _NUMBER_LISTS.decode(raw)]
+        if first == b"[" and second and second in b"-0123456789":
+            try:
+                return _id_array(_IDS.decode(raw))
+            except msgspec.ValidationError as exc:
+                if "got `float`" not in str(exc):
+                    raise
+                return _id_array(_NUMBERS.decode(raw), floats=True)
+    except msgspec.ValidationError as exc:
+        raise invalid(f"{_NOT_A_PROMPT}: {str(exc).replace('at `$', 'at `$.prompt')}", "prompt") from None
+    raise invalid(_NOT_A_PROMPT, "prompt")
+
+
+def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np.ndarray:
+    """Decoded token ids as [n] int64 (float64 with ``floats``); values past those are kept as objects
+    (out of any vocabulary: ``checked_ids`` refuses them)."""
+    try:
+        return np.array(values, dtype=np.float64 if floats else np.int64)
+    except OverflowError:
+        return np.array(values, dtype=object)
 
 
 def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | None,

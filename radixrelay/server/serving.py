@@ -19,11 +19,16 @@ pages included (what the model processes; cached and module tokens never exceed 
 is refused.
 
 A request's bulk work on its prompts (chat template rendering, tokenization, composing modular
-prompts, checking token ids) runs in ``PromptWork``'s bounded thread pool, never on the event loop.
-A text prompt is encoded with a bound: without truncation it is refused once it is known to exceed
-``EXACT_COUNT_FACTOR`` contexts (the 400 then says "more than N tokens"), so an over-long prompt
-costs time and memory proportional to the context, not to the prompt; with truncation only the
-ids truncation may keep are held (``Tokenizer.encode_ends``).
+prompts) runs in ``PromptWork``'s bounded thread pool, never on the event loop. Prompts are admitted
+by ``radixrelay.admission``, the Engine's path too: text encoded with a bound (an over-long prompt
+costs time and memory proportional to the context, not to the prompt), token ids checked in numpy,
+both fitted to the context (max_tokens, truncation) as int32 arrays that reach the runtime client
+packed; its ``AdmissionError``s are 400s naming their field.
+
+Each request's host stages are timed (``Stages``) and added to the server's counters once
+(``ServerMetrics.observe_stages``): ``parse`` (body read and JSON decode, in the app), ``render`` (the
+chat template), ``tokenize`` (encoding or checking ids, fitting, composing), ``submit`` (from the
+choices' hand-off to the runtime client until every one was sent).
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+import numpy as np
+
+from radixrelay.admission import Admission, AdmissionError, Admitted, Budget, Limits
 from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.pml import SchemaError
 from radixrelay.modules.registry import SchemaRegistry, UnknownSchemaError
@@ -53,13 +61,14 @@ from radixrelay.server.metrics import ServerMetrics
 from radixrelay.text.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck
-from radixrelay.text.tokenizer import TokenEnds, Tokenizer, TooManyTokens
+from radixrelay.text.tokenizer import Tokenizer
 from radixrelay.structured.spec import InvalidStructuredOutput
 from radixrelay.protocol.step import TokenLogprobs
 
 T = TypeVar("T")
-EXACT_COUNT_FACTOR = 2      # an over-context prompt's tokens are counted up to this many contexts
-INLINE_SIZE = 4096          # prompt work up to this size (characters, ids) runs on the event loop
+INLINE_SIZE = 4096          # prompt work up to this size (characters, ids / IDS_PER_UNIT) runs on the event loop
+IDS_PER_UNIT = 64           # token ids checked (numpy) per unit of prompt work; a character encoded is one
+Stages = dict[str, float]   # one request's host seconds by stage, added to the server's counters once
 
 
 class PromptWork:
@@ -93,6 +102,12 @@ class ServingContext:
     truncation: Truncation | None = None    # context overflow drops the oldest tokens (else a 400)
     schemas: SchemaRegistry | None = None   # prompt modules (``prompt_schema``); None: refused
     prompt_work: PromptWork | None = None   # where prompt work runs (None: on the caller's thread)
+    admission: Admission = field(init=False)   # the runtime's limits, ``truncation``
+
+    def __post_init__(self) -> None:
+        info = self.client.info
+        self.admission = Admission(self.tokenizer, Limits(info.max_context, info.kv_cache_tokens,
+                                                          info.vocab_size, self.truncation))
 
     async def run_prompt_work(self, size: int, fn: Callable[[], T]) -> T:
         return fn() if self.prompt_work is None else await self.prompt_work.run(size, fn)
@@ -102,7 +117,7 @@ class ServingContext:
 class Choice:
     index: int
     prompt_index: int
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray | list[int]      # int32 [n] as admitted (a composed prompt's: a list)
     sampling: SamplingParams
     output: OutputAssembler
     echo: bool = False                    # completions: the prompt precedes the output
@@ -126,6 +141,8 @@ def api_error(exc: Exception) -> oa.APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return oa.APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, AdmissionError):
+        return oa.invalid(str(exc), exc.param)
     if isinstance(exc, ValueError):
         return oa.invalid(str(exc))
     if isinstance(exc, RuntimeDiedError):
@@ -136,14 +153,24 @@ def api_error(exc: Exception) -> oa.APIError:
 class GenerationJob:
     """The choices of one HTTP request, running concurrently; ``cancel`` aborts them all."""
 
-    def __init__(self, ctx: ServingContext, choices: list[Choice], cache_salt: str | None) -> None:
+    def __init__(self, ctx: ServingContext, choices: list[Choice], cache_salt: str | None,
+                 started: float | None = None) -> None:
+        """``started``: the request's arrival (``time.monotonic()``; TTFT counts from it), else now."""
         self.ctx = ctx
         self.choices = choices
         self.cache_salt = cache_salt
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self._queue: asyncio.Queue[tuple[Choice, TokenUpdate | Exception]] = asyncio.Queue()
         self._unfinished = len(choices)
+        self._unsent = len(choices)
+        self._handed_off = time.perf_counter()
         self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
+
+    def _sent(self) -> None:
+        """One choice's request went out to the runtime; the last one ends the ``submit`` stage."""
+        self._unsent -= 1
+        if not self._unsent:
+            self.ctx.metrics.observe_stages({"submit": time.perf_counter() - self._handed_off})
 
     async def _pump(self, choice: Choice) -> None:
         composed = choice.composed
@@ -153,7 +180,8 @@ class GenerationJob:
             async for item in self.ctx.client.generate(choice.prompt_ids, choice.sampling,
                                                        cache_salt=self.cache_salt,
                                                        shifted_prefix=choice.shifted_prefix,
-                                                       shifted_at=choice.shifted_at, **modular):
+                                                       shifted_at=choice.shifted_at, on_sent=self._sent,
+                                                       **modular):
                 self._queue.put_nowait((choice, item))
         except Exception as exc:  # noqa: BLE001 - re-raised by next_event in the handler
             self._queue.put_nowait((choice, exc))
@@ -252,70 +280,14 @@ def _check_choices(ctx: ServingContext, num_prompts: int, n: int, param: str) ->
                          "one request may ask for", param)
 
 
-def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None, default: int | None,
-                prompt_param: str, param: str = "max_tokens") -> int:
-    limit = ctx.client.info.max_context
-    if prompt_len >= limit:
-        raise oa.invalid(f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
-                         prompt_param)
-    if requested is None:
-        requested = default or min(limit, ctx.client.info.kv_cache_tokens) - prompt_len
-        if requested < 1:
-            raise oa.invalid(f"the prompt has {prompt_len} tokens, more than the KV cache holds "
-                             f"({ctx.client.info.kv_cache_tokens})", prompt_param)
-    if requested < 1:
-        raise oa.invalid(f"{param} must be >= 1, got {requested}", param)
-    if prompt_len + requested > limit:
-        raise oa.invalid(f"this model's context is {limit} tokens; the prompt ({prompt_len} tokens) "
-                         f"plus {param} ({requested}) exceeds it", param)
-    return requested
-
-
-def _truncates(ctx: ServingContext, requested: int | None, default: int | None) -> bool:
-    """Whether an over-long prompt would be truncated (else it is refused)."""
-    want = requested if requested is not None else (default or 1)
-    return ctx.truncation is not None and 1 <= want < ctx.client.info.max_context
-
-
-def _fit(ctx: ServingContext, ids: Sequence[int], requested: int | None, default: int | None,
-         prompt_param: str, param: str = "max_tokens") -> tuple[Truncated, int]:
-    """The prompt to serve and its max_tokens: with ``--truncation``, a prompt that does not fit
-    the context with its max_tokens (at least 1 token when none is given) loses its oldest tokens.
-    ``ids`` may be a ``TokenEnds`` only when it is truncated."""
-    t, limit = ctx.truncation, ctx.client.info.max_context
-    want = requested if requested is not None else (default or 1)
-    prompt = Truncated(ids)
-    if t is not None and len(ids) + want > limit and 1 <= want < limit:
-        try:
-            prompt = t.apply(ids, want)
-        except ValueError as exc:
-            raise oa.invalid(str(exc), param) from None
-    assert not isinstance(prompt.ids, TokenEnds)
-    return prompt, _max_tokens(ctx, len(prompt.ids), requested, default, prompt_param, param)
-
-
-def _encode_fit(ctx: ServingContext, text: str, add_special_tokens: bool, requested: int | None,
-                default: int | None, prompt_param: str, param: str = "max_tokens", *,
-                nonempty: bool = False) -> tuple[Truncated, int]:
-    """``_fit`` of a text prompt (``nonempty``: no ids is a 400), encoded in memory bounded by the
-    context: a prompt that will be truncated keeps only the ids truncation may serve; one that
-    would be refused is counted up to ``EXACT_COUNT_FACTOR`` contexts."""
-    t, limit = ctx.truncation, ctx.client.info.max_context
-    ids: Sequence[int]
-    if t is not None and _truncates(ctx, requested, default):
-        # Truncation keeps the head and at most ``limit`` ids after it; ``shifted_prefix`` is the
-        # chunk before those.
-        ids = ctx.tokenizer.encode_ends(text, add_special_tokens, head=t.head, tail=limit + t.chunk)
-    else:
-        bound = EXACT_COUNT_FACTOR * limit
-        try:
-            ids = ctx.tokenizer.encode(text, add_special_tokens, max_tokens=bound)
-        except TooManyTokens:
-            raise oa.invalid(f"the prompt has more than {bound} tokens; this model's context is "
-                             f"{limit} tokens", prompt_param) from None
-    if nonempty and not ids:
-        raise oa.invalid("prompt is empty", prompt_param)
-    return _fit(ctx, ids, requested, default, prompt_param, param)
+@contextmanager
+def timed(stages: Stages, stage: str) -> Iterator[None]:
+    """Adds the time of its block to ``stages[stage]`` (raised or not)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        stages[stage] = stages.get(stage, 0.0) + time.perf_counter() - start
 
 
 def _registry(ctx: ServingContext) -> SchemaRegistry:
@@ -334,17 +306,6 @@ def _schema_errors(param: str) -> Iterator[None]:
         raise oa.APIError(400, str(exc), param="prompt_schema", code="schema_not_found") from None
     except SchemaError as exc:
         raise oa.invalid(str(exc), param) from None
-
-
-def _fit_composed(ctx: ServingContext, composed: ComposedPrompt, requested: int | None,
-                  default: int | None, prompt_param: str, param: str = "max_tokens") -> int:
-    """max_tokens of a composed prompt (never truncated): its positions and its KV must both fit."""
-    limit = ctx.client.info.max_context
-    if composed.end_position >= limit:
-        raise oa.invalid(f"the prompt's new text ends at position {composed.end_position} of its schema; "
-                         f"this model's context is {limit} tokens", prompt_param)
-    return _max_tokens(ctx, max(composed.end_position, len(composed.token_ids)), requested, default,
-                       prompt_param, param)
 
 
 def _wrap_int64(value: int) -> int:
@@ -387,11 +348,13 @@ def _chat_size(messages: list[Any]) -> int:
 
 
 def _prompt_size(prompt: Any) -> int:
-    """About how much prompt work a completion's ``prompt`` makes: characters and token ids (a
-    JSON object prompt counts as work for the pool)."""
+    """About how much prompt work a completion's ``prompt`` (as decoded) makes: characters to encode,
+    token ids to check (``IDS_PER_UNIT`` a unit), a JSON object prompt counts as work for the pool."""
     size = 0
     for p in prompt if isinstance(prompt, list) else [prompt]:
-        if isinstance(p, (str, list)):
+        if isinstance(p, np.ndarray):
+            size += 1 + len(p) // IDS_PER_UNIT
+        elif isinstance(p, (str, list)):
             size += 1 + len(p)
         elif isinstance(p, (int, float)):
             size += 1
@@ -400,76 +363,77 @@ def _prompt_size(prompt: Any) -> int:
     return size
 
 
-async def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
-    """The choices of a chat request; its prompt work runs in ``ctx``'s prompt pool."""
+async def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: Stages) -> list[Choice]:
+    """The choices of a chat request; its prompt work runs in ``ctx``'s prompt pool, timed in ``stages``."""
     _check_common(ctx, req)
     _check_choices(ctx, 1, req.n, "n")
     if ctx.chat_template is None:
         raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                          "messages")
-    return await ctx.run_prompt_work(_chat_size(req.messages), partial(_chat_choices, ctx, req))
+    return await ctx.run_prompt_work(_chat_size(req.messages), partial(_chat_choices, ctx, req, stages))
 
 
-def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest) -> list[Choice]:
+def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: Stages) -> list[Choice]:
     assert ctx.chat_template is not None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    budget = Budget(requested, None, param, "messages")
     if req.prompt_schema is not None:
-        registry = _registry(ctx)
-        with _schema_errors("messages"):
-            composed = registry.compose_chat(req.prompt_schema, req.messages, salt=req.cache_salt)
-        max_tokens = _fit_composed(ctx, composed, requested, None, "messages", param)
+        with timed(stages, "tokenize"):
+            registry = _registry(ctx)
+            with _schema_errors("messages"):
+                composed = registry.compose_chat(req.prompt_schema, req.messages, salt=req.cache_salt)
+            max_tokens = ctx.admission.composed(composed, budget)
         return _choices(ctx, req, [Truncated(composed.token_ids)], [max_tokens], req.num_logprobs,
                         composed=[composed])
-    try:
-        text = ctx.chat_template.render(req.messages)
-    except ValueError as exc:
-        raise oa.invalid(str(exc), "messages") from None
-    # The template has BOS if any.
-    prompt, max_tokens = _encode_fit(ctx, text, False, requested, None, "messages", param)
-    return _choices(ctx, req, [prompt], [max_tokens], req.num_logprobs)
+    with timed(stages, "render"):
+        try:
+            text = ctx.chat_template.render(req.messages)
+        except ValueError as exc:
+            raise oa.invalid(str(exc), "messages") from None
+    with timed(stages, "tokenize"):
+        admitted = ctx.admission.text(text, budget, add_special_tokens=False)   # the template has BOS if any
+    return _choices(ctx, req, [admitted.prompt], [admitted.max_tokens], req.num_logprobs)
 
 
-async def completion_choices(ctx: ServingContext, req: oa.CompletionRequest) -> list[Choice]:
-    """The choices of a completion request; its prompt work runs in ``ctx``'s prompt pool."""
+async def completion_choices(ctx: ServingContext, req: oa.CompletionRequest, stages: Stages) -> list[Choice]:
+    """The choices of a completion request; its prompt work runs in ``ctx``'s prompt pool, timed in
+    ``stages``."""
     _check_common(ctx, req)
     size = _prompt_size(req.prompt)
     if req.prompt_schema is not None:
         return await ctx.run_prompt_work(size, partial(_schema_completion_choices, ctx, req,
-                                                       req.prompt_schema))
-    texts = oa.completion_prompts(req)
-    _check_choices(ctx, len(texts), req.n, "prompt")
-    return await ctx.run_prompt_work(size, partial(_completion_choices, ctx, req, texts))
+                                                       req.prompt_schema, stages))
+    prompts = oa.completion_prompts(req)
+    _check_choices(ctx, len(prompts), req.n, "prompt")
+    return await ctx.run_prompt_work(size, partial(_completion_choices, ctx, req, prompts, stages))
 
 
-def _completion_choices(ctx: ServingContext, req: oa.CompletionRequest,
-                        texts: list[str | list[int]]) -> list[Choice]:
+def _completion_choices(ctx: ServingContext, req: oa.CompletionRequest, prompts: list[str | np.ndarray],
+                        stages: Stages) -> list[Choice]:
     echo_only = req.echo and req.max_tokens == 0
-    requested = 1 if echo_only else req.max_tokens
-    fitted = []
-    for prompt in texts:
-        if isinstance(prompt, str):
-            fitted.append(_encode_fit(ctx, prompt, True, requested, 16, "prompt", nonempty=True))
-            continue
-        vocab = ctx.client.info.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise oa.invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if not prompt:
-            raise oa.invalid("prompt is empty", "prompt")
-        fitted.append(_fit(ctx, prompt, requested, 16, "prompt"))
-    return _choices(ctx, req, [f[0] for f in fitted], [f[1] for f in fitted], req.logprobs,
+    budget = Budget(1 if echo_only else req.max_tokens, 16)
+    admitted: list[Admitted] = []
+    with timed(stages, "tokenize"):
+        for prompt in prompts:
+            admitted.append(ctx.admission.text(prompt, budget) if isinstance(prompt, str)
+                            else ctx.admission.token_ids(prompt, budget))
+    return _choices(ctx, req, [a.prompt for a in admitted], [a.max_tokens for a in admitted], req.logprobs,
                     echo=req.echo, echo_only=echo_only)
 
 
-def _schema_completion_choices(ctx: ServingContext, req: oa.CompletionRequest, name: str) -> list[Choice]:
+def _schema_completion_choices(ctx: ServingContext, req: oa.CompletionRequest, name: str,
+                               stages: Stages) -> list[Choice]:
     if req.echo:
         raise oa.invalid("echo is not supported with prompt_schema", "echo")
     sources = oa.schema_prompts(req)
     _check_choices(ctx, len(sources), req.n, "prompt")
     registry = _registry(ctx)
-    with _schema_errors("prompt"):
-        composed = [registry.compose(name, source, salt=req.cache_salt) for source in sources]
-    max_tokens = [_fit_composed(ctx, c, req.max_tokens, 16, "prompt") for c in composed]
+    budget = Budget(req.max_tokens, 16)
+    with timed(stages, "tokenize"):
+        with _schema_errors("prompt"):
+            composed = [registry.compose(name, source, salt=req.cache_salt) for source in sources]
+        max_tokens = [ctx.admission.composed(c, budget) for c in composed]
     return _choices(ctx, req, [Truncated(c.token_ids) for c in composed], max_tokens, req.logprobs,
                     composed=composed)
 
@@ -521,7 +485,8 @@ def _shown(ctx: ServingContext, c: Choice, text: str, token_ids: list[int],
     shown = _Shown("", [], []) if c.echo_only else _Shown(text, token_ids, list(logprobs))
     if not with_prompt:
         return shown
-    return _Shown(ctx.tokenizer.decode(c.prompt_ids) + shown.text, c.prompt_ids + shown.token_ids,
+    prompt_ids = c.prompt_ids.tolist() if isinstance(c.prompt_ids, np.ndarray) else list(c.prompt_ids)
+    return _Shown(ctx.tokenizer.decode(prompt_ids) + shown.text, prompt_ids + shown.token_ids,
                   c.output.prompt_logprobs + shown.logprobs)
 
 

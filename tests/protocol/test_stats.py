@@ -175,8 +175,7 @@ def test_worker_counters_travel_as_they_are():
 def test_tensor_parallel_ranks_get_labelled_device_seconds():
     """Per rank (tp > 1): a ``rank``-labelled counter in /metrics and ``rank<r>_device_s`` stats keys; none
     at tp=1. The all-reduce counters are plain ones."""
-    scheduler = msgspec.structs.replace(SchedulerStats(*[0] * len(msgspec.structs.fields(SchedulerStats))),
-                                        kv_total_pages=8)
+    scheduler = msgspec.structs.replace(_zero_scheduler(), kv_total_pages=8)
     worker = WorkerCounters(rank_device_s=[1.5, 2.25], tp_all_reduce_s=0.5, tp_all_reduces=130)
     text = ServerMetrics().render(RuntimeStats(scheduler, worker=worker)).decode()
     assert 'radixrelay_worker_rank_device_seconds_total{rank="0"} 1.5' in text
@@ -186,3 +185,31 @@ def test_tensor_parallel_ranks_get_labelled_device_seconds():
     assert (stats["rank0_device_s"], stats["rank1_device_s"]) == (1.5, 2.25)
     assert "rank_device_seconds" not in ServerMetrics().render(RuntimeStats(scheduler)).decode()
     assert not [k for k in _engine_stats(RuntimeStats(scheduler)) if k.startswith("rank")]
+
+
+def _zero_scheduler() -> SchedulerStats:
+    """A ``SchedulerStats`` of zeros (its fields with defaults keep them)."""
+    return SchedulerStats(*[0] * len([f for f in msgspec.structs.fields(SchedulerStats) if f.required]))
+
+
+def test_request_stages_are_one_labelled_summary_from_the_server_and_the_scheduler():
+    """``radixrelay_request_stage_seconds_{sum,count}{stage=...}``: the server's stages (observed per request,
+    reported in ``FrontendCounters``) and the scheduler's (``SchedulerStats``), a stage both report added up;
+    without the runtime, the server's own."""
+    metrics = ServerMetrics()
+    metrics.observe_stages({"parse": 0.25, "tokenize": 0.5})
+    metrics.observe_stages({"parse": 0.5, "submit": 0.125})
+    scheduler = msgspec.structs.replace(_zero_scheduler(), kv_total_pages=8, stage_seconds={"match": 1.5, "queue": 2.0},
+                                        stage_counts={"match": 3, "queue": 2})
+    stats = RuntimeStats(scheduler)
+    stats = msgspec.structs.replace(stats, frontend=metrics.frontend(stats.frontend))
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.render(stats).decode().splitlines() if line.startswith("radixrelay_request_stage")}
+    want = {"parse": (2, 0.75), "tokenize": (1, 0.5), "submit": (1, 0.125), "match": (3, 1.5), "queue": (2, 2.0)}
+    assert samples == {**{f'radixrelay_request_stage_seconds_count{{stage="{k}"}}': c for k, (c, _) in want.items()},
+                       **{f'radixrelay_request_stage_seconds_sum{{stage="{k}"}}': s for k, (_, s) in want.items()}}
+    alone = metrics.render(None).decode()
+    assert 'radixrelay_request_stage_seconds_count{stage="parse"} 2.0' in alone and 'stage="match"' not in alone
+    assert "# TYPE radixrelay_request_stage_seconds summary" in alone
+    # Engine.stats() keys: the stage dicts are read by hand, not counters of their own.
+    assert not [k for k in _engine_stats(stats) if k.startswith("stage")]
