@@ -446,7 +446,9 @@ def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np
     """Decoded token ids as [n] int64 (float64 with ``floats``); values past those are kept as objects
     (out of any vocabulary: ``checked_ids`` refuses them)."""
     try:
-        return np.array(values, dtype=np.float64 if floats else np.int64)
+        if floats:
+            return np.array(values, dtype=np.float64)
+        return np.fromiter(values, dtype=np.int64, count=len(values))
     except OverflowError:
         return np.array(values, dtype=object)
 
