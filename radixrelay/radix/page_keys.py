@@ -60,7 +60,7 @@ def extend_keys(keys: list[bytes], seed: bytes, token_ids: TokenArray | np.ndarr
         return keys
     # the new pages' tokens as native int64 bytes in one conversion; each page hashes a slice of them
     lo, hi = first * page_size, num_pages * page_size
-    tokens = as_tokens(token_ids)[lo:hi] if isinstance(token_ids, (TokenArray, np.ndarray)) else \
+    tokens = as_tokens(token_ids, hi)[lo:hi] if isinstance(token_ids, (TokenArray, np.ndarray)) else \
         as_tokens(token_ids[lo:hi])
     data = memoryview(tokens.astype(np.int64).tobytes())
     step = page_size * 8

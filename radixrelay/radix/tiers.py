@@ -37,6 +37,7 @@ from radixrelay.radix.allocator import PageAllocator
 
 TierPolicy = Literal["lru", "scheduler"]
 TIER_POLICIES = ("lru", "scheduler")
+MAX_DROPPED = 1 << 16          # keys ``take_dropped`` remembers between calls
 
 
 @dataclass
@@ -105,6 +106,9 @@ class KVTiers:
         self._out = _Outbox(disk_deletes=list(self._stale_disk))
         self._saving: dict[int, list[bytes]] = {}    # step id -> keys it saves
         self.epoch = 0                               # bumped whenever a key leaves host memory
+        self.moves = 0                               # keys marked used so far (the LRU order's clock)
+        # keys that left host memory since the last ``take_dropped`` (None: more than MAX_DROPPED, forgotten)
+        self._dropped: list[bytes] | None = []
         self._num_fetching = 0
         self._num_writing = 0
         self._protected: set[bytes] = frozenset()    # look-ahead window (policy "scheduler")
@@ -333,6 +337,7 @@ class KVTiers:
         """Mark ``keys`` (a chain, root first) used now, the first most recently: evicting from the
         LRU end then takes a chain's tail before its head (a head alone still serves a prefix)."""
         host, disk = self._host, self._disk
+        self.moves += len(keys)
         for key in reversed(keys):
             if key in host:
                 host.move_to_end(key)
@@ -373,10 +378,20 @@ class KVTiers:
             self.counters.host_evicted += evicted
         return slots.alloc(min(n, slots.num_free), one_run=True) or []
 
+    def take_dropped(self) -> list[bytes] | None:
+        """The keys that left host memory since the last call, oldest first; None when more than
+        ``MAX_DROPPED`` did (then anything may have left)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     def _drop(self, key: bytes) -> None:
         entry = self._host.pop(key, None)
         if entry is not None:
             self.epoch += 1
+            if self._dropped is not None:
+                self._dropped.append(key)
+                if len(self._dropped) > MAX_DROPPED:
+                    self._dropped = None
             if entry.writing:
                 self._num_writing -= 1
             self._slots.free([entry.slot])

@@ -145,7 +145,11 @@ class RadixTree:
         end = sum(len(n.key) for n in above)
         # a walk from a non-root node ends at that node or below it: never without a node
         below = self.match_prefix(token_ids, salt, start=(node, end), length=length)
-        return MatchResult(below.node, [p for n in above for p in n.pages] + below.pages, below.num_tokens)
+        pages: list[int] = []
+        for n in above:
+            pages.extend(n.pages)
+        pages.extend(below.pages)
+        return MatchResult(below.node, pages, below.num_tokens)
 
     def peek_prefix(self, token_ids: Tokens, salt: str | None = None,
                     start: tuple[RadixNode, int] | None = None,
@@ -206,7 +210,7 @@ class RadixTree:
         ``match_prefix`` (the walk, and its cost, begins below that node).
         """
         ps = self.page_size
-        token_ids = as_tokens(token_ids)
+        token_ids = as_tokens(token_ids, length)
         n = len(token_ids) if length is None else length
         if n % ps or len(pages) * ps != n or n > len(token_ids):
             raise ValueError(f"RadixTree.insert: {n} tokens / {len(pages)} pages "
@@ -336,7 +340,7 @@ class RadixTree:
         go further.
         """
         ps = self.page_size
-        token_ids = as_tokens(token_ids)
+        token_ids = as_tokens(token_ids, length)
         end = len(token_ids) if length is None else min(length, len(token_ids))
         end -= end % ps
         node, pos = start if start is not None else (self._roots.get(salt), 0)

@@ -108,7 +108,7 @@ class PrefillManager:
         """What identifies the first page ``req`` computes past its ``cached`` prefix: requests
         with the same key would compute the same KV."""
         ps = self.config.page_size
-        return req.salt, cached, req.token_ids.array[cached:cached + ps].tobytes()
+        return req.salt, cached, req.token_ids.prefix(cached + ps)[cached:].tobytes()
 
     def _waits_for_shared_prefill(self, req: Request, computing: set[tuple]) -> tuple[bool, RadixNode | None]:
         """True when a running request is computing the page ``req`` would compute next: ``req``

@@ -354,7 +354,7 @@ class Scheduler:
             batch = {id(r): r for r in [*(e.req for e in step.extends), *step.decodes]}
             failed = [self._finish(r, "abort", error=out.error) for r in batch.values()
                       if self._running.get(r.rid) is r]
-            spans = {_span_key(r.salt, r.token_ids.array[:r.num_prompt]) for r in batch.values() if r.internal}
+            spans = {_span_key(r.salt, r.token_ids.prefix(r.num_prompt)) for r in batch.values() if r.internal}
             if spans:                          # requests waiting for a span that failed fail too
                 failed += self._fail_waiting(spans, out.error)
             return [u for u in failed if u.rid >= 0]
@@ -477,7 +477,7 @@ class Scheduler:
         del self._running[req.rid]
         self._forget_path(req.rid)
         if req.internal:
-            self._span_jobs.pop(_span_key(req.salt, req.token_ids.array[:req.num_prompt]), None)
+            self._span_jobs.pop(_span_key(req.salt, req.token_ids.prefix(req.num_prompt)), None)
         self._finished.append((req, error is None))      # released by ``release_finished``
         return self._final_update(req, new or [], reason, matched_stop, trim_chars, error)
 
