@@ -54,6 +54,20 @@ def test_batch_equals_transformers(engine, batched):
         assert got.token_ids == want
 
 
+def test_token_id_prompts_equal_text_prompts(engine, batched):
+    """A prompt given as its ids (a list, int32 and int64 arrays, integral floats) completes token for token as
+    its text does: both go through the same admission and reach the scheduler packed."""
+    import numpy as np
+
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    forms = [ids[0], np.array(ids[1], dtype=np.int32), np.array(ids[0], dtype=np.int64), [float(t) for t in ids[1]]]
+    for got, k in zip(engine.generate(forms, GREEDY), [0, 1, 0, 1]):
+        assert got.token_ids == batched[k].token_ids and got.text == batched[k].text, forms
+    assert engine.generate(np.array(ids[0]), GREEDY)[0].token_ids == batched[0].token_ids   # one array: one prompt
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.generate([[5, 6.5]], GREEDY)
+
+
 def test_shared_prefix_is_computed_once(engine):
     engine.generate(["warm-up so the tree has unrelated content"], SamplingParams(max_tokens=2))
     shared = " ".join(f"item{i}" for i in range(240))           # ~500 tokens

@@ -303,6 +303,77 @@ def test_server_equals_offline_engine(client):
         assert got == pytest.approx([lp.logprob for lp in expected[1:]], abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path("default"))
+
+
+def test_token_id_prompts_give_the_text_prompts_completions(client, tokenizer):
+    """Greedy fp32: a prompt sent as the ids the server's encoding gives completes token for token as the
+    text does (one prompt, integral floats, a batch, streamed)."""
+    kw = dict(model="relay", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    texts = [client.completions.create(prompt=p, **kw).choices[0] for p in PROMPTS]
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    for text, prompt in zip(texts, ids):
+        out = client.completions.create(prompt=prompt, **kw)
+        assert out.choices[0].text == text.text and out.usage.prompt_tokens == len(prompt)
+    floats = client.completions.create(prompt=[float(t) for t in ids[0]], **kw).choices[0]
+    assert floats.text == texts[0].text
+    batch = client.completions.create(prompt=ids, **kw).choices
+    assert [c.text for c in batch] == [t.text for t in texts]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=ids[1], stream=True, **kw))
+    assert streamed == texts[1].text
+    echoed = client.completions.create(prompt=ids[2], echo=True, **kw).choices[0]
+    assert echoed.text == PROMPTS[2] + texts[2].text
+
+
+def test_token_id_prompts_are_checked_whole(http):
+    """Token ids: integers within the vocabulary, an integral float counting as its integer; anything else is
+    OpenAI's 400 naming ``prompt``, and the server goes on."""
+    vocab = 49152
+    ok = {"model": "relay", "max_tokens": 1}
+    for prompt in ([5, 6.0], [[5, 6], [7.0]], [vocab - 1]):
+        r = http.post("/v1/completions", json={**ok, "prompt": prompt})
+        assert r.status_code == 200, (prompt, r.text)
+    bad = [[4.5], [5, 4.5], [True], [5, False], [-1], [vocab], [5, [6]], [[5, [6]]], [], [[]], [[5], []],
+           [2**63], [2**64], [2**70], [5, None], [5, "6"], [1e300], [[5.5]]]
+    for prompt in bad:
+        r = http.post("/v1/completions", json={**ok, "prompt": prompt})
+        assert r.status_code == 400, (prompt, r.text)
+        assert r.headers["content-type"] == "application/json"
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "prompt" and error["message"], prompt
+    r = http.post("/v1/completions", json={**ok, "prompt": [vocab, 5]})
+    assert r.json()["error"]["message"] == f"prompt token ids out of range [0, {vocab}): [{vocab}]"
+    assert http.get("/health").status_code == 200
+
+
+STAGES = {"parse", "render", "tokenize", "submit"}
+
+
+def _stages(http: httpx.Client) -> dict[tuple[str, str], float]:
+    """(stage, "sum" | "count") -> value of radixrelay_request_stage_seconds."""
+    found = re.findall(r'^radixrelay_request_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$',
+                       http.get("/metrics").text, re.M)
+    return {(stage, kind): float(value) for kind, stage, value in found}
+
+
+def test_request_stages_in_metrics(client, http):
+    before = _stages(http)
+    chat(client, "Stage one.", max_tokens=1)
+    client.completions.create(model="relay", prompt=[5, 6, 7], max_tokens=1)
+    after = _stages(http)
+    assert {stage for stage, _ in after} >= STAGES
+    grew = {stage: after[stage, "count"] - before.get((stage, "count"), 0) for stage in STAGES}
+    assert grew == {"parse": 2, "render": 1, "tokenize": 2, "submit": 2}
+    for stage in STAGES:
+        assert after[stage, "sum"] > before.get((stage, "sum"), 0)
+    assert "# TYPE radixrelay_request_stage_seconds summary" in http.get("/metrics").text
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 LONG = "word " * 9000          # more tokens than the model's 8192-token context

@@ -138,3 +138,34 @@ def test_parts_concatenate_to_the_encoding(tok) -> None:
     for text in (words(rng, 40_000), "".join(rng.choice(PARTS) for _ in range(20_000)), "short"):
         parts = list(enc.parts(text))
         assert [t for p in parts for t in p] == tok._backend._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_encode_array_is_encode_packed(tok) -> None:
+    """int32 ids equal to ``encode``'s, BOS as ``encode`` puts it, the bound refused as ``encode`` refuses it;
+    a text whose prefix the encode cache remembers gives the same ids again."""
+    import copy
+
+    import numpy as np
+
+    rng = random.Random(3)
+    with_bos = copy.copy(tok)
+    with_bos.add_bos_token, with_bos.bos_token_id = True, 1
+    texts = [random_text(rng, rng.randrange(1, 300)) for _ in range(10)] + [words(rng, 3000), ""]
+    for t in (tok, with_bos):
+        for text in texts:
+            for special in (True, False):
+                full = t.encode(text, special)
+                for _ in range(2):                          # the second: a remembered text
+                    got = t.encode_array(text, special)
+                    assert got.dtype == np.int32 and got.tolist() == full
+                n = len(full)
+                if n:
+                    assert t.encode_array(text, special, max_tokens=n).tolist() == full
+                    with pytest.raises(TooManyTokens):
+                        t.encode_array(text, special, max_tokens=n - 1)
+    long = words(rng, 20_000)                               # far past 4 characters per allowed token
+    enc: ChunkedEncoder = tok._backend.encoder
+    misses = enc.misses
+    with pytest.raises(TooManyTokens):
+        tok.encode_array(long, max_tokens=1000)
+    assert enc.misses - misses <= 10 + BATCH_CHUNKS           # in parts, stopped soon after the bound
