@@ -9,7 +9,8 @@ Where a key comes from:
   request (``Request.page_keys``: the keys of its leading pages, a prefix of the chain; tokens only grow).
 
 A request's ``page_keys`` thus begins with its tree path's keys, copied off the nodes (a list copy, C
-speed), and its own pages are hashed at most once. Callers ask only as far as they need (the tier
+speed), and its own pages are hashed at most once: a node made of a request's pages takes the keys the
+request already has (``of_path``'s ``known``). Callers ask only as far as they need (the tier
 coordinator walks host memory page by page and asks for keys in growing runs), so a cached prompt
 costs O(new pages) hashes, never O(prompt). ``hashed_pages`` counts every page hashed here.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixrelay.radix.page_keys import chain_seed, extend_keys, path_keys
+from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.request import Request
 
@@ -42,14 +43,23 @@ class ContentKeys:
             seed = self._seeds[salt] = chain_seed(self.namespace, salt)
         return seed
 
-    def of_path(self, path: list[RadixNode], salt: str | None) -> list[bytes]:
-        """The keys of a tree path's pages (root's child first), filling in nodes that have none yet."""
-        missing = sum(len(n.pages) for n in path if n.page_keys is None)
-        self.hashed_pages += missing
-        return path_keys(path, self.seed(salt), self.page_size)
+    def of_path(self, path: list[RadixNode], salt: str | None, known: list[bytes] = ()) -> list[bytes]:
+        """The keys of a tree path's pages (root's child first), filling in nodes that have none yet: from
+        ``known`` (keys of the leading pages of the same tokens, a request's) as far as it goes, hashed
+        past it."""
+        keys: list[bytes] = []
+        prev = self.seed(salt)
+        for node in path:
+            if node.page_keys is None:
+                n = len(node.pages)
+                node.page_keys = extend_keys(list(known[len(keys):len(keys) + n]), prev, node.key, self.page_size, n)
+                self.hashed_pages += n - min(n, max(0, len(known) - len(keys)))
+            keys.extend(node.page_keys)
+            prev = keys[-1] if keys else prev
+        return keys
 
-    def of_node(self, node: RadixNode, salt: str | None) -> list[bytes]:
-        return self.of_path(self.tree.path(node), salt)
+    def of_node(self, node: RadixNode, salt: str | None, known: list[bytes] = ()) -> list[bytes]:
+        return self.of_path(self.tree.path(node), salt, known)
 
     def of(self, req: Request, num_pages: int) -> list[bytes]:
         """The keys of ``req``'s first ``num_pages`` whole pages (``ensure``)."""
@@ -65,7 +75,7 @@ class ContentKeys:
             if hint is not None:
                 req.tree_hint = hint
                 if hint[1] // self.page_size > len(keys):
-                    keys = req.page_keys = self.of_node(hint[0], req.salt)
+                    keys = req.page_keys = self.of_node(hint[0], req.salt, keys)
         if len(keys) < num_pages:
             before = len(keys)
             extend_keys(keys, self.seed(req.salt), req.token_ids, self.page_size, num_pages)

@@ -211,7 +211,7 @@ class TierCoordinator:
         if not pages:
             return
         path = self.tree.path(node)
-        keys = self.keys.of_path(path, req.salt)
+        keys = self.keys.of_path(path, req.salt, req.page_keys)
         if len(keys) != len(pages):       # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
         self._forget_dropped()

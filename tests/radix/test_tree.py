@@ -185,3 +185,45 @@ def test_peek_resumed_walks_only_below_its_hint_and_never_trusts_a_detached_one(
     assert sorted(t.evict(2)) == [19, 50]               # LRU: the query's leaf, then the document's last page
     assert t.peek_resumed(query, None, hint2)[1] == 38   # detached hint: walked from the root
     assert t.peek_resumed(query, "other", hint2) == (None, 0)   # another namespace: not its hint
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_match_is_the_longest_common_whole_pages_of_equal_tokens(page_size):
+    """Nodes are int32 arrays compared in one pass: against a reference that compares token by token,
+    prompts that differ from a cached one in a single token anywhere (first page, a page boundary, deep
+    inside a long node, its last page) match exactly the whole pages before it, and any form of the same
+    ids (list, int32 or int64 array, TokenArray) matches the same."""
+    import numpy as np
+
+    from radixrelay.radix.tokens import TokenArray
+
+    rng = np.random.default_rng(page_size)
+    ps = page_size
+    cached = rng.integers(0, 1 << 31, 300 * ps).tolist()
+    for trial in range(60):
+        t = RadixTree(ps)
+        t.insert(cached, list(range(300)))
+        t.insert(cached[:120 * ps] + [7] * (4 * ps), list(range(120)) + [900, 901, 902, 903])   # a split
+        at = int(rng.integers(0, len(cached)))
+        query = list(cached)
+        query[at] = (query[at] + 1 + int(rng.integers(0, 5))) % (1 << 31)
+        want = at // ps * ps
+        for form in (query, np.array(query, dtype=np.int32), np.array(query), TokenArray(query)):
+            node, matched = t.peek_prefix(form)
+            assert matched == want, (trial, at)
+        m = t.match_prefix(query)
+        assert (m.num_tokens, m.pages) == (want, list(range(want // ps)))
+        assert sum(len(n.key) for n in t.path(m.node)) == want if want else m.node is None
+        t.check_integrity()
+
+
+def test_salts_never_share_nodes_even_for_equal_tokens():
+    t = RadixTree(2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    t.insert(tokens, [0, 1, 2], salt=None)
+    assert t.match_prefix(tokens, salt="a").node is None
+    assert t.insert(tokens, [3, 4, 5], salt="a") == 0           # nothing cached under "a": all of it new
+    assert t.match_prefix(tokens, salt=None).pages == [0, 1, 2]
+    assert t.match_prefix(tokens, salt="a").pages == [3, 4, 5]
+    assert t.match_prefix(tokens, salt="").node is None          # "" is its own namespace, not None's
+    t.check_integrity()

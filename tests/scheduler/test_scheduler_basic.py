@@ -237,3 +237,16 @@ def test_deferred_release_keeps_the_kv_until_release_finished():
     sched.check_integrity()
     sched.add_request(2, list(range(10)), SamplingParams(max_tokens=1))
     assert sched.schedule().released == [1]                               # the next plan drops it
+
+
+def test_stage_times_count_each_request_once_in_the_queue_and_each_admission_try_in_match():
+    cfg = SchedulerConfig(kv_cache_tokens=64, page_size=4, max_running_requests=1)
+    sched, worker = Scheduler(cfg), FakeWorker(4, cfg.num_pages)
+    assert sched.stats().stage_counts == {"match": 0, "queue": 0}
+    for rid in range(3):
+        sched.add_request(rid, [1, 2, 3, 4, 5, rid], SamplingParams(max_tokens=2))
+    drive(sched, worker)
+    stats = sched.stats()
+    assert stats.stage_counts["queue"] == 3                  # one per request, at its first admission
+    assert stats.stage_counts["match"] >= 3                  # one per try (one running at a time)
+    assert all(s >= 0.0 for s in stats.stage_seconds.values()) and set(stats.stage_seconds) == {"match", "queue"}
