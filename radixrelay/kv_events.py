@@ -41,16 +41,6 @@ QUEUE_EVENTS = 65536            # events a replica buffers before it drops (and 
 BATCH = 512                     # events per Redis round trip
 
 
-def __getattr__(name: str):
-    """``KVEventIndex`` (the router's side) lives in ``radixrelay.router.kv_index``; importable from here
-    as before, loaded only when asked for (a replica never loads it)."""
-    if name in ("KVEventIndex", "ReplicaHoldings"):
-        from radixrelay.router import kv_index
-
-        return getattr(kv_index, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class KVEventPublisher:
     """A replica's side: ``stored``/``removed``/``cleared``/``load`` enqueue (never block); a thread numbers
     (``seq``), signs (with ``key``) and sends them, in order."""

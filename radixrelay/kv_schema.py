@@ -22,6 +22,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 
 from radixrelay.radix.page_keys import KEY_BYTES
@@ -129,8 +130,6 @@ def _replica(raw: bytes) -> str:
 
 
 def _check_replica(raw: bytes) -> str:
-    from radixrelay.router.replicas import check_replica_url
-
     if not raw or len(raw) > MAX_NAME_BYTES:
         raise Rejected("replica", f"the name is {len(raw)} bytes (1-{MAX_NAME_BYTES})")
     try:
@@ -217,3 +216,17 @@ def _count(load: dict, name: str) -> int:
     if not _number(value) or not 0 <= value <= MAX_LOAD_COUNT:
         raise Rejected("load", f"{name}={str(value)[:24]} is not a number in 0-{MAX_LOAD_COUNT}")
     return int(value)
+
+
+def check_replica_url(url: str) -> str:
+    """``url`` without a trailing slash; ``ValueError`` saying why it is no replica address."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"replica {url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:30000")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"replica {url!r}: the port is not a number in 0-65535") from None
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"replica {url!r}: give the server's base URL (no path, query or fragment)")
+    return url.rstrip("/")

@@ -22,12 +22,13 @@ PACKAGE = Path(radixrelay.__file__).parent
 # (``radixrelay.structured.spec`` is a public leaf of the base, the rest of ``structured`` is not).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("frontends", ("radixrelay", "radixrelay.server", "radixrelay.lang", "radixrelay.engine", "radixrelay.cli",
-                   "radixrelay.bench", "radixrelay.router")),
+                   "radixrelay.bench", "radixrelay.router", "radixrelay.admission")),
     ("runtime", ("radixrelay.runtime",)),
     ("scheduler and worker", ("radixrelay.scheduler", "radixrelay.worker")),
     ("components", ("radixrelay.cascade", "radixrelay.modules", "radixrelay.structured", "radixrelay.model",
                     "radixrelay.attention", "radixrelay.kernels")),
     ("base", ("radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.radix", "radixrelay.config", "radixrelay.env", "radixrelay.kv_events",
+              "radixrelay.kv_schema", "radixrelay.kv_auth", "radixrelay.kv_store", "radixrelay.net",
               "radixrelay.sampling_params", "radixrelay.outputs", "radixrelay.structured.spec")),
 ]
 # Packages of one layer that never import each other: the scheduler stays CPU-only and talks to the
@@ -35,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 APART = [("radixrelay.scheduler", "radixrelay.worker")]
 # Packages that import no torch (every process and every CPU test uses them).
 TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router",
-              "radixrelay.kv_events"]
+              "radixrelay.kv_events", "radixrelay.kv_schema", "radixrelay.kv_auth", "radixrelay.kv_store",
+              "radixrelay.net"]
 
 
 def modules() -> dict[str, Path]:

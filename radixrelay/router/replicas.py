@@ -14,28 +14,15 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import httpx
+
+from radixrelay.kv_schema import check_replica_url  # noqa: F401 - the router's name for it
 
 logger = logging.getLogger("radixrelay.router")
 
 HEALTH_EVERY_S = 0.5
 HEALTH_TIMEOUT_S = 0.8
-
-
-def check_replica_url(url: str) -> str:
-    """``url`` without a trailing slash; ``ValueError`` saying why it is no replica address."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"replica {url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:30000")
-    try:
-        parts.port
-    except ValueError:
-        raise ValueError(f"replica {url!r}: the port is not a number in 0-65535") from None
-    if parts.path.strip("/") or parts.query or parts.fragment:
-        raise ValueError(f"replica {url!r}: give the server's base URL (no path, query or fragment)")
-    return url.rstrip("/")
 
 
 @dataclass

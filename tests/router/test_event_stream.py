@@ -10,7 +10,8 @@ import time
 import pytest
 
 from radixrelay.radix.page_keys import chain_seed, extend_keys
-from radixrelay.kv_events import KVEventIndex, KVEventPublisher, check_store_url, connect
+from radixrelay.kv_events import KVEventPublisher, check_store_url, connect
+from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.trust import Trust
 from tests.router.redis_server import redis_store  # noqa: F401 - a fixture
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from radixrelay.kv_events import KVEventIndex, KVEventPublisher
+from radixrelay.kv_events import KVEventPublisher
+from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.trust import Trust
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
