@@ -46,7 +46,7 @@ def test_half_sent_requests_are_closed_by_the_deadline_while_health_answers(serv
         while time.monotonic() - conns[-1].opened < DEADLINE_S - 0.5:     # all of them still open
             start = time.monotonic()
             assert client.get("/health").status_code == 200
-            assert time.monotonic() - start < 1.0
+            assert time.monotonic() - start < 3.0      # answered while they are held (a loaded CI core is slow)
             time.sleep(0.2)
     still_open = wait_closed(conns, DEADLINE_S + 10)
     close_all(conns)
@@ -63,7 +63,9 @@ def test_half_sent_requests_are_closed_by_the_deadline_while_health_answers(serv
 
 
 def test_a_connection_past_the_cap_gets_503(server):
-    held = open_conns(server.port, CAP)          # silent: closed by the deadline, after this test
+    # each asks for /health and then sits idle, kept alive (uvicorn's 5 s): they count against the cap for
+    # longer than the read deadline would leave silent ones, however slowly a loaded machine opens them
+    held = open_conns(server.port, CAP, (b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n",))
     time.sleep(0.3)
     over = open_conns(server.port, 3, (b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n",))
     try:
