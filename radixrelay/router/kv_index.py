@@ -14,6 +14,12 @@ Invariants (each a defence against what anyone with write access to the store ca
 - Announcements expire: a replica whose newest ``hello``/``load`` is older than ``expire_s`` (its event
   time against this host's clock) has no reported load, and an announced (not given) one leaves
   ``replica_names`` and loses its holdings; at most ``max_announced`` announced names are tracked.
+
+A prompt is looked up under each replica's own content keys (blake2b chained over its pages, a Python
+step a page), computed once per layout (namespace, page size) and request, only as far as some replica's
+match goes, and remembered (``KeyMemo``) so that the next prompt over the same document reuses them: a
+remembered prompt is found by 64-bit chained page hashes (``radixrelay.radix.page_hash``, one numpy pass)
+and confirmed by comparing the token arrays, so a hash collision can cost a lookup, never a wrong key.
 """
 
 from __future__ import annotations
@@ -21,13 +27,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, takewhile
+
+import numpy as np
 
 from radixrelay.kv_auth import verify
 from radixrelay.kv_schema import PARSE_REASONS, Event, Load, Rejected, parse, version_of
 from radixrelay.kv_store import STREAM, connect
+from radixrelay.radix.page_hash import chain_hashes, seed_of
 from radixrelay.radix.page_keys import chain_seed, extend_keys
+from radixrelay.radix.tokens import as_tokens, first_difference
 from radixrelay.router.trust import Trust
 
 logger = logging.getLogger("radixrelay.events")
@@ -41,6 +53,8 @@ READ_COUNT = 1024        # entries per read round trip
 RETRY_S = 0.5            # pause after a failed read (store down) or a reader failure
 EXPIRE_EVERY_S = 1.0
 MAX_SEEDS = 4096         # (namespace, salt) chain seeds cached (salts come from clients: bounded)
+MEMO_PAGES = 1 << 18     # replicas' page keys remembered across requests (KeyMemo), all layouts together
+MEMO_EVERY = 32          # a remembered prompt is found again at every this many pages
 REASONS = PARSE_REASONS + ("signature", "unknown_replica", "replay", "stale_instance", "too_many_replicas",
                            "internal")
 
@@ -94,6 +108,7 @@ class KVEventIndex:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._seeds: dict[tuple[str, str | None], bytes] = {}
+        self.memo = KeyMemo()                  # replicas' content keys of recent prompts
         self._thread: threading.Thread | None = None
 
     # -- reading ---------------------------------------------------------------------------------
@@ -304,37 +319,139 @@ class KVEventIndex:
             held = self.replicas.get(replica)
             return len(held.keys) if held is not None else 0
 
-    def matched_tokens(self, replica: str, token_ids: list[int], salt: str | None) -> int:
+    def matched_tokens(self, replica: str, token_ids: Sequence[int] | np.ndarray, salt: str | None) -> int:
         """Leading tokens of ``token_ids`` (under ``salt``) whose pages ``replica`` holds, by its events."""
         return self.matched_tokens_many([replica], token_ids, salt)[0]
 
-    def matched_tokens_many(self, replicas: list[str], token_ids: list[int], salt: str | None) -> list[int]:
+    def matched_tokens_many(self, replicas: list[str], token_ids: Sequence[int] | np.ndarray,
+                            salt: str | None) -> list[int]:
         """``matched_tokens`` for each of ``replicas``; the prompt's page keys are computed once per
-        (namespace, page size) the replicas use, not once per replica."""
+        (namespace, page size) the replicas use, not once per replica, only as far as the longest match
+        among them goes, after those ``KeyMemo`` remembers."""
         with self._lock:
             holdings = [self.replicas.get(name) for name in replicas]
             views = [(h.namespace, h.page_size, h.keys) if h is not None and h.page_size and h.keys else None
                      for h in holdings]
-        keys_by_layout: dict[tuple[str, int], list[bytes]] = {}
+        tokens = as_tokens(token_ids)
+        # layout -> (keys, how many the memo gave, the memo's marks of the prompt)
+        found: dict[tuple[str, int], tuple[list[bytes], int, list[int] | None]] = {}
         out = []
         for view in views:
             if view is None:
                 out.append(0)
                 continue
             namespace, ps, held = view
-            seed = self._seeds.get((namespace, salt))
-            if seed is None:
-                if len(self._seeds) >= MAX_SEEDS:
-                    self._seeds.clear()
-                seed = self._seeds[(namespace, salt)] = chain_seed(namespace, salt)
-            keys = keys_by_layout.setdefault((namespace, ps), [])
-            n, pages = 0, len(token_ids) // ps
-            # hashed lazily: as far as the longest match among the replicas of this layout goes
+            layout = (namespace, ps)
+            if layout not in found:
+                keys, marks = self.memo.keys((namespace, ps, salt), tokens)
+                found[layout] = (keys, len(keys), marks)
+            keys = found[layout][0]
+            n, pages = 0, len(tokens) // ps
             while n < pages:
-                if n == len(keys):
-                    extend_keys(keys, seed, token_ids, ps, n + 1)
-                if keys[n] not in held:
+                if n == len(keys):               # hashed as far as the longest match goes, in growing runs
+                    extend_keys(keys, self._seed(namespace, salt), tokens, ps, min(pages, n + 4 + n // 4))
+                n += len(list(takewhile(held.__contains__, islice(keys, n, None))))   # at C speed
+                if n < len(keys):
                     break
-                n += 1
             out.append(n * ps)
+        for (namespace, ps), (keys, remembered, marks) in found.items():
+            self.memo.remember((namespace, ps, salt), tokens, keys, marks, remembered)
         return out
+
+    def _seed(self, namespace: str, salt: str | None) -> bytes:
+        seed = self._seeds.get((namespace, salt))
+        if seed is None:
+            if len(self._seeds) >= MAX_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[(namespace, salt)] = chain_seed(namespace, salt)
+        return seed
+
+
+Layout = tuple[str, int, str | None]          # (namespace, page size, salt): what a replica's keys depend on
+
+
+@dataclass(eq=False)
+class _Remembered:
+    layout: Layout
+    tokens: np.ndarray                         # int32: the prompt whose leading pages' keys these are
+    keys: list[bytes]
+    marks: list[int]                           # its hashes at every ``every`` pages (its index entries)
+
+
+class KeyMemo:
+    """Replicas' content keys of recent prompts' leading pages, by layout, at most ``max_pages`` keys in all
+    (least recently used prompts forgotten first). A prompt is found by the 64-bit chained hashes of its
+    pages at every ``every`` pages (``radixrelay.radix.page_hash``, seeded by the layout), the longest
+    first, and taken only if its tokens equal the new prompt's over those pages (one array compare)."""
+
+    def __init__(self, max_pages: int = MEMO_PAGES, every: int = MEMO_EVERY) -> None:
+        self.max_pages, self.every = max_pages, every
+        self._entries: OrderedDict[int, _Remembered] = OrderedDict()     # id -> entry, least recent first
+        self._index: dict[tuple[Layout, int], int] = {}                  # (layout, hash at a mark) -> id
+        self._ids = 0
+        self._pages = 0
+        self._seeds: dict[Layout, int] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.collisions = 0
+
+    def _marks(self, layout: Layout, tokens: np.ndarray, num_pages: int) -> list[int]:
+        """The chained hashes of ``tokens``' pages ``every - 1, 2 * every - 1, ...`` below ``num_pages``."""
+        seed = self._seeds.get(layout)
+        if seed is None:
+            if len(self._seeds) >= MAX_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[layout] = seed_of(layout[0], str(layout[1]), layout[2])
+        ps = layout[1]
+        upto = num_pages - num_pages % self.every
+        return chain_hashes(tokens[:upto * ps], ps, seed)[self.every - 1::self.every].tolist()
+
+    def keys(self, layout: Layout, tokens: np.ndarray) -> tuple[list[bytes], list[int] | None]:
+        """Remembered keys of ``tokens``' leading pages (a new list, possibly empty), and the marks of
+        ``tokens`` computed to find them (for ``remember``; None if none were)."""
+        ps = layout[1]
+        if not self._entries or len(tokens) // ps < self.every:
+            return [], None
+        marks = self._marks(layout, tokens, len(tokens) // ps)
+        with self._lock:
+            for m in range(len(marks) - 1, -1, -1):
+                entry_id = self._index.get((layout, marks[m]))
+                if entry_id is None:
+                    continue
+                entry = self._entries.get(entry_id)
+                n = (m + 1) * self.every               # pages
+                if entry is None or entry.layout != layout or len(entry.keys) < n:
+                    continue
+                same = first_difference(entry.tokens[:n * ps], tokens[:n * ps])
+                if same < n * ps:                      # a 64-bit collision: never trusted
+                    self.collisions += 1
+                    n = same // ps
+                    if n < self.every:
+                        continue
+                self._entries.move_to_end(entry_id)
+                self.hits += 1
+                return entry.keys[:n], marks
+            self.misses += 1
+        return [], marks
+
+    def remember(self, layout: Layout, tokens: np.ndarray, keys: list[bytes], marks: list[int] | None = None,
+                 known: int = 0) -> None:
+        """``keys`` are the keys of ``tokens``' first ``len(keys)`` pages under ``layout``; ``marks``: what
+        ``keys`` computed for ``tokens`` if it did; ``known``: how many of ``keys`` it gave (a prompt that
+        adds less than ``every`` pages to a remembered one is not remembered again)."""
+        ps = layout[1]
+        n = len(keys) - len(keys) % self.every
+        if n <= known or n > self.max_pages:
+            return
+        marks = self._marks(layout, tokens, n) if marks is None else marks[:n // self.every]
+        with self._lock:
+            self._ids += 1
+            self._entries[self._ids] = _Remembered(layout, tokens[:n * ps], keys[:n], marks)
+            self._pages += n
+            for mark in marks:
+                self._index[(layout, mark)] = self._ids
+            while self._pages > self.max_pages:
+                old_id, old = self._entries.popitem(last=False)
+                self._pages -= len(old.keys)
+                for mark in old.marks:
+                    if self._index.get((old.layout, mark)) == old_id:
+                        del self._index[(old.layout, mark)]
