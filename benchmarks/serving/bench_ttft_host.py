@@ -23,6 +23,11 @@ the output back, detokenization and the response. This script measures that host
     .venv/bin/python -m benchmarks.serving.bench_ttft_host                       # both, 2K / 8K / 20K words
     .venv/bin/python -m benchmarks.serving.bench_ttft_host --mode stages --lengths 2000,8000,20000
     .venv/bin/python -m benchmarks.serving.bench_ttft_host --mode e2e --profile-dir /tmp/prof
+    .venv/bin/python -m benchmarks.serving.bench_ttft_host --mode scheduler --lengths 2000,30000,112000 --host-kv-gib 64
+
+``scheduler``: the scheduler alone, as its process runs it, for a token-id question over a cached document
+of N tokens (``--lengths`` in tokens here), with a host KV tier of ``--host-kv-gib`` (0: none), one
+question at a time and ``--burst`` at once (``scheduler_stages``).
 """
 
 from __future__ import annotations
@@ -181,6 +186,103 @@ def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, A
     return rows
 
 
+# -- the scheduler alone, token-id prompts by length, in this process ----------------------------------
+
+# Llama-3-8B's KV per 16-token page (32 layers x K/V x 8 heads x 128 x bf16): host pages per GiB
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+VOCAB = 128256
+QUESTION_TOKENS = 24
+
+
+def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_gib: float,
+                     burst: int) -> list[dict[str, Any]]:
+    """The scheduler's host work for a new question over a cached document of N tokens, as the scheduler
+    process does it: the packed ids unpacked (``unpack_token_ids``), ``add_request``, the step that admits it
+    (``schedule``), its output (``process_output``: max_tokens 1, so it finishes and gives its KV back,
+    its new pages saved to the host tier) and the transfers plan with the save's acknowledgement. One
+    scheduler per length: the document computed once, then ``repeats`` questions one at a time (an idle
+    server), then ``burst`` questions arriving at once and admitted by one ``schedule``."""
+    from radixrelay.protocol.kv import KVAcks
+    from radixrelay.protocol.messages import GenerateRequest, FrontendMessage, decoder, encoder
+    from radixrelay.protocol.step import StepOutput
+    from radixrelay.radix.tiers import KVTiers
+    from radixrelay.runtime.token_ids import pack_token_ids
+    try:
+        from radixrelay.runtime.token_ids import unpack_token_ids
+    except ImportError:                          # before 2026-11-29: a table of shared int objects
+        from radixrelay.runtime.token_ids import TokenTable
+        unpack_token_ids = TokenTable(VOCAB).unpack
+    from radixrelay.sampling_params import SamplingParams
+    from radixrelay.scheduler import Scheduler
+    from radixrelay.scheduler.config import SchedulerConfig
+
+    enc, dec = encoder().encode, decoder(FrontendMessage).decode
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    rows = []
+    for k, n in enumerate(lengths):
+        rng = np.random.default_rng([2, k])
+        doc = rng.integers(0, VOCAB, n, dtype=np.int32)
+        kv_tokens = max(1 << 18, 2 * (n + burst * 2 * QUESTION_TOKENS))
+        host_pages = int(host_kv_gib * (1 << 30) // (KV_BYTES_PER_TOKEN * page_size))
+        tiers = KVTiers(host_pages) if host_pages else None
+        sched = Scheduler(SchedulerConfig(kv_cache_tokens=kv_tokens, page_size=page_size,
+                                          max_running_requests=max(256, burst)), tiers=tiers)
+        rid = iter(range(1 << 30))
+
+        def wire(ids: np.ndarray) -> GenerateRequest:
+            # as the scheduler receives it: the frontend's packed ids, through msgspec
+            return dec(enc(GenerateRequest(next(rid), pack_token_ids(ids), sampling)))
+
+        def question() -> np.ndarray:
+            return np.concatenate([doc, rng.integers(0, VOCAB, QUESTION_TOKENS, dtype=np.int32)])
+
+        def drive(plan) -> None:
+            rids = [e.rid for e in plan.extends if e.sample] + list(plan.decodes)
+            acks = KVAcks(saved_steps=[plan.step_id]) if plan.transfers and plan.transfers.saves else None
+            sched.process_output(StepOutput(plan.step_id, rids, [42] * len(rids), kv_acks=acks))
+
+        def drain() -> None:
+            while sched.has_work():
+                drive(sched.schedule())
+
+        first = wire(question())
+        sched.add_request(first.rid, unpack_token_ids(first.token_ids), sampling)
+        drain()
+        times: dict[str, list[float]] = {"unpack + add_request": [], "schedule (admission)": [],
+                                         "process_output (finish, release)": [], "save acks": []}
+        for _ in range(repeats + 1):                 # the first question warms up (splits the document node)
+            msg = wire(question())
+            t0 = time.perf_counter()
+            sched.add_request(msg.rid, unpack_token_ids(msg.token_ids), sampling)
+            t1 = time.perf_counter()
+            plan = sched.schedule()
+            t2 = time.perf_counter()
+            drive(plan)
+            t3 = time.perf_counter()
+            drain()
+            t4 = time.perf_counter()
+            assert plan.admitted[0].token_offset >= n - page_size, "not cached"
+            for key, a, b in zip(times, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                times[key].append((b - a) * 1e3)
+        row: dict[str, Any] = {"prompt_tokens": n + QUESTION_TOKENS}
+        row.update({key: statistics.median(v[1:]) for key, v in times.items()})
+        row["total"] = sum(row[key] for key in times)
+        if burst:
+            bursts = []
+            for _ in range(3):
+                msgs = [wire(question()) for _ in range(burst)]
+                t0 = time.perf_counter()
+                for msg in msgs:
+                    sched.add_request(msg.rid, unpack_token_ids(msg.token_ids), sampling)
+                drain()
+                bursts.append((time.perf_counter() - t0) * 1e3)
+            row[f"burst of {burst}: all, per request"] = statistics.median(bursts) / burst
+        rows.append(row)
+        print(f"  {n + QUESTION_TOKENS:7d} tokens: " + ", ".join(
+            f"{key} {v:.3f}" for key, v in row.items() if isinstance(v, float)), flush=True)
+    return rows
+
+
 class _Job:
     def __init__(self, choices: list) -> None:
         self.choices = choices
@@ -315,19 +417,26 @@ async def _scrape(http, url: str) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("stages", "e2e", "both"), default="both")
+    p.add_argument("--mode", choices=("stages", "scheduler", "e2e", "both"), default="both")
     p.add_argument("--lengths", default="2000,8000,20000", help="prompt lengths in words (~tokens)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
     p.add_argument("--profile-dir", default=None, help="e2e: cProfile the scheduler and worker into DIR")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="scheduler: a host KV tier of this size (Llama-3-8B pages), 0 for none")
+    p.add_argument("--burst", type=int, default=32, help="scheduler: questions arriving at once (0: none)")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     out: dict[str, Any] = {}
     if args.mode in ("stages", "both"):
         out["stages"] = stages(lengths, args.repeats, args.page_size)
         print_stages(out["stages"])
+    if args.mode == "scheduler":
+        print(f"\nscheduler (ms, median; a new question over a cached document, host tier "
+              f"{args.host_kv_gib:g} GiB)")
+        out["scheduler"] = scheduler_stages(lengths, args.repeats, args.page_size, args.host_kv_gib, args.burst)
     if args.mode in ("e2e", "both"):
         print("\ne2e: the real server, tiny dummy model on the CPU, cached prompt + 5 new words")
         out["e2e"] = asyncio.run(_e2e(lengths, args.repeats, args.server_args.split(), args.profile_dir))
