@@ -431,6 +431,8 @@ def decode_prompt(raw: msgspec.Raw, *, schema: bool) -> Any:
                     raise
                 return [_id_array(ids, floats=True) for ids in _NUMBER_LISTS.decode(raw)]
         if first == b"[" and second and second in b"-0123456789":
+            if (ids := _plain_ids(raw)) is not None:
+                return ids
             try:
                 return _id_array(_IDS.decode(raw))
             except msgspec.ValidationError as exc:
@@ -440,6 +442,24 @@ def decode_prompt(raw: msgspec.Raw, *, schema: bool) -> Any:
     except msgspec.ValidationError as exc:
         raise invalid(f"{_NOT_A_PROMPT}: {str(exc).replace('at `$', 'at `$.prompt')}", "prompt") from None
     raise invalid(_NOT_A_PROMPT, "prompt")
+
+
+_PLAIN = b"0123456789,\t\n\r "       # all a JSON array of non-negative integers holds inside its brackets
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _plain_ids(raw: msgspec.Raw) -> np.ndarray | None:
+    """The common token-id prompt, a flat array of non-negative integers, parsed in C straight into int64
+    [n] (no Python int per id; ~2.5x faster than decoding a list). ``raw`` is valid JSON (msgspec scanned
+    it), so bytes that are only digits, commas and whitespace are such an array. None for anything else
+    (signs, floats, nesting) and for ids past int64 (``fromstring`` saturates them): decoded by type then."""
+    inner = bytes(raw)[1:-1]
+    if inner.translate(None, _PLAIN):
+        return None
+    ids = np.fromstring(inner, dtype=np.int64, sep=",")
+    if len(ids) != inner.count(b",") + 1 or (ids == _INT64_MAX).any():
+        return None
+    return ids
 
 
 def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np.ndarray:
