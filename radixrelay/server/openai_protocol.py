@@ -450,9 +450,9 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 def _plain_ids(raw: msgspec.Raw) -> np.ndarray | None:
     """The common token-id prompt, a flat array of non-negative integers, parsed in C straight into int64
-    [n] (no Python int per id; ~2.5x faster than decoding a list). ``raw`` is valid JSON (msgspec scanned
-    it), so bytes that are only digits, commas and whitespace are such an array. None for anything else
-    (signs, floats, nesting) and for ids past int64 (``fromstring`` saturates them): decoded by type then."""
+    [n], no Python int per id. ``raw`` is valid JSON (msgspec scanned it), so bytes that are only digits,
+    commas and whitespace are such an array. None for anything else (signs, floats, nesting) and for ids
+    past int64 (``fromstring`` saturates them): decoded by type then."""
     inner = bytes(raw)[1:-1]
     if inner.translate(None, _PLAIN):
         return None
