@@ -454,10 +454,12 @@ def _plain_ids(raw: msgspec.Raw) -> np.ndarray | None:
     commas and whitespace are such an array. None for anything else (signs, floats, nesting) and for ids
     past int64 (``fromstring`` saturates them): decoded by type then."""
     inner = bytes(raw)[1:-1]
-    if inner.translate(None, _PLAIN):
-        return None
+    chars = np.frombuffer(inner, dtype=np.uint8)
+    commas = chars == 44
+    if not (((chars - np.uint8(48)) < 10) | commas | (chars == 32)).all() and inner.translate(None, _PLAIN):
+        return None                      # a character besides digits, commas, spaces (and \t \n \r)
     ids = np.fromstring(inner, dtype=np.int64, sep=",")
-    if len(ids) != inner.count(b",") + 1 or (ids == _INT64_MAX).any():
+    if len(ids) != np.count_nonzero(commas) + 1 or (ids == _INT64_MAX).any():
         return None
     return ids
 
