@@ -54,6 +54,8 @@ def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
     checked (``refuse_unsupported``) and decoded by type (``decode_prompt``)."""
     wire = _WIRE[kind]
     try:
+        if not body.isascii():
+            body.decode()            # UTF-8 throughout, the keys and values the decode skips included
         try:
             req = msgspec.json.decode(body, type=wire)
         except msgspec.ValidationError as exc:
