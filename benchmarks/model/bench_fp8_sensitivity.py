@@ -85,7 +85,7 @@ def rounded_model(mantissa_bits: int, layers: set[int] | None = None):
     return model
 
 
-def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, *,
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, *,
                   queries: bool, probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference._attend_matmul``'s shapes and result with an FP8 kernel's roundings. ``queries``: each query
     row (one token, one query head) scaled to an amax of 448 and cast to e4m3, the scores (q8 . k) * scale;
@@ -95,9 +95,11 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
         amax = q.abs().amax(-1, keepdim=True)
         q_scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         q8 = (q / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(q.dtype)
-        scores = torch.matmul(q8, k.transpose(-1, -2)).mul_(q_scale * scale).add_(bias)
+        scores = torch.matmul(q8, k.transpose(-1, -2)).mul_(q_scale * scale)
     else:
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)      # [B, H, L, S]
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)                 # [B, H, L, S]
+    if bias is not None:                                                            # None: no mask
+        scores.add_(bias)
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(row_max.isinf(), 0.0, row_max)
     p = scores.sub_(row_max).exp_()

@@ -69,6 +69,11 @@ class _StepPlan:
 class TorchBackend(AttentionBackend):
     """Reference backend: batched torch ops over a padded gather (see ``reference.py``)."""
 
+    def splits_long_prefixes(self, device: torch.device) -> bool:
+        """On the CPU a short extend's long cached prefix is read as a shared run: gathered once and attended
+        without a mask (``AttentionPlan.mask`` None), its own few tokens with a small causal mask."""
+        return torch.device(device).type == "cpu"
+
     def __init__(self, sm_scale: float | None = None) -> None:
         self.sm_scale = sm_scale
         self._batch: ForwardBatch | None = None
@@ -77,10 +82,14 @@ class TorchBackend(AttentionBackend):
     def _plan_for(self, batch: ForwardBatch) -> _StepPlan:
         if batch is not self._batch or self._plan is None:
             cascade = batch.cascade
+            # With a cascade, requests read only their own windows [kv_start, position]: sized by the longest
+            # window (read off the tensors), not the longest sequence, so a long prefix read as a shared run
+            # is not gathered again per request.
             own = plan_attention(
                 batch.page_table, batch.page_size, batch.q_indptr, batch.prefix_lens,
                 None if cascade is None else cascade.kv_start,
-                max_q_len=batch.max_q_len, max_kv_len=batch.max_seq_len, num_tokens=batch.num_tokens,
+                max_q_len=batch.max_q_len, max_kv_len=batch.max_seq_len if cascade is None else None,
+                num_tokens=batch.num_tokens,
             )
             shared = []
             if cascade is not None and cascade.prefill is not None:

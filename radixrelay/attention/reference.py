@@ -30,19 +30,28 @@ class AttentionPlan:
     q_rows: torch.Tensor    # int64 [B, Lq] flat row of each padded query (clamped where invalid)
     q_valid: torch.Tensor   # bool [B, Lq]
     pages: torch.Tensor     # int64 [B, P] cache page of each padded page (clamped)
-    mask: torch.Tensor      # bool [B, Lq, S] True where the query attends the KV position
+    # bool [B, Lq, S] True where the query attends the KV position; None where every valid query attends
+    # every gathered position (windows of whole pages wholly before their queries: shared runs, a long
+    # cached prefix read on its own), so the attention needs no mask at all
+    mask: torch.Tensor | None
     num_tokens: int         # T
     page_size: int
     dense: bool             # host: every grid cell is a row, in row order (B * Lq == T): no gather/scatter
     rows: torch.Tensor      # int64 [T] flat row of each valid grid cell, in grid order
     cells: torch.Tensor     # int64 [T] grid cell (b * Lq + i) of each of them
     empty: torch.Tensor     # bool [B * Lq] the cell attends nothing (lse = -inf, o = 0)
+    # host (CPU plans): the first of one request's pages when they are consecutive, so that K/V are read as
+    # a view of the cache instead of gathered (a long cached prefix read as a run of its own); else None
+    consecutive_from: int | None = None
     # Additive masks (0 / -inf) with the GQA group folded into the query rows, per (group, dtype);
     # built on first use, shared by every layer of the step.
     _bias: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, group * Lq, S]: row ``g * Lq + i`` is query i's mask (for each head of the group)."""
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, group * Lq, S]: row ``g * Lq + i`` is query i's mask (for each head of the group); None
+        without a mask."""
+        if self.mask is None:
+            return None
         key = (group, dtype)
         if key not in self._bias:
             batch, max_q, seq = self.mask.shape
@@ -95,12 +104,17 @@ def plan_attention(
     page_idx = (first_page[:, None] + torch.arange(num_pages, device=device)).clamp(max=page_table.shape[1] - 1)
     pages = page_table.long().gather(1, page_idx)                      # [B, P]
     kv_pos = first_page[:, None] * page_size + torch.arange(num_pages * page_size, device=device)   # [B, S]
-    kv_valid = (kv_pos >= kv_start[:, None]) & (kv_pos < kv_end[:, None])
-
-    mask = (q_valid[:, :, None] & kv_valid[:, None, :]
-            & (kv_pos[:, None, :] <= q_pos[:, :, None]))               # [B, Lq, S]
     dense = batch * max_q_len == num_tokens
     cells = q_valid.flatten().nonzero().flatten()                      # [T]
+    span = num_pages * page_size
+    # [B]-sized test: each window is exactly its gathered pages and ends at or before its first query
+    if bool(((kv_start == first_page * page_size) & (kv_end == kv_start + span) & (kv_end <= prefix_lens)).all()):
+        return AttentionPlan(q_rows, q_valid, pages, None, num_tokens, page_size, dense,
+                             rows=q_rows.flatten()[cells], cells=cells, empty=~q_valid.flatten(),
+                             consecutive_from=_consecutive_from(pages))
+    kv_valid = (kv_pos >= kv_start[:, None]) & (kv_pos < kv_end[:, None])
+    mask = (q_valid[:, :, None] & kv_valid[:, None, :]
+            & (kv_pos[:, None, :] <= q_pos[:, :, None]))               # [B, Lq, S]
     return AttentionPlan(q_rows, q_valid, pages, mask, num_tokens, page_size, dense,
                          rows=q_rows.flatten()[cells], cells=cells, empty=~mask.any(-1).flatten())
 
@@ -140,7 +154,7 @@ def attend_planned(
         qf = qp.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
     k = _gather_pages(k_cache, plan).to(compute).transpose(1, 2)              # [B, Hkv, S, D]
     v = _gather_pages(v_cache, plan).to(compute).transpose(1, 2)
-    bias = plan.bias(group, compute)                                          # [B, 1, G * Lq, S]
+    bias = plan.bias(group, compute)                                          # [B, 1, G * Lq, S] or None
     o, lse = _attend_folded(qf, k, v, bias, scale)
     # [B, Hkv, G * Lq, D] -> [B * Lq, Hq, D]: (b, i) rows, heads (kv head, group) as in q.
     o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
@@ -156,19 +170,32 @@ def attend_planned(
     return o, lse
 
 
+def _consecutive_from(pages: torch.Tensor) -> int | None:
+    """The first page of ``pages`` [1, P] when they are P consecutive cache pages (CPU plans only: on a GPU
+    this would read the device); else None."""
+    if pages.device.type != "cpu" or pages.shape[0] != 1:
+        return None
+    first, num = int(pages[0, 0]), pages.shape[1]
+    return first if torch.equal(pages[0], torch.arange(first, first + num, dtype=pages.dtype)) else None
+
+
 def _gather_pages(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """cache [num_slots, H, D] -> [B, P * page_size, H, D]: each request's pages, whole."""
+    """cache [num_slots, H, D] -> [B, P * page_size, H, D]: each request's pages, whole (a view where the plan's
+    pages are consecutive)."""
     batch, num_pages = plan.pages.shape
     size = plan.page_size
     _, heads, dim = cache.shape
     if cache.shape[0] % size == 0 and cache.is_contiguous():
         by_page = cache.view(-1, size, heads, dim)
+        if plan.consecutive_from is not None:
+            first = plan.consecutive_from
+            return by_page[first:first + num_pages].view(batch, num_pages * size, heads, dim)
         return by_page.index_select(0, plan.pages.flatten()).view(batch, num_pages * size, heads, dim)
     slots = plan.pages[:, :, None] * size + torch.arange(size, device=cache.device)
     return cache.index_select(0, slots.flatten()).view(batch, num_pages * size, heads, dim)
 
 
-def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The folded grid's attention (``_attend_matmul``'s shapes): on the CPU torch's flash-attention kernel,
     elsewhere ``_attend_matmul``. Looked up at every call, so that an emulation can stand in for it
@@ -178,11 +205,13 @@ def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return _attend_matmul(q, k, v, bias, scale)
 
 
-def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, L, D], k/v [B, H, S, D], bias [B, 1, L, S] -> (o [B, H, L, D], lse [B, H, L]);
+    """q [B, H, L, D], k/v [B, H, S, D], bias [B, 1, L, S] or None (no mask) -> (o [B, H, L, D], lse [B, H, L]);
     rows that attend nothing get o = 0 (their lse is fixed up by the caller)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias         # [B, H, L, S]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale                # [B, H, L, S]
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])
     return torch.matmul(probs, v), lse

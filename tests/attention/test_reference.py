@@ -111,6 +111,29 @@ def test_windows_merge_to_full_attention_and_empty_windows_are_neutral():
     torch.testing.assert_close(o, o_full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_windows_of_whole_pages_before_their_queries_need_no_mask(consecutive):
+    """A window of whole pages that ends before its queries (a long cached prefix read as a run of its own)
+    plans without a mask, and one request's consecutive pages are read as a view of the cache: the same
+    result as the direct computation either way."""
+    from radixrelay.attention.reference import plan_attention
+
+    q, k, v, pages, batch = _random_case([12], [3], seed=6)
+    if consecutive:
+        pages = [list(range(2, 2 + len(pages[0])))]
+        batch = build_forward_batch([BatchRequest(pages[0], 12, 3)], PAGE, "cpu")
+    window = torch.tensor([12], dtype=torch.int32)                  # [0, 12): three whole pages
+    plan = plan_attention(batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens, kv_end=window)
+    assert plan.mask is None and plan.bias(3, torch.float32) is None
+    assert plan.consecutive_from == (2 if consecutive else None)
+    o, lse = extend_reference(q, k, v, batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens, kv_end=window)
+    o_ref, lse_ref = _direct(q, k, v, pages, [12], [3], kv_end=[12])
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    # a window reaching into the queries' own tokens keeps its causal mask
+    assert plan_attention(batch.page_table, PAGE, batch.q_indptr, batch.prefix_lens).mask is not None
+
+
 def test_merge_two_empty_sides_gives_zero_and_minus_inf():
     o = torch.randn(3, 2, 4)
     lse = torch.full((3, 2), -math.inf)
