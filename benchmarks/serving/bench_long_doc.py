@@ -332,8 +332,8 @@ async def main_async(args: argparse.Namespace) -> int:
                     print(_line(row), flush=True)
     finally:
         server.stop()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"long_doc_{slug}_server.log").write_text(server.log_path.read_text(errors="replace")[-200_000:])
+        if args.out_dir or os.environ.get("OUT"):          # a remote run's folder: the server's log comes back too
+            (out_dir / f"long_doc_{slug}_server.log").write_text(server.log_path.read_text(errors="replace")[-200_000:])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"long_doc_{slug}.md").write_text(markdown(meta, rows))
     (out_dir / f"long_doc_{slug}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
