@@ -95,29 +95,66 @@ class Prompts:
         return body
 
 
-async def _post(http: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, dict[str, Any]]:
+class Errors:
+    """Requests of a run that failed (a transport error or a non-200), by kind: counted, not fatal."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, int] = {}
+
+    def add(self, exc: Exception) -> None:
+        kind = f"{type(exc).__name__}: {exc}"[:120]
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+
+async def _post(http: httpx.AsyncClient, url: str, body: bytes,
+                errors: Errors | None = None) -> tuple[float, dict[str, Any]]:
     start = time.perf_counter()
-    reply = await http.post(url, content=body, headers={"content-type": "application/json"})
-    latency = time.perf_counter() - start
-    reply.raise_for_status()
-    return latency, reply.json()
+    try:
+        reply = await http.post(url, content=body, headers={"content-type": "application/json"})
+        reply.raise_for_status()
+    except httpx.HTTPError as exc:
+        if errors is None:
+            raise
+        errors.add(exc)
+        return float("nan"), {}
+    return time.perf_counter() - start, reply.json()
 
 
-async def _stream(http: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, float, int]:
-    """(TTFT, end, output tokens) of one streamed completion, seconds from its send."""
+async def _flush(http: httpx.AsyncClient, server: Server, timeout_s: float = 120.0) -> None:
+    """Empty the radix cache, waiting while requests still run (409)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = await http.post(f"{server.base_url}/flush_cache")
+        if reply.status_code != 409 or time.monotonic() > deadline:
+            reply.raise_for_status()
+            return
+        await asyncio.sleep(0.5)
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: bytes, errors: Errors) -> tuple[float, float, int]:
+    """(TTFT, end, output tokens) of one streamed completion, seconds from its send; NaNs if it failed."""
     start = time.perf_counter()
     ttft, tokens = None, 0
-    async with http.stream("POST", url, content=body, headers={"content-type": "application/json"}) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    try:
+        async with http.stream("POST", url, content=body, headers={"content-type": "application/json"}) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        errors.add(exc)
+        return float("nan"), float("nan"), 0
     return ttft or float("nan"), time.perf_counter() - start, tokens
+
+
+def _median(values) -> float:
+    values = [v for v in values if v == v]            # failed requests (NaN) left out
+    return statistics.median(values) if values else float("nan")
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -144,7 +181,8 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     url = f"{server.base_url}/v1/completions"
     prompts = Prompts(tokenizer, tokens, seed)
     enc = lambda body: json.dumps(body).encode()                          # noqa: E731
-    (await http.post(f"{server.base_url}/flush_cache")).raise_for_status()
+    await _flush(http, server)
+    errors = Errors()
     row: dict[str, Any] = {"tokens": tokens, "form": form}
     (cold, first), _ = await _phase(http, server, _post(http, url, enc(prompts.body(form, prompts.question(), 1))))
     row["prompt_tokens"] = first["usage"]["prompt_tokens"]
@@ -152,12 +190,13 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     bodies = [enc(prompts.body(form, prompts.question(), 1)) for _ in range(args.repeats)]
 
     async def idle() -> list[tuple[float, dict[str, Any]]]:
-        return [await _post(http, url, b) for b in bodies]
+        return [await _post(http, url, b, errors) for b in bodies]
 
     replies, counters = await _phase(http, server, idle())
     row["idle_ttft_ms"] = [1e3 * lat for lat, _ in replies]
-    row["idle_ttft_p50_ms"] = statistics.median(row["idle_ttft_ms"])
-    row["idle_cached"] = replies[-1][1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    row["idle_ttft_p50_ms"] = _median(row["idle_ttft_ms"])
+    answered = [reply for _, reply in replies if reply]
+    row["idle_cached"] = answered[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] if answered else None
     row["idle_per_request"] = {k: v / len(bodies) for k, v in counters.items()}
     row["bursts"] = []
     profiler = (Profiler(server.proc.pid, Path(args.out_dir_path) / f"profile_{tokens}_{form}.txt")
@@ -167,11 +206,11 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
 
         async def burst() -> tuple[float, list[float]]:
             start = time.perf_counter()
-            done = await asyncio.gather(*(_post(http, url, b) for b in bodies))
+            done = await asyncio.gather(*(_post(http, url, b, errors) for b in bodies))
             return time.perf_counter() - start, [lat for lat, _ in done]
 
         (wall, lats), counters = await _phase(http, server, burst())
-        row["bursts"].append({"size": size, "wall_s": wall, "latency_p50_s": statistics.median(lats),
+        row["bursts"].append({"size": size, "wall_s": wall, "latency_p50_s": _median(lats),
                               "per_request": {k: v / size for k, v in counters.items()}})
     if profiler is not None:
         profiler.stop()
@@ -180,14 +219,15 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
                   for _ in range(args.stream_burst)]
 
         async def streamed() -> list[tuple[float, float, int]]:
-            return await asyncio.gather(*(_stream(http, url, b) for b in bodies))
+            return await asyncio.gather(*(_stream(http, url, b, errors) for b in bodies))
 
         done, counters = await _phase(http, server, streamed())
         tpot = [(end - ttft) / (n - 1) for ttft, end, n in done if n > 1]
         row["stream"] = {"size": args.stream_burst, "out": args.stream_out,
-                         "ttft_p50_s": statistics.median(t for t, _, _ in done),
+                         "ttft_p50_s": _median(t for t, _, _ in done),
                          "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else None,
                          "per_request": {k: v / args.stream_burst for k, v in counters.items()}}
+    row["errors"] = errors.kinds
     return row
 
 
@@ -225,8 +265,9 @@ def _line(row: dict[str, Any]) -> str:
     stream = row.get("stream")
     streamed = (f"; {stream['size']} x {stream['out']} out: TTFT p50 {stream['ttft_p50_s']:.3f} s"
                 if stream else "")
+    failed = f"; failed: {row['errors']}" if row.get("errors") else ""
     return (f"{row['prompt_tokens']:>7d} tokens {row['form']:4s}  cold {row['cold_s']:.2f} s  idle TTFT p50 "
-            f"{row['idle_ttft_p50_ms']:.1f} ms (cached {row['idle_cached']})  {bursts}{streamed}")
+            f"{row['idle_ttft_p50_ms']:.1f} ms (cached {row['idle_cached']})  {bursts}{streamed}{failed}")
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -247,6 +288,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                            + [f"{k[6:]} {1e3 * v:.2f}" for k, v in per.items() if k.startswith("stage_")])
         lines.append(f"| {r['prompt_tokens']} | {r['form']} | {r['cold_s']:.2f} | {r['idle_ttft_p50_ms']:.1f} | "
                      f"{bursts} | {streamed} | {stages} |")
+    failures = [f"- {r['prompt_tokens']} tokens {r['form']}: {r['errors']}" for r in rows if r.get("errors")]
+    if failures:
+        lines += ["", "Requests that failed (left out of the medians):", "", *failures]
     lines += ["", "Ratios (longest against shortest, same form):", ""]
     for form in sorted({r["form"] for r in rows}):
         same = sorted((r for r in rows if r["form"] == form), key=lambda r: r["tokens"])
