@@ -359,7 +359,9 @@ async def main_async(args: argparse.Namespace) -> int:
             "command": "python -m benchmarks.serving.bench_long_doc " + " ".join(_argv_given())}
     server = Server(argv, work / "server.log")
     rows: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    # idle connections dropped before the server's keep-alive (uvicorn's 5 s, httpx's default too) closes them:
+    # a request sent on a connection the server is closing that moment fails with a ReadError
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=3.0)
     try:
         async with httpx.AsyncClient(timeout=900, limits=limits) as http:
             await server.wait_ready(http, 900)
