@@ -28,7 +28,7 @@ kernel load K/V by TMA (``plan.kv_tma``, with the launch options below; shared_n
 variable-length call over the groups, its output copied into the same parts the merge reads.
 
 Both kinds of programs stay in separate kernels: one kernel interleaving them gives every program the
-larger register budget and runs slower (benchmarks/results/kernels/attention.md).
+larger register budget and runs slower (benchmarks/results/HISTORY.md, 2026-11-21, v3).
 """
 
 from __future__ import annotations
