@@ -111,7 +111,7 @@ class MLP(nn.Module):
             return self.down_proj(silu_mul(self.gate_up_proj(x), quantize=self.quantized_down))
         if x.device.type == "cpu" and isinstance(self.gate_up_proj, Linear) and not uses_onednn(x):
             # BLAS: two GEMMs over the fused weight's halves (views), the same numbers as one, and
-            # faster for a few rows (benchmarks/results/engine/cpu_engine.md).
+            # faster for a few rows (benchmarks/results/HISTORY.md, 2026-11-24).
             w = self.gate_up_proj.weight
             gate, up = F.linear(x, w[:self.intermediate_size]), F.linear(x, w[self.intermediate_size:])
         else:
@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         ``head`` [V, hidden] as a contiguous [hidden, V] copy, made once per weight version (one more
         copy of the head in memory: V x hidden floats). On the CPU the LM head is the largest matrix of
         a small model and BLAS streams it faster in this layout, most for few rows
-        (``benchmarks/results/engine/cpu_engine.md``); the tied embedding keeps its row layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
+        (``benchmarks/results/HISTORY.md``, 2026-11-24); the tied embedding keeps its row layout for lookups. The sums' order differs from ``F.linear``'s: logits agree to float rounding,
         not bit for bit."""
         key = (head.data_ptr(), head._version, tuple(head.shape))
         cached = self._head_t_cache
