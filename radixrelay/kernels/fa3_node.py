@@ -14,11 +14,12 @@ writes them into the caller's fp32 part slots (o [R, Hq, D], lse [R, Hq]), where
 them like any other part. Where FA3 does not apply (no wheel, CPU, pre-Hopper, fp32 or FP8 caches, pages
 not consecutive) the Triton shared-node kernel runs (``shared_node.py``); ``NODE_KERNELS`` names the choice.
 
-Measured on an H100 (benchmarks/results/kernels/attention_rates_h100_80gb_hbm3.md): FA3's variable-length
-form (what a graph can replay over changing nodes) attends a node 5-11% faster than the Triton kernel by TMA,
-but a cascade step built on it is 22-39% slower: FA3's programs take every multiprocessor, so the own-KV
-decode of the suffixes cannot run beside the node as it does beside the Triton kernel. So ``auto`` runs the
-Triton kernel, and ``fa3`` is there to measure and for steps without own KV worth hiding.
+Measured on an H100 (benchmarks/results/kernels/attention_rates_h100_80gb_hbm3.md; benchmarks/results/HISTORY.md,
+2026-11-27 2160cc3): FA3's variable-length form (what a graph can replay over changing nodes) attends a node
+faster than the Triton kernel by TMA, but a cascade step built on it is slower: FA3's programs take every
+multiprocessor, so the own-KV decode of the suffixes cannot run beside the node as it does beside the Triton
+kernel. So ``auto`` runs the Triton kernel, and ``fa3`` is there to measure and for steps without own KV worth
+hiding.
 
 ``varlen_reference`` is the contract of the FA3 call in pure torch: the CPU tests bind ``Fa3Node`` to it to
 check everything around the call (gathers, slot offsets, output layout, padding) under the interpreter.

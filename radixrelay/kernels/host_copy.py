@@ -10,8 +10,9 @@ API::
 Why not ``x.to("cpu", non_blocking=True)`` or ``out.copy_(src, non_blocking=True)``: a copy engine serves
 the copies of one direction in the order they were queued, whatever their streams. A step's few bytes
 (its inputs up, its sampled tokens down) then wait behind a KV tier transfer of gigabytes queued on another
-stream: a save of a prompt just computed (12K tokens: 1.5 GB, ~30-60 ms), or a load of a history started
-beside the steps in flight (``benchmarks/tiers/bench_copy_queue.py`` measures both). Pinned host memory is
+stream: a save of a prompt just computed (12K tokens: 1.5 GB), or a load of a history started beside the
+steps in flight (``benchmarks/tiers/bench_copy_queue.py`` measures both:
+benchmarks/results/tiers/copy_queue_h100_80gb_hbm3.md). Pinned host memory is
 mapped into the device's address space (unified addressing), so a kernel on the step's own stream reads or
 writes it directly.
 

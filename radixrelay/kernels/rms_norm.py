@@ -14,7 +14,8 @@ With ``quantize`` the kernel hands y's rows, rounded to their dtype, to ``fp8_qu
 writing them: ``QuantizedRows(q [T, hidden] e4m3, scale [T, 1] float32, y's dtype)``, ``quantize_rows(y)``
 bit for bit under the interpreter, for the FP8 product that takes y (one launch and a [T, hidden] round
 trip fewer). Compiled, the two variants may sum a row's squares in different orders: then a rare value of y
-moves by a bf16 step and its e4m3 code by one (measured on an H100: same scales, < 0.1% of codes).
+moves by a bf16 step and its e4m3 code by one (the row scales stay the same; ``tests/model/test_fp8_cuda.py``
+bounds the share of codes that move).
 
 The roundings are the unfused model's (HF ``LlamaRMSNorm``): ``s`` is ``x + r`` rounded to the dtype;
 ``y = weight * (s_f32 * rsqrt(mean(s_f32^2) + eps)).to(dtype)``, the product rounded to the dtype. Only

@@ -26,7 +26,7 @@ cos and sin (float32, 4 * head_dim B), x, q, o (model dtype, (hidden + 2 * Hq * 
 for Llama-3-8B in bf16, 55 MiB at 2304 tokens. Graphs: one pool shared by every piece of every bucket,
 captured largest first so that the smaller buckets reuse its blocks: it holds the peak of one piece's
 temporaries at the largest bucket (the MLP's, with RMSNorm's float32 copies), linear in the largest
-bucket, plus a little per graph (hundreds of MiB for Llama-3-8B shapes with the default buckets;
+bucket, plus a little per graph (its size for Llama-3-8B shapes with the default buckets:
 benchmarks/results/HISTORY.md). The KV cache must leave that room (the worker sizes it from free memory).
 Host per step: L + 1 replays, L eager attention calls and a copy each, 6 small copies of the inputs.
 
@@ -230,7 +230,7 @@ class PiecewiseGraphs:
         pieces = range(len(self.layers) + 1)
         stream = torch.cuda.current_stream(self.device)
         # One side stream for every warm-up and capture: the allocator caches blocks per stream and
-        # cuBLAS keeps a workspace per stream (a fresh capture stream per graph cost ~0.8 MB a graph).
+        # cuBLAS keeps a workspace per stream (a fresh capture stream per graph would add one per graph).
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         side = self._side

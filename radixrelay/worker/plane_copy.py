@@ -3,9 +3,10 @@
 The KV cache and the KV tiers' host pool are both ``[num_layers, 2 (K, V), rows, Hkv, D]`` allocations:
 a run of pages is, in each of the ``2 * num_layers`` planes, one block of consecutive rows, and the
 planes sit at a fixed pitch on either side. One 2-D copy moves the block of every plane (or of a few
-layers' planes) as one copy-engine job. A copy per plane through torch costs the worker ~10-14 us of
-host time each: a 4K-token history loaded in runs of 16 pages was 1,024 copies, and the load ran at
-the rate the worker could launch them, not at the bus's (``benchmarks/tiers/bench_tier_loads.py``).
+layers' planes) as one copy-engine job. A copy per plane through torch costs the worker host time for
+each launch: a 4K-token history loaded in runs of 16 pages was 1,024 copies, and the load ran at the rate
+the worker could launch them, not at the bus's (``benchmarks/tiers/bench_tier_loads.py``;
+benchmarks/results/tiers/tier_loads_h100_80gb_hbm3.md).
 
 API::
 
