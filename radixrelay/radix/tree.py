@@ -8,9 +8,9 @@ and the concatenated pages are that prefix's page list.
 Matching is exact and at C speed: a child is found by its first page's bytes (a dict lookup), then its
 key is compared with the prompt's tokens in one array pass (``_common_pages``), so a walk costs a few
 Python steps per node on the path plus memcmp-speed passes over the matched tokens. No hash stands in
-for tokens: two prompts share a node only if their tokens are equal. (A per-page hash of the prompt
-computed with numpy costs ~50x the compare that would have to confirm it: 1.6 ms against 33 us at 112K
-tokens on the CPU, measured when this was built.) Token arrays are accepted in any form
+for tokens: two prompts share a node only if their tokens are equal. (A per-page hash of the prompt,
+even computed with numpy in one pass, costs far more than the compare that would have to confirm it:
+benchmarks/results/HISTORY.md, 2026-11-29.) Token arrays are accepted in any form
 (``as_tokens``); a request's ``TokenArray`` or an int32 array is used without a copy.
 
 Invariants (checked by ``check_integrity``):

@@ -206,7 +206,7 @@ class TierCoordinator:
         host memory (``KVTiers.moves`` since it was last marked: at most that many entries are more recent),
         so the shared head stays in the recent part of the LRU order, evicted only after what is older than
         that, while a save under it costs no pass over it. Without this, every question about a 112K-token
-        document looked up and moved its 7,000 keys twice (~4 ms on the CPU)."""
+        document looked up and moved its 7,000 keys twice."""
         store = self.store
         if not pages:
             return
