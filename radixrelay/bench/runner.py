@@ -2,10 +2,10 @@
 previous reply (after the turn's think time), and at most ``max_concurrency`` requests are in
 flight (the rest wait, and their timing starts when they are sent).
 
-One client process streams about 15K tokens/s before its own CPU becomes the limit (measured: one
-process driving 3,000 requests at 200 req/s against an H100 server used a full core and offered less
-than the server could serve). ``run_sessions_parallel`` splits the sessions over several processes
-that keep the same arrival schedule from a common start.
+One client process's own CPU becomes the limit before a GPU server's does: driving a saturating load
+from one process, the client uses a full core and offers less than the server could serve
+(benchmarks/results/HISTORY.md, 2026-11-24). ``run_sessions_parallel`` splits the sessions over several
+processes that keep the same arrival schedule from a common start.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ RESERVED_FDS = 1024
 ACCEPT_BURST = 2048
 # A given --max-connections must leave at least this many descriptors to the process.
 MIN_RESERVED_FDS = 256
-# The default cap's ceiling whatever the descriptor limit: an idle connection costs ~10 KB in uvicorn.
+# The default cap's ceiling whatever the descriptor limit: an idle connection still costs memory in uvicorn.
 MAX_CONNECTIONS_CEILING = 65536
 IMPLEMENTATIONS = ("auto", "httptools", "h11")
 

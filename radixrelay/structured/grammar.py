@@ -5,7 +5,7 @@ sentencepiece-style tokens (``▁``, ``<0x0A>``) as byte-fallback pieces; specia
 empty strings, so no grammar ever allows them, and the model's EOS ids are the grammar's stop
 tokens: a grammar that has reached its end allows only EOS, and the request finishes with ``stop``.
 
-xgrammar is imported on first use (it imports transformers: ~2 s) and releases the GIL while it
+xgrammar is imported on first use (it imports transformers, slow to import) and releases the GIL while it
 compiles, so a compile in a worker thread does not stall the step loop.
 """
 
