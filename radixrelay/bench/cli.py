@@ -81,8 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight; later arrivals wait (default: no limit)")
     p.add_argument("--client-processes", type=int, default=1,
-                   help="client processes sharing the arrival schedule; one streams about 15K tokens/s "
-                        "before its own CPU limits the load it offers (default: 1)")
+                   help="client processes sharing the arrival schedule; at high rates one process's own "
+                        "CPU limits the load it offers (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seeds workload text and arrivals (default: 0)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="unmeasured requests sent first, with unrelated text (default: 0)")
