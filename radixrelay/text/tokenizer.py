@@ -489,16 +489,19 @@ def _gguf_byte_level(meta: dict[str, Any]) -> HFTokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
     alphabet = _byte_alphabet()
-    letters = set(alphabet.values())
-
-    def spelling(token: str, kind: int) -> str:
-        # Ordinary tokens are stored spelled in the byte alphabet; respell any that are not.
-        # Control / user-defined ones keep their text: they become added tokens, matched verbatim.
-        if kind in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) or set(token) <= letters:
-            return token
-        return "".join(alphabet[b] for b in token.encode("utf-8"))
-
-    vocab = {spelling(tok, kind): i for i, (tok, kind) in enumerate(zip(tokens, types))}
+    # Ordinary tokens are stored spelled in the byte alphabet; respell any that are not. Control /
+    # user-defined ones keep their text: they become added tokens, matched verbatim. Almost every
+    # token is spelled already: one scan over all of them, joined by a letter of the alphabet, finds
+    # the characters outside it, and with them the few tokens to respell.
+    outside = re.compile("[^" + re.escape("".join(alphabet.values())) + "]")
+    joined = "!".join(tokens)
+    starts = np.cumsum([0] + [len(t) + 1 for t in tokens[:-1]])
+    spelled = list(tokens)
+    for found in outside.finditer(joined):
+        i = int(np.searchsorted(starts, found.start(), side="right")) - 1
+        if types[i] not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and spelled[i] is tokens[i]:
+            spelled[i] = "".join(alphabet[b] for b in tokens[i].encode("utf-8"))
+    vocab = dict(zip(spelled, range(len(spelled))))
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
@@ -558,8 +561,9 @@ def _add_gguf_special_tokens(tokenizer: HFTokenizer, meta: dict[str, Any]) -> No
     ``skip_special_tokens``); user-defined ones are matched whole but stay ordinary text."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or []
-    vocab = tokenizer.get_vocab(with_added_tokens=False)
-    control = [t for t, k in zip(tokens, types) if k == _TOKEN_CONTROL and t in vocab]
-    user = [t for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED and t in vocab]
+    # Looked up one by one (they are few): nothing is added yet, so these are vocabulary lookups.
+    in_vocab = lambda t: tokenizer.token_to_id(t) is not None                 # noqa: E731
+    control = [t for t, k in zip(tokens, types) if k == _TOKEN_CONTROL and in_vocab(t)]
+    user = [t for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED and in_vocab(t)]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

@@ -93,3 +93,17 @@ def test_special_tokens_and_metadata(tok: Tokenizer) -> None:
 def test_directory_with_one_gguf(tok: Tokenizer) -> None:
     from_dir = load_tokenizer(default_gguf().parent)
     assert from_dir.name == tok.name and from_dir.encode("héllo 😀") == tok.encode("héllo 😀")
+
+
+def test_gguf_byte_level_vocabulary_respells_only_ordinary_tokens_outside_the_byte_alphabet() -> None:
+    """GGUF byte-level vocabularies are stored spelled in GPT-2's byte alphabet; an ordinary token that
+    is not (here: a plain space, a tab) is respelled, a control or user-defined one keeps its text."""
+    from radixrelay.text import tokenizer as tk
+
+    tokens = ["a", "b", "ab", "\u0120a", "x y", "\u00e9", "<ctl x>", "us er", "\tq"]
+    types = [tk._TOKEN_NORMAL] * 6 + [tk._TOKEN_CONTROL, tk._TOKEN_USER_DEFINED, tk._TOKEN_NORMAL]
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "gpt2"}
+    vocab = tk._gguf_byte_level(meta).get_vocab(with_added_tokens=False)
+    assert vocab == {"a": 0, "b": 1, "ab": 2, "\u0120a": 3, "x\u0120y": 4, "\u00e9": 5, "<ctl x>": 6,
+                     "us er": 7, "\u0109q": 8}
