@@ -13,8 +13,9 @@ tokenized here with the server's tokenizer), on an emptied radix cache:
 
 Around each phase /metrics is scraped: model steps, the worker's and the scheduler's busy seconds, and
 the server's per-stage host seconds of a request (``radixrelay_request_stage_seconds``) where it has
-them. The client is plain httpx (the project's bench client is not used), its requests built before
-the clock starts.
+them. The client is not the project's: timed requests go over raw HTTP/1.1 connections opened before
+the clock starts (``raw_http``; ``--client httpx`` sends them through one httpx client instead, whose
+own event-loop work delays the sending of a burst), their bodies built before it too.
 
     python -m benchmarks.serving.bench_long_doc --device cpu                  # tiny dummy model, 742 / 30K
     python -m benchmarks.serving.bench_long_doc --device cuda                 # Llama-3-8B shapes, dummy bf16
@@ -45,6 +46,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import LLAMA3_SHAPES, RESULTS, ROOT, Server, default_tokenizer, scrape
+from benchmarks.serving.raw_http import Connection, HTTPStatusError, open_connections
 from radixrelay.bench.words import WORDS
 
 NEW_WORDS = 5
@@ -120,6 +122,66 @@ async def _post(http: httpx.AsyncClient, url: str, body: bytes,
     return time.perf_counter() - start, reply.json()
 
 
+_RAW_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, HTTPStatusError, ValueError)
+
+
+class Sender:
+    """How timed requests go out: over raw connections opened before the clock starts (one per
+    request of a burst, one kept for the idle requests), or through the shared httpx client."""
+
+    def __init__(self, kind: str, http: httpx.AsyncClient, base_url: str) -> None:
+        self.kind, self.http, self.base_url = kind, http, base_url
+        self.path = "/v1/completions"
+
+    async def connections(self, count: int) -> list[Connection | None]:
+        if self.kind == "httpx":
+            return [None] * count
+        return list(await open_connections(self.base_url, count))
+
+    @staticmethod
+    def close(connections: list[Connection | None]) -> None:
+        for conn in connections:
+            if conn is not None:
+                conn.close()
+
+    async def post(self, conn: Connection | None, body: bytes, errors: Errors) -> tuple[float, dict[str, Any]]:
+        if conn is None:
+            return await _post(self.http, self.base_url + self.path, body, errors)
+        start = time.perf_counter()
+        try:
+            reply = await conn.post_json(self.path, body)
+        except _RAW_ERRORS as exc:
+            errors.add(exc)
+            return float("nan"), {}
+        return time.perf_counter() - start, reply
+
+    async def stream(self, conn: Connection | None, body: bytes, errors: Errors) -> tuple[float, float, int]:
+        """(TTFT, end, output tokens) of one streamed completion, seconds from its send; NaNs if it failed."""
+        if conn is None:
+            return await _stream(self.http, self.base_url + self.path, body, errors)
+        start = time.perf_counter()
+        ttft, tokens = None, 0
+        try:
+            async for line in conn.post_stream(self.path, body):
+                ttft, tokens = _sse_line(line, start, ttft, tokens)
+        except _RAW_ERRORS as exc:
+            errors.add(exc)
+            return float("nan"), float("nan"), 0
+        return ttft or float("nan"), time.perf_counter() - start, tokens
+
+
+def _sse_line(line: str, start: float, ttft: float | None, tokens: int) -> tuple[float | None, int]:
+    """One line of a streamed completion: the TTFT once its first choice arrives, the usage's count."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return ttft, tokens
+    chunk = json.loads(line[6:])
+    if chunk.get("choices") and ttft is None:
+        ttft = time.perf_counter() - start
+    if chunk.get("usage"):
+        tokens = chunk["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
 async def _flush(http: httpx.AsyncClient, server: Server, timeout_s: float = 120.0) -> None:
     """Empty the radix cache, waiting while requests still run (409)."""
     deadline = time.monotonic() + timeout_s
@@ -139,13 +201,7 @@ async def _stream(http: httpx.AsyncClient, url: str, body: bytes, errors: Errors
         async with http.stream("POST", url, content=body, headers={"content-type": "application/json"}) as reply:
             reply.raise_for_status()
             async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                ttft, tokens = _sse_line(line, start, ttft, tokens)
     except httpx.HTTPError as exc:
         errors.add(exc)
         return float("nan"), float("nan"), 0
@@ -179,6 +235,7 @@ async def _phase(http: httpx.AsyncClient, server: Server, work) -> tuple[Any, di
 async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens: int, form: str,
                      args: argparse.Namespace, seed: int) -> dict[str, Any]:
     url = f"{server.base_url}/v1/completions"
+    sender = Sender(args.client, http, server.base_url)
     prompts = Prompts(tokenizer, tokens, seed)
     enc = lambda body: json.dumps(body).encode()                          # noqa: E731
     await _flush(http, server)
@@ -189,8 +246,15 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     row["cold_s"] = cold
     bodies = [enc(prompts.body(form, prompts.question(), 1)) for _ in range(args.repeats)]
 
+    profiler = (Profiler(server.proc.pid, Path(args.out_dir_path) / f"profile_{tokens}_{form}.txt")
+                if tokens in args.profile else None)
+
     async def idle() -> list[tuple[float, dict[str, Any]]]:
-        return [await _post(http, url, b, errors) for b in bodies]
+        conns = await sender.connections(1)
+        try:
+            return [await sender.post(conns[0], b, errors) for b in bodies]
+        finally:
+            sender.close(conns)
 
     replies, counters = await _phase(http, server, idle())
     row["idle_ttft_ms"] = [1e3 * lat for lat, _ in replies]
@@ -199,17 +263,17 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     row["idle_cached"] = answered[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] if answered else None
     row["idle_per_request"] = {k: v / len(bodies) for k, v in counters.items()}
     row["bursts"] = []
-    profiler = (Profiler(server.proc.pid, Path(args.out_dir_path) / f"profile_{tokens}_{form}.txt")
-                if tokens in args.profile else None)
     for size in args.bursts:
         bodies = [enc(prompts.body(form, prompts.question(), 1)) for _ in range(size)]
+        conns = await sender.connections(size)
 
         async def burst() -> tuple[float, list[float]]:
             start = time.perf_counter()
-            done = await asyncio.gather(*(_post(http, url, b, errors) for b in bodies))
+            done = await asyncio.gather(*(sender.post(c, b, errors) for c, b in zip(conns, bodies)))
             return time.perf_counter() - start, [lat for lat, _ in done]
 
         (wall, lats), counters = await _phase(http, server, burst())
+        sender.close(conns)
         row["bursts"].append({"size": size, "wall_s": wall, "latency_p50_s": _median(lats),
                               "per_request": {k: v / size for k, v in counters.items()}})
     if profiler is not None:
@@ -217,11 +281,13 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     if args.stream_burst:
         bodies = [enc(prompts.body(form, prompts.question(), args.stream_out, stream=True))
                   for _ in range(args.stream_burst)]
+        conns = await sender.connections(args.stream_burst)
 
         async def streamed() -> list[tuple[float, float, int]]:
-            return await asyncio.gather(*(_stream(http, url, b, errors) for b in bodies))
+            return await asyncio.gather(*(sender.stream(c, b, errors) for c, b in zip(conns, bodies)))
 
         done, counters = await _phase(http, server, streamed())
+        sender.close(conns)
         tpot = [(end - ttft) / (n - 1) for ttft, end, n in done if n > 1]
         row["stream"] = {"size": args.stream_burst, "out": args.stream_out,
                          "ttft_p50_s": _median(t for t, _, _ in done),
@@ -273,7 +339,8 @@ def _line(row: dict[str, Any]) -> str:
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# A long document asked many questions ({meta['device']})", "",
              f"{meta['when']}; commit {meta['commit']}; {meta['model']}. Command: `{meta['command']}`", "",
-             "Completions through the real server; idle: one at a time, max_tokens 1 (TTFT = latency); "
+             f"Completions through the real server (client: {meta.get('client', 'httpx')}); idle: one at a time, "
+             "max_tokens 1 (TTFT = latency); "
              "bursts: at once, max_tokens 1; streamed: at once, TTFT of the first chunk.", "",
              "| prompt tokens | form | cold prefill s | idle TTFT p50 ms | bursts: wall s / latency p50 s | "
              "streamed burst: TTFT p50 s / TPOT ms | per idle request: steps, busy ms, stage ms |",
@@ -315,9 +382,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-burst", type=int, default=None, help="(default: cpu 0, cuda 128)")
     p.add_argument("--stream-out", type=int, default=64)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="(default: cpu 65536, cuda 262144)")
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                   help="timed requests over raw connections opened beforehand, or through one httpx client")
     p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--profile", default="", help="document lengths whose max_tokens-1 bursts py-spy records "
+    p.add_argument("--profile", default="", help="document lengths whose idle requests and max_tokens-1 bursts py-spy records "
                                                  "(the server and its children), into --out-dir")
     return p
 
@@ -356,7 +425,9 @@ async def main_async(args: argparse.Namespace) -> int:
             "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "model": ("a dummy Llama of 2 tiny layers" if cpu else "Llama-3-8B shapes, dummy bf16 weights")
                      + f", 131K context, {kv_tokens} KV tokens, the default model's tokenizer",
-            "command": "python -m benchmarks.serving.bench_long_doc " + " ".join(_argv_given())}
+            "command": "python -m benchmarks.serving.bench_long_doc " + " ".join(_argv_given()),
+            "client": ("raw HTTP/1.1 connections opened before the clock starts" if args.client == "raw"
+                       else "one httpx client")}
     server = Server(argv, work / "server.log")
     rows: list[dict[str, Any]] = []
     # idle connections dropped before the server's keep-alive (uvicorn's 5 s, httpx's default too) closes them:
