@@ -33,19 +33,36 @@ def model() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _load_model() -> Any:
+    import gguf
     import transformers
 
     path = resolve_model_path("default")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    # transformers' GGUF loader parses the file's metadata (the tokenizer's ~100k strings) once for the
+    # config and again for the weights, and builds gguf's tensor-name table once per module of the model
+    # (~400 times): about two thirds of the load's CPU time. Both are pure functions of their arguments,
+    # so for this load they are memoized; the weights, their dequantization and the model are transformers'.
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=1)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=1)(name_map)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
-@torch.inference_mode()
-def token_logprobs(ids: list[int]) -> list[float | None]:
-    """logprob of each token given the ones before it (None for the first)."""
-    logits = model()(torch.tensor([ids])).logits[0].float()          # [tokens, vocab]
+@functools.lru_cache(maxsize=64)
+def _token_logprobs(ids: tuple[int, ...]) -> tuple[float | None, ...]:
+    with torch.inference_mode():
+        logits = model()(torch.tensor([ids])).logits[0].float()          # [tokens, vocab]
     logprobs = torch.log_softmax(logits, dim=-1)
-    return [None] + [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    return (None, *(logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))))
+
+
+def token_logprobs(ids: list[int]) -> list[float | None]:
+    """logprob of each token given the ones before it (None for the first); one forward pass per
+    distinct sequence (the stand-in server and the by-hand scores ask for the same ones)."""
+    return list(_token_logprobs(tuple(ids)))
 
 
 def choice_scores(prefix: str, choices: list[str], logprobs_of=None) -> list[float]:
