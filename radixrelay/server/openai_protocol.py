@@ -24,6 +24,7 @@ import numpy as np
 from msgspec import Meta
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
+from radixrelay.server.token_ids import plain_ids
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 
 # -- errors -----------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def decode_prompt(raw: msgspec.Raw, *, schema: bool) -> Any:
                     raise
                 return [_id_array(ids, floats=True) for ids in _NUMBER_LISTS.decode(raw)]
         if first == b"[" and second and second in b"-0123456789":
-            if (ids := _plain_ids(raw)) is not None:
+            if (ids := plain_ids(raw)) is not None:
                 return ids
             try:
                 return _id_array(_IDS.decode(raw))
@@ -444,26 +445,6 @@ def decode_prompt(raw: msgspec.Raw, *, schema: bool) -> Any:
     except msgspec.ValidationError as exc:
         raise invalid(f"{_NOT_A_PROMPT}: {str(exc).replace('at `$', 'at `$.prompt')}", "prompt") from None
     raise invalid(_NOT_A_PROMPT, "prompt")
-
-
-_PLAIN = b"0123456789,\t\n\r "       # all a JSON array of non-negative integers holds inside its brackets
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _plain_ids(raw: msgspec.Raw) -> np.ndarray | None:
-    """The common token-id prompt, a flat array of non-negative integers, parsed in C straight into int64
-    [n], no Python int per id. ``raw`` is valid JSON (msgspec scanned it), so bytes that are only digits,
-    commas and whitespace are such an array. None for anything else (signs, floats, nesting) and for ids
-    past int64 (``fromstring`` saturates them): decoded by type then."""
-    inner = bytes(raw)[1:-1]
-    chars = np.frombuffer(inner, dtype=np.uint8)
-    commas = chars == 44
-    if not (((chars - np.uint8(48)) < 10) | commas | (chars == 32)).all() and inner.translate(None, _PLAIN):
-        return None                      # a character besides digits, commas, spaces (and \t \n \r)
-    ids = np.fromstring(inner, dtype=np.int64, sep=",")
-    if len(ids) != np.count_nonzero(commas) + 1 or (ids == _INT64_MAX).any():
-        return None
-    return ids
 
 
 def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np.ndarray:
