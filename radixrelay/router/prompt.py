@@ -64,6 +64,10 @@ class PromptKeys:
         the template refuses: routed by load alone; the replica gives the client its error).
         ``InvalidPrompt``: token ids out of [0, TOKEN_ID_LIMIT)."""
         prompt = body.get("prompt") if endpoint != "chat" else None
+        if isinstance(prompt, np.ndarray):        # parsed as ids already (``proxy.parse_object``): >= 0
+            if len(prompt) and prompt.max() >= TOKEN_ID_LIMIT:
+                raise InvalidPrompt(f"prompt token ids must be in [0, {TOKEN_ID_LIMIT})")
+            return prompt.astype(np.int32)
         if isinstance(prompt, list) and prompt:
             return token_id_array(prompt)
         try:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +33,7 @@ from starlette.responses import Response
 
 from radixrelay.config import ServerConfig
 from radixrelay.net.log_limits import RateLimitFilter
+from radixrelay.text.json_ids import plain_ids
 
 # Bodies larger than this are parsed, and their prompts tokenized, in a thread rather than on the event loop.
 OFFLOAD_BYTES = 64 * 1024
@@ -115,9 +118,18 @@ async def read_body(request: Request, cap: int) -> bytes:
     return bytes(body)
 
 
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_FLAT_IDS = re.compile(rb"\[\s*[0-9]")
+
+
 def parse_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; ``ProxyError`` (400) when it is not JSON, is nested past what the parser
-    takes (Python's recursion limit), or is not an object."""
+    takes (Python's recursion limit), or is not an object. A flat array of token ids as ``prompt`` is an
+    int64 numpy array (``radixrelay.text.json_ids``: parsed in C, shared with recent prompts by prefix),
+    every other value what ``json.loads`` gives."""
+    fast = _parse_fields(raw)
+    if fast is not None:
+        return fast
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -127,6 +139,20 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     return body
+
+
+def _parse_fields(raw: bytes) -> dict[str, Any] | None:
+    """The object's fields decoded by msgspec; None for anything msgspec refuses and ``json.loads`` may
+    still take or refuse with its own message (not an object, NaN, integers past 64 bits, deep nesting)."""
+    try:
+        fields = _FIELDS.decode(raw)
+        body: dict[str, Any] = {}
+        for name, value in fields.items():
+            ids = plain_ids(value) if name == "prompt" and _FLAT_IDS.match(memoryview(value)) else None
+            body[name] = ids if ids is not None else msgspec.json.decode(value)
+        return body
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
+        return None
 
 
 async def read_capped(resp: aiohttp.ClientResponse, cap: int, replica: str) -> bytes:

@@ -24,8 +24,8 @@ import numpy as np
 from msgspec import Meta
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
-from radixrelay.server.token_ids import plain_ids
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
+from radixrelay.text.json_ids import plain_ids
 
 # -- errors -----------------------------------------------------------------------------------
 

@@ -39,6 +39,28 @@ def test_approximate_keys_name_whole_prefixes_under_each_salt():
     assert not set(keys.keys_of(Prompt(doc, ""))) & set(a)                # "" is not None
 
 
+def test_bodies_parsed_by_the_proxy_give_the_keys_of_their_json():
+    """``parse_object`` reads a flat token-id prompt into an array (shared with recent prompts by
+    prefix); its keys, and every other field, are those of the body as ``json.loads`` reads it."""
+    import json
+
+    from radixrelay.router.proxy import parse_object
+
+    keys = PromptKeys(tokenizer=None, template=None)
+    doc = np.random.default_rng(1).integers(0, 50000, 20 * PAGE_TOKENS).tolist()
+    for tail in ([7], [8, 9], []):
+        raw = json.dumps({"model": "m", "prompt": doc + tail, "stream": True, "cache_salt": "t",
+                          "stop": ["x"], "seed": 3}).encode()
+        fast, slow = parse_object(raw), json.loads(raw)
+        assert isinstance(fast["prompt"], np.ndarray)
+        assert {k: v for k, v in fast.items() if k != "prompt"} == {k: v for k, v in slow.items() if k != "prompt"}
+        assert keys.keys("completions", fast) == keys.keys("completions", slow)
+    for bad in ([1, 1 << 31], [1, 2**64, 3], [1, -1]):
+        body = parse_object(json.dumps({"prompt": bad}).encode())
+        with pytest.raises(InvalidPrompt, match="token ids"):
+            keys.keys("completions", body)
+
+
 class _NoStore:
     def close(self) -> None:
         pass

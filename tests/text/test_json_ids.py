@@ -1,4 +1,4 @@
-"""Token-id prompts parsed from JSON text and reused by prefix (``radixrelay.server.token_ids``): every
+"""Token-id prompts parsed from JSON text and reused by prefix (``radixrelay.text.json_ids``): every
 result equals a fresh parse of the whole text, whatever was parsed before."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from radixrelay.server.token_ids import IdPrefixCache
+from radixrelay.text.json_ids import IdPrefixCache
 
 
 def _inner(ids, sep: str = ",") -> bytes:
