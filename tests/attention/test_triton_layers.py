@@ -17,14 +17,14 @@ from radixrelay.attention.triton_backend import TritonBackend
 from tests.cascade.trees import batch_on, random_scenario
 from tests.kernels.helpers import DEVICE
 
-NUM_LAYERS = 3
+NUM_LAYERS = 2                 # the first binds, the second reuses what it bound
 HEADS, HEAD_DIM = (4, 2), 16
 
 
 def _scenario(seed: int):
     """A scenario whose cascaded batch has extend and decode rows, decode groups and prefill shared runs."""
     for attempt in range(200):
-        sc = random_scenario(random.Random(seed * 1000 + attempt), page_size=2, num_extends=3, num_decodes=5,
+        sc = random_scenario(random.Random(seed * 1000 + attempt), page_size=2, num_extends=2, num_decodes=3,
                              dtype=torch.float32, heads=HEADS, head_dim=HEAD_DIM)
         c = sc.cascaded.cascade
         if c.decode is not None and c.prefill is not None:
@@ -52,13 +52,12 @@ def _fresh(q, layer, cache, batch):
     return TritonBackend().forward_with_lse(q, layer, cache, batch)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_layers_and_steps_equal_a_fresh_backend(seed):
-    sc = _scenario(seed)
-    cache = _layers_cache(sc, seed)
+def test_layers_and_steps_equal_a_fresh_backend():
+    sc = _scenario(0)
+    cache = _layers_cache(sc, 0)
     backend = TritonBackend()
     for step, batch in enumerate((sc.cascaded, sc.flat, sc.cascaded)):   # steps: a new batch each time
-        qs = _queries(batch, 10 * seed + step)
+        qs = _queries(batch, step)
         got = [backend.forward_with_lse(q, layer, cache, batch) for layer, q in enumerate(qs)]
         assert backend._step.layers is not None                          # bound once, reused
         for layer, (q, (o, lse)) in enumerate(zip(qs, got)):             # later layers left earlier outputs alone
