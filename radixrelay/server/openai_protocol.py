@@ -25,7 +25,7 @@ from msgspec import Meta
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
-from radixrelay.text.json_ids import plain_ids
+from radixrelay.text.json_ids import PLACEHOLDER, plain_ids, split_prompt
 
 # -- errors -----------------------------------------------------------------------------------
 
@@ -48,7 +48,7 @@ def invalid(message: str, param: str | None = None) -> APIError:
 _PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 
 
-def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
+def decode_request(body: bytes, kind: type[GenerationRequest], split_ids: bool = True) -> Any:
     """JSON body -> ``kind``; malformed JSON, wrong types, out-of-range values and unsupported
     fields -> 400 naming the field. The body is parsed once (``_wire``): the values of unsupported
     fields and a completion's ``prompt`` are kept raw while the typed fields are decoded, then
@@ -57,16 +57,30 @@ def decode_request(body: bytes, kind: type[GenerationRequest]) -> Any:
     try:
         if not body.isascii():
             body.decode()            # UTF-8 throughout, the keys and values the decode skips included
-        try:
-            req = msgspec.json.decode(body, type=wire)
-        except msgspec.ValidationError as exc:
-            if "got `float`" not in str(exc):
-                raise
-            fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])   # top level only
-            req = msgspec.json.decode(_integral_floats_as_ints(fields), type=wire)
+        # A flat token-id prompt is cut out first (``split_prompt``): no decoder scans its ids.
+        split = split_prompt(body) if split_ids and "prompt" in kind.__struct_fields__ else None
+        if split is not None:
+            try:
+                req = msgspec.json.decode(split[0], type=wire)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # anything else (an integral float to read as its integer, an error whose message must
+                # give offsets in the body as sent): the body decoded whole
+                return decode_request(body, kind, split_ids=False)
+        else:
+            try:
+                req = msgspec.json.decode(body, type=wire)
+            except msgspec.ValidationError as exc:
+                if "got `float`" not in str(exc):
+                    raise
+                fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])   # top level only
+                req = msgspec.json.decode(_integral_floats_as_ints(fields), type=wire)
         refuse_unsupported(req, UNSUPPORTED[kind.endpoint])
         values = {name: getattr(req, name) for name in kind.__struct_fields__}
-        if "prompt" in values:
+        if split is not None:
+            if bytes(req.prompt) != PLACEHOLDER or req.prompt_schema is not None:
+                return decode_request(body, kind, split_ids=False)    # the ids were not the prompt's
+            values["prompt"] = split[1]
+        elif "prompt" in values:
             values["prompt"] = decode_prompt(values["prompt"], schema=req.prompt_schema is not None)
         return kind(**values)
     except msgspec.ValidationError as exc:

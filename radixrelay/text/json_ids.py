@@ -12,6 +12,7 @@ are the same ids; the rest is parsed and checked as a fresh body would be."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -126,9 +127,19 @@ def _parse_plain(inner: bytes) -> tuple[np.ndarray, np.ndarray] | None:
     saturates those)."""
     chars = np.frombuffer(inner, dtype=np.uint8)
     commas = chars == _COMMA
-    if not (((chars - np.uint8(48)) < 10) | commas | (chars == 32)).all() and inner.translate(None, _PLAIN):
+    digits = (chars - np.uint8(48)) < 10
+    if not (digits | commas | (chars == 32)).all() and inner.translate(None, _PLAIN):
         return None                      # a character besides digits, commas, spaces (and \t \n \r)
     positions = np.flatnonzero(commas)
+    # JSON's grammar, which nothing checked before when the text was cut out of a body
+    # (``split_prompt``): one number between each two commas ("1 2", "1,,2" are not arrays), no
+    # leading zeros ("01")
+    starts = digits.copy()
+    starts[1:] &= ~digits[:-1]
+    if np.count_nonzero(starts) != len(positions) + 1:
+        return None
+    if (starts[:-1] & (chars[:-1] == 48) & digits[1:]).any():
+        return None
     ids = np.fromstring(inner, dtype=np.int64, sep=",")
     if len(ids) != len(positions) + 1 or (ids == _INT64_MAX).any():
         return None
@@ -136,6 +147,32 @@ def _parse_plain(inner: bytes) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 _SHARED = IdPrefixCache()
+_PROMPT_KEY = b'"prompt"'
+_OPENS_ARRAY = re.compile(rb"\s*:\s*\[")
+PLACEHOLDER = b"0"
+
+
+def split_prompt(body: bytes) -> tuple[bytes, np.ndarray] | None:
+    """A JSON object's flat token-id ``prompt`` cut out before the rest is decoded, so that no JSON
+    decoder scans its ids: (the body with ``PLACEHOLDER`` in the array's place, the ids as
+    ``plain_ids`` gives them). None where that cannot be done safely: a body naming "prompt" more than
+    once (a nested key or a string value that may be it), anything but a flat array of non-negative
+    integers after the key. The caller decodes the rest and takes the ids only if its top-level
+    ``prompt`` is the placeholder (the key it found may be a nested object's). Inside a JSON string the
+    quotes around "prompt" would be escaped, so each occurrence found is a key or that exact string."""
+    at = body.find(_PROMPT_KEY)
+    if at < 0 or body.find(_PROMPT_KEY, at + 1) >= 0:
+        return None
+    opened = _OPENS_ARRAY.match(body, at + len(_PROMPT_KEY))
+    if opened is None:
+        return None
+    end = body.find(b"]", opened.end())
+    if end < 0:
+        return None
+    ids = _SHARED.parse(body[opened.end():end])
+    if ids is None:
+        return None
+    return body[:opened.end() - 1] + PLACEHOLDER + body[end + 1:], ids
 
 
 def plain_ids(raw: bytes | memoryview) -> np.ndarray | None:

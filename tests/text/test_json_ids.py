@@ -107,3 +107,15 @@ def test_concurrent_parses_of_overlapping_prompts_are_all_exact() -> None:
     for t in threads:
         t.join()
     assert not failures
+
+
+def test_a_flat_id_prompt_is_cut_out_of_its_body_and_anything_else_is_left_to_the_decoder() -> None:
+    from radixrelay.text.json_ids import PLACEHOLDER, split_prompt
+
+    rest, ids = split_prompt(b'{"model": "m", "prompt" : [ 7 , 80 ], "n": 2}')
+    assert json.loads(rest) == {"model": "m", "prompt": int(PLACEHOLDER), "n": 2} and ids.tolist() == [7, 80]
+    for body in (b'{"prompt": "text"}', b'{"prompt": [[1], [2]]}', b'{"prompt": [1, -2]}',
+                 b'{"prompt": [1, 2.5]}', b'{"prompt": [01, 2]}', b'{"prompt": [1 2]}', b'{"prompt": [1,,2]}',
+                 b'{"prompt": []}', b'{"prompt": [1], "x": {"prompt": [2]}}', b'{"model": "m"}',
+                 b'{"prompt": [1, 2'):
+        assert split_prompt(body) is None, body
