@@ -23,6 +23,11 @@ def tokenizer() -> Tokenizer:
     return load_tokenizer(resolve_model_path("default"))
 
 
+# transformers' logprob of " Paris" after "The capital of France is" (float32, CPU, this module's model):
+# test_select.py checks that the reference computes it, test_programs.py that the server's logprob agrees
+# with it, so the server and the reference agree without both running in one test.
+PARIS_PROMPT, PARIS, PARIS_LOGPROB = "The capital of France is", " Paris", -0.258062
+
 _load_lock = threading.Lock()      # the stub server may ask from several threads at once
 
 

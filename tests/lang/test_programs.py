@@ -195,39 +195,49 @@ def test_openai_compatible_backend_with_plain_roles(server):
 
 
 def test_reference_agrees_with_the_server_next_token_logprobs(server):
-    """The by-hand reference (transformers on the same GGUF) matches radixrelay's own logprobs."""
+    """The by-hand reference (transformers on the same GGUF) matches radixrelay's own logprobs: the
+    server's logprob of " Paris" is transformers' (``reference.PARIS_LOGPROB``, which test_select.py
+    checks the reference computes; loading transformers' model here as well would double its cost)."""
     response = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-        "model": "default", "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
+        "model": "default", "prompt": reference.PARIS_PROMPT, "max_tokens": 1, "temperature": 0,
         "logprobs": 5}).json()
     top = response["choices"][0]["logprobs"]["top_logprobs"][0]
-    ids = reference.tokenizer().encode("The capital of France is Paris")
-    assert top[" Paris"] == pytest.approx(reference.token_logprobs(ids)[-1], abs=2e-3)
+    assert top[reference.PARIS] == pytest.approx(reference.PARIS_LOGPROB, abs=2e-3)
 
 
 @pytest.fixture(scope="module")
-def engine_logprobs():
-    """By-hand prompt logprobs from the offline Engine (SamplingParams.prompt_logprobs)."""
-    from radixrelay import Engine, SamplingParams
+def fresh_logprobs(server):
+    """By-hand prompt logprobs: each sequence alone in its own /v1/completions request (echo +
+    logprobs), under a cache salt of its own, so that nothing of it is cached and every logprob is
+    computed afresh. (That the server's echoed prompt logprobs equal the offline Engine's
+    ``prompt_logprobs`` is checked by tests/server/test_api.py::test_server_equals_offline_engine;
+    that they agree with transformers, by test_reference_agrees_with_the_server_next_token_logprobs.)"""
+    salts = itertools.count()
 
-    with Engine(model="default", kv_cache_tokens=4096) as engine:
-        def logprobs_of(ids: list[int]) -> list[float | None]:
-            out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-            return [None if lp is None else lp.logprob for lp in out.prompt_logprobs]
+    def logprobs_of(ids: list[int]) -> list[float | None]:
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+            "model": "default", "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 0, "cache_salt": f"by-hand-{next(salts)}"})
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        return choice["logprobs"]["token_logprobs"][:len(ids)]
 
-        yield logprobs_of
+    return logprobs_of
 
 
 @pytest.mark.parametrize(("prefix", "choices"), SELECT_CASES)
-def test_select_on_radixrelay(endpoint, engine_logprobs, prefix, choices):
-    """select scores from radixrelay's prompt logprobs (/v1/completions with echo + logprobs) equal
-    the scores computed by hand from the Engine's prompt logprobs: the cases of test_select.py
-    (checked there against transformers through a stand-in server), a BPE merge included."""
+def test_select_on_radixrelay(endpoint, fresh_logprobs, prefix, choices):
+    """select scores from radixrelay's prompt logprobs (one /v1/completions request with echo + logprobs
+    for the prefix and every choice, sharing the cached prefix) equal the scores computed by hand from
+    each sequence's logprobs computed alone and uncached: the cases of test_select.py (checked there
+    against transformers through a stand-in server), a BPE merge included."""
     @rl.function
     def pick(s):
         s += prefix
         s += rl.select("answer", choices=choices)
 
     state = pick.run(backend=endpoint)
-    scores = reference.choice_scores(prefix, choices, engine_logprobs)
+    scores = reference.choice_scores(prefix, choices, fresh_logprobs)
     assert state["answer"] == choices[max(range(len(choices)), key=lambda i: scores[i])]
     assert state.meta("answer").scores == pytest.approx(scores, abs=1e-4)

@@ -46,6 +46,13 @@ def test_select_matches_the_by_hand_logprobs(stub, prefix, choices):
     assert request["prompt"] == [prefix, *(prefix + c for c in choices)]
 
 
+def test_the_reference_gives_the_known_logprob():
+    """transformers' logprob of a known continuation is the one test_programs.py finds the server giving
+    (``reference.PARIS_LOGPROB``): the reference these scores come from agrees with radixrelay's model."""
+    ids = reference.tokenizer().encode(reference.PARIS_PROMPT + reference.PARIS)
+    assert reference.token_logprobs(ids)[-1] == pytest.approx(reference.PARIS_LOGPROB, abs=1e-4)
+
+
 def test_a_boundary_merge_counts_the_merged_token(stub):
     """The case list exercises a merge: ``ids(prefix)`` is not a prefix of ``ids(prefix + c)``."""
     tok = reference.tokenizer()
