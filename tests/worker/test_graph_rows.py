@@ -171,14 +171,14 @@ def test_churning_decode_batch_is_patched_and_exact(model, cascade, device):
     eager_kv, graph_kv = kv_cache(device), kv_cache(device)
     # eager: the torch reference on the CPU; on CUDA the same Triton kernels launched without graphs
     eager = ModelRunner(net, eager_kv, TorchBackend() if device == "cpu" else make_backend("triton", device))
-    graphs = graphs_of(net, graph_kv)
+    # buckets 1, 2, 4, 6: a batch of 4 to 6 rows stays on the 6-row graph (more than half of it)
+    graphs = graphs_of(net, graph_kv, max_batch=6)
     fast = ModelRunner(net, graph_kv, make_backend("triton", device), graphs=graphs)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade, seed=7)
     # (leave, join) per step: start, steady, a join and a leave, leaves only (rows moved or given up),
     # joins only (rows past the end), several of each.
-    script = [(0, 8), (0, 0), (1, 1), (1, 1), (0, 0), (2, 0), (1, 0), (0, 1), (0, 2), (3, 3), (1, 1), (2, 1),
-              (0, 0), (1, 2), (2, 2)]
+    script = [(0, 6), (0, 0), (1, 1), (2, 0), (1, 0), (0, 2), (3, 3), (0, 0)]
     for leave, join in script:
         step_both(eager, fast, work.plan(leave, join))
     changed = sum(1 for leave, join in script[1:] if leave or join)
@@ -205,42 +205,46 @@ def test_uncovered_size_class_runs_piecewise_until_it_recurs(model, monkeypatch)
     fast = ModelRunner(model, graph_kv, backend, graphs=graphs, piecewise=piecewise)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade=True, seed=3)
-    for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0), (0, 0)]):
+    for i, (leave, join) in enumerate([(0, 6), (0, 0), (0, 0), (0, 0)]):
         step_both(eager, fast, work.plan(leave, join))
         if i < 2:           # seen once, twice: piecewise, no capture
             assert (graphs.captures == 0 and graphs.counters.decode_steps_deferred == i + 1
                     and piecewise.replays == i + 1)
     assert graphs.captures == 1 and graphs.counters.decode_steps_deferred == 2 and piecewise.replays == 2
-    assert graphs.counters.decode_steps_advanced == 2     # the captured class then continues on the device
+    assert graphs.counters.decode_steps_advanced == 1     # the captured class then continues on the device
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("cascade", [True, False])
-def test_start_up_covers_run_new_size_classes_without_deferral(model, cascade, device):
+def test_start_up_covers_run_new_size_classes_without_deferral(model, device):
     """``capture_covers`` at start-up: a flat and a cascade graph per cover bucket. A fresh batch's
-    steps (classes never seen) then replay a cover instead of running piecewise or capturing, with the
-    eager runner's outputs; a cover is the smallest graph holding the step's rows."""
+    steps (classes never seen: cascade steps, then the same rows flat) then replay a cover instead of
+    running piecewise or capturing, with the eager runner's outputs; a cover is the smallest graph holding
+    the step's rows."""
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
 
     net = copy.deepcopy(model).to(device)
     eager_kv, graph_kv = kv_cache(device), kv_cache(device)
     eager = ModelRunner(net, eager_kv, TorchBackend() if device == "cpu" else make_backend("triton", device))
     backend = make_backend("triton", device)
-    graphs = graphs_of(net, graph_kv)
-    assert graphs.capture_covers(buckets=(8,)) == 4              # buckets 8 and 16 (max_batch), flat and cascade
-    assert graphs.capture_covers(buckets=(8,)) == 0              # captured once
+    graphs = graphs_of(net, graph_kv, max_batch=8)
+    assert graphs.capture_covers(buckets=(4,)) == 4              # buckets 4 and 8 (max_batch), flat and cascade
+    assert graphs.capture_covers(buckets=(4,)) == 0              # captured once
     piecewise = PiecewiseGraphs(net, graph_kv, backend, token_buckets=[8, 16], scratch_slot=NUM_PAGES * PS)
     fast = ModelRunner(net, graph_kv, backend, graphs=graphs, piecewise=piecewise)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
-    work = Churn(cascade=cascade, seed=5)
-    for leave, join in [(0, 6), (0, 0), (1, 2), (0, 0), (2, 1), (0, 0)]:
+    work = Churn(cascade=True, seed=5)
+    for leave, join in [(0, 3), (0, 0), (1, 2)]:
+        step_both(eager, fast, work.plan(leave, join))
+    # a light node's launch shape is not the cover's: its steps ran covered (flat rows may have the
+    # cover's own shape: one split, then it is theirs)
+    assert graphs.counters.decode_steps_covered >= 1
+    work.cascade = False
+    for leave, join in [(0, 0), (2, 1), (0, 0)]:
         step_both(eager, fast, work.plan(leave, join))
     assert graphs.counters.decode_steps_deferred == 0 and piecewise.replays == 0 and graphs.captures == 4
-    if cascade:         # a light node's launch shape is not the cover's: its steps ran covered (flat rows
-        assert graphs.counters.decode_steps_covered >= 1   # may have the cover's own shape: one split, then it is theirs)
-    assert {g.key[0] for g in graphs._graphs.values()} == {8, 16}
+    assert {g.key[0] for g in graphs._graphs.values()} == {4, 8}
     last = fast.device_batch.last
-    assert last is not None and last.graph.key[0] == 8   # <= 8 rows: the 8-row cover
+    assert last is not None and last.graph.key[0] == 4 and not last.graph.cascade   # <= 4 rows: the 4-row flat cover
 
 
 def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
@@ -250,13 +254,13 @@ def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
     on the same graph again, as the covering graph of a class not seen before)."""
     eager_kv, graph_kv = kv_cache(), kv_cache()
     eager = ModelRunner(model, eager_kv, TorchBackend())
-    graphs = graphs_of(model, graph_kv, max_batch=64)
+    graphs = graphs_of(model, graph_kv, max_batch=6)          # buckets 1, 2, 4, 6
     fast = ModelRunner(model, graph_kv, make_backend("triton", "cpu"), graphs=graphs)
     eager.sampler, fast.sampler = RecordingSampler(eager.sampler), RecordingSampler(fast.sampler)
     work = Churn(cascade=True, seed=9)
     # (leave, join, rows after, graph rows expected, advanced on the device)
-    script = [(0, 52, 52, 64, False), (0, 0, 52, 64, True), (6, 0, 46, 64, True), (0, 3, 49, 64, True),
-              (9, 0, 40, 64, True), (0, 0, 40, 64, True), (12, 0, 28, 64, False)]
+    script = [(0, 6, 6, 6, False), (0, 0, 6, 6, True), (2, 0, 4, 6, True), (0, 1, 5, 6, True),
+              (1, 0, 4, 6, True), (0, 0, 4, 6, True), (2, 0, 2, 6, False)]
     for leave, join, rows, graph_rows, advanced in script:
         plan = work.plan(leave, join)
         before = graphs.counters.decode_steps_advanced
