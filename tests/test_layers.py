@@ -25,14 +25,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                    "radixrelay.bench", "radixrelay.router", "radixrelay.admission")),
     ("runtime", ("radixrelay.runtime",)),
     ("scheduler and worker", ("radixrelay.scheduler", "radixrelay.worker")),
-    ("components", ("radixrelay.cascade", "radixrelay.modules", "radixrelay.structured", "radixrelay.model",
-                    "radixrelay.attention", "radixrelay.kernels")),
+    ("components", ("radixrelay.cascade", "radixrelay.modules", "radixrelay.structured")),
+    ("model", ("radixrelay.model",)),
+    ("attention", ("radixrelay.attention",)),
+    ("kernels", ("radixrelay.kernels",)),
     ("base", ("radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.radix", "radixrelay.config", "radixrelay.env", "radixrelay.kv_events",
               "radixrelay.kv_schema", "radixrelay.kv_auth", "radixrelay.kv_store", "radixrelay.net",
               "radixrelay.sampling_params", "radixrelay.outputs", "radixrelay.structured.spec")),
 ]
-# Packages of one layer that never import each other: the scheduler stays CPU-only and talks to the
-# worker through radixrelay.protocol alone.
 APART = [("radixrelay.scheduler", "radixrelay.worker")]
 # Packages that import no torch (every process and every CPU test uses them).
 TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router",

@@ -40,7 +40,7 @@ import torch.nn as nn
 from benchmarks.model.bench_fp8_accuracy import score, text_tokens
 from radixrelay.attention import reference
 from radixrelay.model import load_model
-from radixrelay.model.fp8 import E4M3, E4M3_MAX
+from radixrelay.kernels.fp8 import E4M3, E4M3_MAX
 from radixrelay.model.quantization import Precision
 
 

@@ -8,7 +8,7 @@ stream), how long the small one takes from its launch to its completion, alone a
 the same small transfer done by a kernel through pinned host memory (unified addressing: no copy engine):
 
     large D2H | small D2H   (a save | sampled tokens: why ``kernels/host_copy.py`` exists)
-    large H2D | small H2D   (a load | the next step's inputs, ``attention/host_staging.py``)
+    large H2D | small H2D   (a load | the next step's inputs, ``kernels/host_staging.py``)
     large D2H | small H2D, large H2D | small D2H   (the other direction: separate engines?)
 
     source benchmarks/gpu_env.sh && python -m benchmarks.tiers.bench_copy_queue [--large-mib 1536]

@@ -46,7 +46,8 @@ class KVCache:
         self.model_dtype = model_dtype or dtype
         self.layer_ready: list | None = None     # see wait_for_layer
         # FP8 KV emulated (``radixrelay.model.quantization``): per layer (K scale, V scale); every write
-        # stores the values an e4m3 cache with those scales gives back. None: stored as they are.
+        # stores the values an e4m3 cache with those scales gives back (``kernels.fp8.fake_quantize_kv``).
+        # None: stored as they are.
         self.fp8_emulation: list[tuple[float, float]] | None = None
 
     @property
@@ -78,7 +79,7 @@ class KVCache:
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V. slots: int64 [T]; k, v: [T, num_kv_heads, head_dim]."""
         if self.fp8_emulation is not None:
-            from radixrelay.model.quantization import fake_quantize_kv
+            from radixrelay.kernels.fp8 import fake_quantize_kv
 
             k_scale, v_scale = self.fp8_emulation[layer_id]
             k, v = fake_quantize_kv(k, k_scale), fake_quantize_kv(v, v_scale)

@@ -28,7 +28,7 @@ from operator import sub
 import numpy as np
 import torch
 
-from radixrelay.attention.host_staging import tensor_to_device, upload
+from radixrelay.kernels.host_staging import tensor_to_device, upload
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class DevicePageTable:
         host[2 * n:] = np.frombuffer(values, dtype=np.int64)
         if self.device.type == "cuda":                       # one copy, one launch
             if self._scatter is None:
-                from radixrelay.kernels.row_patch import PageScatter   # Triton: loaded by CUDA workers only
+                from radixrelay.kernels.row_patch import PageScatter  # Triton: loaded by CUDA workers only
 
                 self._scatter = PageScatter(self._table)
             self._scatter(upload(host, torch.int64, self.device).view(3, n))

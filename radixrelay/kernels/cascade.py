@@ -42,14 +42,12 @@ import numpy as np
 import torch
 import triton
 
-from radixrelay.attention.host_staging import tensor_to_device
 from radixrelay.kernels import fa3_node, paged_decode, shared_node
-from radixrelay.kernels._common import (check, check_index, check_out, check_page_table, check_qkv, num_sms,
-                                        pick_splits)
+from radixrelay.kernels._common import check, check_index, check_out, check_page_table, check_qkv, num_sms, pick_splits
+from radixrelay.kernels.host_staging import tensor_to_device
 from radixrelay.kernels.merge import bind_merge, merge_attention_states_reference
 from radixrelay.kernels.paged_decode import paged_decode_attention_reference
 from radixrelay.kernels.shared_node import shared_node_attention_reference
-
 
 # A node shared by n requests saves (n - 1) * node_tokens KV reads; below this the extra launches and
 # partial states may cost more than they save (small batches over short nodes tie flat decode;

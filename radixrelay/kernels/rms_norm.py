@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from radixrelay.kernels._common import FLOAT_DTYPES, TL_FLOAT_DTYPES, check
+from radixrelay.kernels.fp8 import QuantizedRows
 from radixrelay.kernels.fp8_quant import MAX_COLS, new_quantized, quantize_row
-from radixrelay.model.fp8 import QuantizedRows
 
 
 # num_rows varies per step; not specialised (radixrelay.worker.warmup: no compiles after ready).

@@ -117,18 +117,3 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
             FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1)
     return q
-
-
-def rope_and_store_reference(qkv, cos, sin, slots, k_cache, v_cache, num_q_heads: int, num_kv_heads: int):
-    """The unfused model's ops (``apply_rope`` twice, ``KVCache.store``), same contract."""
-    from radixrelay.model.layers import apply_rope
-
-    head_dim = k_cache.shape[2]
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.reshape(-1, num_q_heads, head_dim), cos, sin)
-    k = apply_rope(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
-    from radixrelay.attention.kv_cache import write_slots
-
-    write_slots(k_cache, slots, k)
-    write_slots(v_cache, slots, v.reshape(-1, num_kv_heads, head_dim))
-    return q

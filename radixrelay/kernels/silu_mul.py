@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from radixrelay.kernels._common import FLOAT_DTYPES, check
+from radixrelay.kernels.fp8 import QuantizedRows
 from radixrelay.kernels.fp8_quant import MAX_COLS, launch_options, new_quantized, quantize_row
-from radixrelay.model.fp8 import QuantizedRows
 
 BLOCK = 1024
 

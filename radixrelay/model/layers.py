@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixrelay.attention.kv_cache import write_slots
 from radixrelay.model.config import ModelConfig, RopeScaling
 from radixrelay.model.cpu_gemm import linear
 
@@ -83,7 +84,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [T, dim] -> norm(x); with ``residual``: (norm(x + residual), x + residual). With
         ``quantize_output``, where the fused kernel runs, norm(x) comes as ``QuantizedRows``
-        (``radixrelay.model.fp8``); the torch ops return it unquantized (the product quantizes it)."""
+        (``radixrelay.kernels.fp8``); the torch ops return it unquantized (the product quantizes it)."""
         if fused(x):
             from radixrelay.kernels.rms_norm import rms_norm
 
@@ -157,3 +158,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat((x2, x1), dim=-1)
     out = x * cos[:, None, :].to(x.dtype)
     return out.add_(rotated * sin[:, None, :].to(x.dtype))
+
+
+def rope_and_store_reference(qkv, cos, sin, slots, k_cache, v_cache, num_q_heads: int, num_kv_heads: int):
+    """The unfused model's ops (``apply_rope`` twice, ``KVCache.store``), same contract."""
+    head_dim = k_cache.shape[2]
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.reshape(-1, num_q_heads, head_dim), cos, sin)
+    k = apply_rope(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
+    write_slots(k_cache, slots, k)
+    write_slots(v_cache, slots, v.reshape(-1, num_kv_heads, head_dim))
+    return q

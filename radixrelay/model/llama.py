@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
+from radixrelay.kernels.fp8 import E4M3, QuantizedRows
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
-from radixrelay.model.fp8 import E4M3, QuantizedRows
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Fp8Linear, Precision, dequantize_checkpoint, per_channel_scale
 

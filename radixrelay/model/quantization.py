@@ -1,7 +1,7 @@
 """FP8 weights and KV cache: what runs in which precision, and the linear layer that runs in FP8.
 
 ``Precision`` says how a model runs: ``weights`` "fp8" quantizes the decoder's linear layers (q/k/v, o,
-gate/up, down) to float8 e4m3 with one scale per output channel (``radixrelay.model.fp8``), their inputs
+gate/up, down) to float8 e4m3 with one scale per output channel (``radixrelay.kernels.fp8``), their inputs
 per token at run time; embeddings, norms, attention and the LM head stay in the model dtype, and so do the
 projections of the decoder layers in ``keep_layers`` (indices, negative from the end: -1 is the last layer,
 which on the default model carries a third of FP8's perplexity loss alone). ``kv``
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from radixrelay.config import KV_CACHE_DTYPES, QUANTIZATIONS, keep_layers_problem
-from radixrelay.model.fp8 import E4M3, E4M3_MAX, QuantizedRows, over_e4m3_max, quantize_weight
+from radixrelay.kernels.fp8 import E4M3, E4M3_MAX, QuantizedRows, over_e4m3_max, quantize_weight
 from radixrelay.model.layers import fused
 
 
@@ -224,7 +224,3 @@ def dequantize_checkpoint(weight: torch.Tensor, scale: torch.Tensor, name: str, 
     """An e4m3 checkpoint weight [out, in] with its scale -> ``dtype`` (a model that does not run in FP8)."""
     return (weight.float() * per_channel_scale(scale, weight.shape[0], name)[:, None]).to(dtype)
 
-
-def fake_quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """K or V [T, H, D] -> the values an e4m3 cache with ``scale`` gives back, in x's dtype (the emulation)."""
-    return ((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale).to(x.dtype)

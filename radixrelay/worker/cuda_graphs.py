@@ -43,18 +43,27 @@ import numpy as np
 import torch
 import triton
 
-from radixrelay.attention.host_staging import upload
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan
 from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, CascadeLaunch, cascade_launch, merge_index
 from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
+from radixrelay.kernels.host_staging import upload
 from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.protocol.stats import WorkerCounters
 from radixrelay.worker.device_batch import (
-    ROWS, ROWS32, ROWS64, DeviceBatch, GraphRun, RowFields, fill_values, patch_values, row_blocks, row_view,
+    ROWS,
+    ROWS32,
+    ROWS64,
+    DeviceBatch,
+    GraphRun,
+    RowFields,
+    fill_values,
+    patch_values,
+    row_blocks,
+    row_view,
 )
 from radixrelay.worker.graph_step import GraphStep, RowPatch, round_length
 

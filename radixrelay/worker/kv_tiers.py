@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from radixrelay.attention import KVCache
-from radixrelay.attention.host_staging import upload
+from radixrelay.kernels.host_staging import upload
 from radixrelay.model.layers import apply_rope
 from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.radix.disk_store import DiskKVStore, rank_namespace

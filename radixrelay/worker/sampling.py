@@ -34,8 +34,8 @@ from typing import TypeVar
 
 import torch
 
-from radixrelay.attention.host_staging import tensor_to_device
 from radixrelay.attention.metadata import to_device
+from radixrelay.kernels.host_staging import tensor_to_device
 from radixrelay.protocol.step import TokenLogprobs
 from radixrelay.sampling_params import SamplingParams
 
@@ -271,7 +271,7 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     copies), elsewhere ``x`` itself."""
     if x.device.type != "cuda":
         return x
-    from radixrelay.kernels.host_copy import write_to_host   # imports triton: CUDA only
+    from radixrelay.kernels.host_copy import write_to_host  # imports triton: CUDA only
 
     return write_to_host(x)
 

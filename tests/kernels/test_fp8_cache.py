@@ -13,7 +13,8 @@ import torch
 import tests.kernels.test_extend as extend_tests
 import tests.kernels.test_paged_decode as decode_tests
 import tests.kernels.test_shared_node as node_tests
-from radixrelay.kernels.rope_store import rope_and_store, rope_and_store_reference
+from radixrelay.kernels.rope_store import rope_and_store
+from radixrelay.model.layers import rope_and_store_reference
 from tests.kernels.helpers import DEVICE, make_cache
 
 E4M3 = torch.float8_e4m3fn

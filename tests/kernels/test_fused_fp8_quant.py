@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixrelay.kernels.fp8 import QuantizedRows
 from radixrelay.kernels.fp8_quant import quantize_rows
 from radixrelay.kernels.rms_norm import rms_norm
 from radixrelay.kernels.silu_mul import silu_mul
-from radixrelay.model.fp8 import QuantizedRows
 from tests.kernels.helpers import DEVICE
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

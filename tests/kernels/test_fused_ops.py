@@ -8,11 +8,11 @@ import torch
 
 from radixrelay.attention import BatchRequest, KVCache, TorchBackend, build_forward_batch
 from radixrelay.kernels.rms_norm import rms_norm, rms_norm_reference
-from radixrelay.kernels.rope_store import rope_and_store, rope_and_store_reference
+from radixrelay.kernels.rope_store import rope_and_store
 from radixrelay.kernels.silu_mul import silu_mul, silu_mul_reference
 from radixrelay.model import ModelConfig, load_model
 from radixrelay.model.config import ModelConfig as _Cfg
-from radixrelay.model.layers import RotaryEmbedding, set_fused_kernels
+from radixrelay.model.layers import RotaryEmbedding, rope_and_store_reference, set_fused_kernels
 from tests.kernels.helpers import DEVICE, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

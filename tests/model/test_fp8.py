@@ -1,4 +1,4 @@
-"""FP8 quantization arithmetic (``radixrelay.model.fp8``) against a float64 reference: the e4m3 grid and
+"""FP8 quantization arithmetic (``radixrelay.kernels.fp8``) against a float64 reference: the e4m3 grid and
 its rounding, per-channel and per-token scales, clamping, all-zero and all-equal rows, the emulated
 FP8 product."""
 
@@ -7,8 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrelay.model.fp8 import (E4M3, E4M3_MAX, dequantize, emulated_linear, quantize, quantize_tokens,
-                                  quantize_weight, round_e4m3_reference, row_scales)
+from radixrelay.kernels.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    dequantize,
+    emulated_linear,
+    quantize,
+    quantize_tokens,
+    quantize_weight,
+    round_e4m3_reference,
+    row_scales,
+)
 
 
 def test_the_cast_rounds_to_the_nearest_e4m3_value_ties_to_even():

@@ -11,8 +11,8 @@ import torch
 
 from radixrelay.attention import BatchRequest, KVCache, TorchBackend, build_forward_batch
 from radixrelay.kernels import fp8_quant
+from radixrelay.kernels.fp8 import QuantizedRows
 from radixrelay.model import LlamaForCausalLM, ModelConfig, load_model
-from radixrelay.model.fp8 import QuantizedRows
 from radixrelay.model.layers import set_fused_kernels
 from radixrelay.model.loader import dummy_weights
 from radixrelay.model.parallel import TensorParallel

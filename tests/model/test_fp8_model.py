@@ -12,10 +12,10 @@ import torch
 
 from radixrelay.attention import KVCache
 from radixrelay.config import EngineConfig
+from radixrelay.kernels.fp8 import E4M3, emulated_linear, fake_quantize_kv, quantize_weight
 from radixrelay.model import ModelConfig, load_model
-from radixrelay.model.fp8 import E4M3, emulated_linear, quantize_weight
 from radixrelay.model.loader import dummy_weights
-from radixrelay.model.quantization import Fp8Linear, Precision, fake_quantize_kv
+from radixrelay.model.quantization import Fp8Linear, Precision
 from tests.model.paged import PagedSession
 
 EMULATED = Precision(weights="fp8", emulate=True)

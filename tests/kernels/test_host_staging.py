@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixrelay.attention import host_staging
 from radixrelay.attention.metadata import to_device
+from radixrelay.kernels import host_staging
 
 
 @pytest.mark.gpu

@@ -101,3 +101,8 @@ def round_e4m3_reference(v: torch.Tensor) -> torch.Tensor:
     step = torch.exp2(exp - 3)
     rounded = torch.round(mag / step) * step           # torch.round: half to even
     return torch.copysign(torch.where(mag > 0, rounded, torch.zeros_like(mag)), v)
+
+
+def fake_quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """K or V [T, H, D] -> the values an e4m3 cache with ``scale`` gives back, in x's dtype (the emulation)."""
+    return ((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale).to(x.dtype)
