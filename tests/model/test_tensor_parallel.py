@@ -25,10 +25,13 @@ CASES = {
 }
 
 
-def _run_ranks(config: ModelConfig, size: int, tmp_path) -> list[dict]:
-    ctx = mp.get_context("spawn")
+def _run_ranks(configs: dict[str, ModelConfig], size: int, tmp_path) -> list[dict]:
+    """``size`` rank processes, each running every config of ``configs`` in turn: per rank, the results by
+    config name. The ranks are forked from this process, which has torch and the model code imported
+    already (a spawned rank spent more CPU importing them than decoding the three tiny models)."""
+    ctx = mp.get_context("fork")
     procs = [ctx.Process(target=tp_rank.run, args=(r, size, str(tmp_path / "rendezvous"), str(tmp_path),
-                                                   config, torch.float32)) for r in range(size)]
+                                                   configs, torch.float32)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -40,12 +43,17 @@ def _run_ranks(config: ModelConfig, size: int, tmp_path) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return _run_ranks(CASES, 2, tmp_path_factory.mktemp("tp"))
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_decode_like_one(case, tmp_path):
+def test_two_ranks_decode_like_one(case, two_ranks):
     config = CASES[case]
     reference = tp_rank.greedy(config, TensorParallel(), torch.float32)
-    ranks = _run_ranks(config, 2, tmp_path)
-    for result in ranks:                                  # every rank computes the same outputs
+    for ranks in two_ranks:                               # every rank computes the same outputs
+        result = ranks[case]
         assert result["tokens"] == reference["tokens"]
         torch.testing.assert_close(result["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
     assert len({t for toks in reference["tokens"].values() for t in toks}) > 1     # not a constant

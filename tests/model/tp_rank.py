@@ -1,5 +1,6 @@
 """One rank of a tensor-parallel model test (run in its own process by test_tensor_parallel.py):
-greedy decoding through a paged KV cache, with the prompt logits, saved for the test to compare."""
+greedy decoding through a paged KV cache, with the prompt logits, for each of the test's model configs in
+turn over one process group, saved for the test to compare."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ def greedy(config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> dict:
     return {"tokens": tokens, "logits": logits}
 
 
-def run(rank: int, size: int, init_file: str, out_dir: str, config: ModelConfig, dtype: torch.dtype) -> None:
+def run(rank: int, size: int, init_file: str, out_dir: str, configs: dict[str, ModelConfig],
+        dtype: torch.dtype) -> None:
+    """Every config of ``configs`` in turn (one process start and one gloo group for all of them): a dict
+    of their results by name, in ``rank{rank}.pt``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        result = greedy(config, TensorParallel(rank, size), dtype)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        results = {name: greedy(config, TensorParallel(rank, size), dtype) for name, config in configs.items()}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()      # both ranks done before either tears gloo down (a peer gone mid-teardown aborted one)
     finally:
         dist.destroy_process_group()
