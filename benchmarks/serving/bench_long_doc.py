@@ -52,7 +52,11 @@ from radixrelay.bench.words import WORDS
 NEW_WORDS = 5
 CONTEXT = 131072
 _COUNTERS = ("radixrelay_steps_total", "radixrelay_worker_busy_seconds_total",
-             "radixrelay_scheduler_busy_seconds_total")
+             "radixrelay_scheduler_busy_seconds_total",
+             # how the steps ran: eager, on graphs, small extends as decode-graph rows, extends that read
+             # a shared cached run once (prefill cascade) and the KV token reads that saved
+             "radixrelay_eager_steps_total", "radixrelay_graph_replays_total", "radixrelay_extend_row_steps_total",
+             "radixrelay_prefill_cascade_steps_total", "radixrelay_prefill_cascade_tokens_read_once_total")
 _STAGE = re.compile(r'^radixrelay_request_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$')
 
 
@@ -276,8 +280,6 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
         sender.close(conns)
         row["bursts"].append({"size": size, "wall_s": wall, "latency_p50_s": _median(lats),
                               "per_request": {k: v / size for k, v in counters.items()}})
-    if profiler is not None:
-        profiler.stop()
     if args.stream_burst:
         bodies = [enc(prompts.body(form, prompts.question(), args.stream_out, stream=True))
                   for _ in range(args.stream_burst)]
@@ -293,6 +295,8 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
                          "ttft_p50_s": _median(t for t, _, _ in done),
                          "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else None,
                          "per_request": {k: v / args.stream_burst for k, v in counters.items()}}
+    if profiler is not None:
+        profiler.stop()
     row["errors"] = errors.kinds
     return row
 
@@ -386,8 +390,8 @@ def parser() -> argparse.ArgumentParser:
                    help="timed requests over raw connections opened beforehand, or through one httpx client")
     p.add_argument("--server-args", default="", help="more `radixrelay serve` options, one string")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--profile", default="", help="document lengths whose idle requests and max_tokens-1 bursts py-spy records "
-                                                 "(the server and its children), into --out-dir")
+    p.add_argument("--profile", default="", help="document lengths whose idle requests, bursts and streamed "
+                                                 "burst py-spy records (the server and its children), into --out-dir")
     return p
 
 
