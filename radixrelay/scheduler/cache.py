@@ -75,6 +75,14 @@ class CacheManager:
         """Pages no request or tree node holds (cooling included)."""
         return self.allocator.num_free + self._num_cooling
 
+    def flush(self) -> None:
+        """Drop every cached prefix of the radix tree (the lower tiers keep theirs); the caller makes sure
+        no request holds a path. Its pages go back through cooling (a step may still be in flight), and
+        the KV events say the replica's device cache was cleared."""
+        self._free(self.tree.evict(self.tree.evictable_pages))
+        if self.events is not None:
+            self.events.cleared()
+
     # -- steps in flight: pages freed meanwhile cool until they are done -------------------------------
 
     def step_planned(self, step_id: int) -> None:

@@ -238,9 +238,7 @@ class Scheduler:
         """Drop every cached prefix from the radix tree; refused (False) while requests are live."""
         if self._requests:
             return False
-        self.cache.allocator.free(self.cache.tree.evict(self.cache.tree.evictable_pages))
-        if self.cache.events is not None:
-            self.cache.events.cleared()
+        self.cache.flush()
         return True
 
     def publish_load(self) -> None:

@@ -82,3 +82,22 @@ def test_pages_freed_with_nothing_in_flight_are_free_at_once():
     sched.abort(1)
     assert sched.cache.allocator.num_free == 24
     sched.check_integrity()
+
+
+def test_a_flush_while_a_step_is_in_flight_cools_the_pages_it_drops():
+    """``flush_cache`` goes through the cache manager: the cached pages it drops while a step that may
+    read them is in flight cool like any freed page, free once that step is processed."""
+    sched = Scheduler(SchedulerConfig(kv_cache_tokens=24 * PS, page_size=PS, kv_namespace="ns",
+                                      chunked_prefill_tokens=8), tiers=KVTiers(host_pages=64))
+    cache_prompt(sched, 0, HISTORY + [1])
+    cached = set(range(24)) - set(sched.cache.allocator.free_pages())
+    assert len(cached) >= 8
+    sched.add_request(1, HISTORY + [1, 2, 3], SamplingParams(max_tokens=2))
+    in_flight = sched.schedule()                       # reads the cached history
+    sched.abort(1)
+    assert sched.flush_cache()
+    assert cached.isdisjoint(sched.cache.allocator.free_pages())      # cooling, not handed out
+    assert sched.cache.num_free_pages == 24
+    sched.check_integrity()
+    sched.process_output(StepOutput(in_flight.step_id, [], []))
+    assert cached <= set(sched.cache.allocator.free_pages())
