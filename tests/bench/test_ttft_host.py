@@ -11,5 +11,5 @@ def test_stages_time_every_stage_of_a_cached_prompt() -> None:
     assert row["words"] == 200 and row["prompt_tokens"] > 200
     for stage in ("json body", "chat template", "tokenize", "request -> choices", "ipc: request to scheduler",
                   "add_request", "schedule", "total host"):
-        assert row[stage] >= 0.0, stage
+        assert row[stage] > 0.0, stage                # each stage ran (and took time)
     assert row["total host"] < 1000.0

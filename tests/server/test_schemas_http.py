@@ -242,8 +242,10 @@ def test_modular_completion_n_stream_stop_and_batch(client, http) -> None:
     assert len(batch.choices) == 2
     chunks = list(completion(client, prompt, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == completion(client, prompt).choices[0].text
-    assert chunks[-1].usage.prompt_tokens_details.module_tokens >= 0
+    plain = completion(client, prompt)
+    assert text == plain.choices[0].text
+    module_tokens = plain.usage.prompt_tokens_details.module_tokens
+    assert chunks[-1].usage.prompt_tokens_details.module_tokens == module_tokens > 0
     stopped = completion(client, prompt, stop=[" "], max_tokens=16)
     assert " " not in stopped.choices[0].text.strip()
 
