@@ -28,7 +28,9 @@ def test_anonymous_buffer_is_zeroed_and_writable():
 
 
 def test_release_of_a_plain_tensor_is_a_no_op():
+    registered = set(host_memory._REGISTERED)
     release(torch.empty(4))             # never registered: nothing to unregister, no CUDA call
+    assert host_memory._REGISTERED == registered
 
 
 @pytest.mark.gpu
