@@ -155,8 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=30000, help="port to listen on (default: %(default)s)")
     key = g.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache (visible to "
-                          "every user in the process list: prefer --api-key-file or RADIXRELAY_API_KEY)")
+                     help="require 'Authorization: Bearer KEY' on /v1/*, /flush_cache, /tokenize and "
+                          "/detokenize (visible to every user in the process list: prefer --api-key-file or "
+                          "RADIXRELAY_API_KEY)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="like --api-key, the key read from the first line of this file")
     g.add_argument("--max-queued-requests", type=int, default=1024,

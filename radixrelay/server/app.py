@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,7 +35,7 @@ from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S, GcControl
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
-from radixrelay.server import openapi_schema, schemas, serving
+from radixrelay.server import openapi_schema, schemas, serving, tokenize_api
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.server.metrics import ServerMetrics
@@ -187,7 +188,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 class GateMiddleware:
     """Before any route: 503 while draining or after a runtime death (except /health and
-    /metrics, which report it), then the API key on /v1/* and /flush_cache."""
+    /metrics, which report it), then the API key on /v1/*, /flush_cache, /tokenize and /detokenize."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -209,7 +210,7 @@ class GateMiddleware:
             why = "the server is shutting down" if self.state.draining else "the runtime is not available"
             return oa.APIError(503, why, type="server_error", code="unavailable")
         key = self.state.config.api_key
-        if key is not None and (path.startswith("/v1/") or path == "/flush_cache"):
+        if key is not None and (path.startswith("/v1/") or path in openapi_schema.KEYED_PATHS):
             given = Headers(scope=scope).get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), key.encode()):
@@ -386,6 +387,25 @@ def build_app(state: ServerState) -> FastAPI:
         info = state.client.info if state.client is not None else None
         return Response(state.metrics.render(stats, info.precision if info is not None else None),
                         media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _token_endpoint(request, tokenize_api.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _token_endpoint(request, tokenize_api.detokenize)
+
+    async def _token_endpoint(request: Request, work: Callable[[serving.ServingContext, bytes], Any]) -> Response:
+        """``/tokenize`` and ``/detokenize`` (``tokenize_api``): the body read within the cap, the work
+        in the prompt pool when the body is large."""
+        try:
+            check_json_content_type(request)
+            body = await read_body(request, cap)
+            ctx = state.serving_context()
+            return json_response(await ctx.run_prompt_work(len(body), partial(work, ctx, body)))
+        except oa.APIError as error:
+            return error_response(error)
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

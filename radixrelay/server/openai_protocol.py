@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -92,6 +92,23 @@ def decode_request(body: bytes, kind: type[GenerationRequest], split_ids: bool =
         raise invalid("request body is not valid UTF-8") from None
     except RecursionError:
         # msgspec decodes nested arrays/objects recursively: a body nested thousands deep ends here.
+        raise invalid("request body is nested too deeply") from None
+
+
+T = TypeVar("T")
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """A JSON body as ``kind`` (a msgspec struct) for the endpoints besides generation; malformed JSON,
+    deep nesting and wrong or unknown fields are 400s naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc))
+        raise invalid(f"invalid request: {exc}", match.group(1) if match else None) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
         raise invalid("request body is nested too deeply") from None
 
 

@@ -20,11 +20,13 @@ from starlette.routing import BaseRoute
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS
 from radixrelay.server import openai_protocol as oa
+from radixrelay.server import tokenize_api as tk
 
 _REF = "#/components/schemas/{name}"
+KEYED_PATHS = ("/flush_cache", "/tokenize", "/detokenize")    # besides /v1/*: need the API key if there is one
 _TYPES = (oa.ChatCompletionRequest, oa.CompletionRequest, oa.MessageParam, oa.ChatCompletion,
           oa.ChatCompletionChunk, oa.Completion, oa.ModelList, oa.ErrorResponse, oa.Health,
-          oa.Flushed)
+          oa.Flushed, tk.TokenizeRequest, tk.TokenizeResponse, tk.DetokenizeRequest, tk.DetokenizeResponse)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Limits:
     max_n: int
     max_context: int      # tokens: prompt + max_tokens must fit
     vocab_size: int
-    api_key: bool         # /v1/* and /flush_cache need a bearer token
+    api_key: bool         # /v1/*, /flush_cache, /tokenize and /detokenize need a bearer token
 
 
 def _ref(cls: type) -> dict[str, str]:
@@ -105,6 +107,16 @@ def _narrow(components: dict[str, Any], limits: Limits) -> None:
         "properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]}
     components["ChatCompletionRequest"]["then"] = {
         "properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+    tokenize = components["TokenizeRequest"]
+    tokenize["properties"]["model"] = {"anyOf": [{"enum": [limits.model_name]}, {"type": "null"}]}
+    tokenize["properties"]["messages"] = {"anyOf": [
+        {"type": "array", "items": _ref(oa.MessageParam), "minItems": 1}, {"type": "null"}]}
+    tokenize["oneOf"] = [   # a prompt (text) or messages, not both
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]
+    detokenize = components["DetokenizeRequest"]["properties"]
+    detokenize["model"] = tokenize["properties"]["model"]
+    detokenize["tokens"] = {"type": "array", "items": _token(limits)}
     completion = components["CompletionRequest"]["properties"]
     _narrow_generation(completion, limits, dict(oa.UNSUPPORTED["completions"]))
     completion["max_tokens"] = {**completion["max_tokens"], "description": "default 16; 0 is also "
@@ -141,6 +153,14 @@ def build(routes: list[BaseRoute], version: str, limits: Limits) -> dict[str, An
         ("/metrics", "get"): {
             "responses": {"200": {"description": "Prometheus text format",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+        ("/tokenize", "post"): {
+            "requestBody": _request_body(tk.TokenizeRequest),
+            "responses": {"200": _json(tk.TokenizeResponse, "the ids the server would serve"), **guarded,
+                          **_errors("400", "413", "415", "503")}},
+        ("/detokenize", "post"): {
+            "requestBody": _request_body(tk.DetokenizeRequest),
+            "responses": {"200": _json(tk.DetokenizeResponse, "the text of the ids"), **guarded,
+                          **_errors("400", "413", "415", "503")}},
         ("/flush_cache", "post"): {
             "responses": {"200": _json(oa.Flushed, "the radix cache is empty"), **guarded,
                           "409": _json(oa.ErrorResponse, "requests are running"),
@@ -148,7 +168,7 @@ def build(routes: list[BaseRoute], version: str, limits: Limits) -> dict[str, An
     }
     for (path, method), operation in operations.items():
         doc["paths"][path][method].update(operation)
-        if limits.api_key and (path.startswith("/v1/") or path == "/flush_cache"):
+        if limits.api_key and (path.startswith("/v1/") or path in KEYED_PATHS):
             doc["paths"][path][method]["security"] = [{"bearer": []}]
     if limits.api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

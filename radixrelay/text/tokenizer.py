@@ -323,6 +323,10 @@ class Tokenizer:
             return [self.bos_token_id]
         return []
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for ``token_id`` (byte-level tokens as the vocabulary spells them)."""
+        return self._backend.id_to_token(token_id)
+
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()

@@ -341,9 +341,10 @@ def send_corpus(http: httpx.Client, cases: Iterable[Hostile], tally: Tally,
 # -- schema-driven fuzzing ----------------------------------------------------------------------
 
 
-def tame(body: Any) -> None:
-    """Lower valid-but-expensive values of a generated body in place (see MAX_TOKENS)."""
-    if not isinstance(body, dict):
+def tame(body: Any, path: str = "/v1/completions") -> None:
+    """Lower valid-but-expensive values of a generated body in place (see MAX_TOKENS); ``path``: its
+    endpoint (only generation bodies get a ``max_tokens``)."""
+    if not isinstance(body, dict) or not path.startswith("/v1/"):
         return
     # Integers may arrive as integral floats (470.0): the server accepts them, so tame them too.
     for name in ("max_tokens", "max_completion_tokens"):
@@ -418,7 +419,7 @@ def fuzz(base_url: str, schema_doc: dict[str, Any], *, cases: int, seed: int, ne
               suppress_health_check=list(HealthCheck), print_blob=False)
     @hypothesis.given(strategy)
     def one(case: Any) -> None:
-        tame(case.body)
+        tame(case.body, case.path)
         started = time.monotonic()
         try:
             response = case.call(base_url=base_url, session=session, timeout=timeout)

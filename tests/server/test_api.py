@@ -431,6 +431,10 @@ def test_api_key_required(server):
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(f"{server.base_url}/flush_cache").status_code == 401
+    for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(f"{server.base_url}{path}", json=payload).status_code == 401
+        keyed = httpx.post(f"{server.base_url}{path}", json=payload, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert keyed.status_code == 200
     assert httpx.get(f"{server.base_url}/health").status_code == 200        # health is open
     bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
