@@ -5,15 +5,34 @@ must be refused with a 4xx OpenAI error). Never a 5xx, never a hang; after each 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import httpx
 import pytest
 
+from tests.server import hostile
 from tests.server.conftest import MAX_N, MODEL
 from tests.server.hostile import Tally, check_alive, fuzz
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
-BATCH = 75            # generated cases per batch; two valid batches, two invalid ones
+BATCH = 20            # generated cases per batch; two valid batches, two invalid ones (the valid batches of
+                      # seeds 1 and 2 reach every operation, every prompt form, several messages, n > 1,
+                      # logprobs, stop and structured-output constraints)
 TIMEOUT = 30.0        # seconds a request may take before it counts as a hang
+# Valid bodies are tamed harder than hostile.py's defaults (which the longer benchmark runs keep): a
+# valid case costs a forward pass of the model per generated token, so it generates one token (the
+# request still goes through parsing, validation, the template, tokenizing, scheduling, sampling and the
+# response, streamed or not); shorter strings and fewer prompts and messages are the same kinds of
+# request (a string, a token-id list, a list of prompts, several messages).
+TAME = {"MAX_TOKENS": 1, "MAX_CHARS": 60, "MAX_PROMPTS": 2, "MAX_MESSAGES": 2, "MAX_PROMPT_IDS": 16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tamer():
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in TAME.items():
+            mp.setattr(hostile, name, value)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -21,21 +40,41 @@ def schema_doc(hostile_server):
     return httpx.get(f"{hostile_server.base_url}/openapi.json").json()
 
 
-def _run(server, schema_doc, *, negative: bool, seeds: tuple[int, ...]) -> Tally:
-    total = Tally()
+class _Tally(Tally):
+    """A tally that also counts the operations (``METHOD path``) its cases went to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations: Counter[str] = Counter()
+
+    def record(self, label: str, *args) -> None:
+        self.operations[" ".join(label.split(" ", 2)[:2])] += 1
+        super().record(label, *args)
+
+
+def _operations(schema_doc, *, with_body: bool = False) -> set[str]:
+    return {f"{method.upper()} {path}" for path, methods in schema_doc["paths"].items()
+            for method, operation in methods.items() if not with_body or "requestBody" in operation}
+
+
+def _run(server, schema_doc, *, negative: bool, cases: int,
+         seeds: tuple[int, ...]) -> tuple[Tally, Counter[str]]:
+    total, operations = Tally(), Counter()
     with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as http:
         for seed in seeds:
-            part = Tally()
-            fuzz(server.base_url, schema_doc, cases=BATCH, seed=seed, negative=negative,
+            part = _Tally()
+            fuzz(server.base_url, schema_doc, cases=cases, seed=seed, negative=negative,
                  timeout=TIMEOUT, tally=part)
+            operations.update(part.operations)
             check_alive(http, MODEL, part)
             total.merge(part)
-    return total
+    return total, operations
 
 
 def test_valid_generated_requests_are_served(hostile_server, schema_doc):
-    tally = _run(hostile_server, schema_doc, negative=False, seeds=(1, 2))
+    tally, operations = _run(hostile_server, schema_doc, negative=False, cases=BATCH, seeds=(1, 2))
     assert tally.tried >= 2 * BATCH * 0.9
+    assert set(operations) == _operations(schema_doc), operations      # every operation was tried
     assert tally.server_errors == 0 and tally.hangs == 0
     assert tally.problems == []              # includes every response matching the schema
     assert tally.health_passed == tally.health_checks == 2
@@ -48,8 +87,9 @@ def test_valid_generated_requests_are_served(hostile_server, schema_doc):
 
 
 def test_invalid_generated_requests_get_4xx(hostile_server, schema_doc):
-    tally = _run(hostile_server, schema_doc, negative=True, seeds=(3, 4))
+    tally, operations = _run(hostile_server, schema_doc, negative=True, cases=BATCH, seeds=(3, 4))
     assert tally.tried >= 2 * BATCH * 0.9
+    assert set(operations) >= {"POST /v1/chat/completions", "POST /v1/completions"}, operations
     assert tally.server_errors == 0 and tally.hangs == 0
     assert tally.problems == []
     assert tally.health_passed == tally.health_checks == 2
