@@ -12,23 +12,23 @@ from radixrelay.bench.cli import main
 from tests.runtime.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
-N = 6
-TINY = {
-    "shared-prefix": ["groups=2", "prompts_per_group=3", "system_len=48", "question_len=6",
-                      "output_len=4"],
-    "sharegpt-like": ["input_mean=12", "output_mean=4", "sigma=0.5", "min_len=2", "max_input=24",
-                      "max_output=6"],
-    "multi-turn": ["sessions=2", "turns=3", "system_len=24", "turn_len=6", "output_len=4",
+N = 3
+TINY = {   # N requests of each: groups / sessions / subjects / problems of two (the last has one), two tokens out
+    "shared-prefix": ["groups=2", "prompts_per_group=2", "system_len=48", "question_len=6",
+                      "output_len=2"],
+    "sharegpt-like": ["input_mean=12", "output_mean=2", "sigma=0.5", "min_len=2", "max_input=24",
+                      "max_output=3"],
+    "multi-turn": ["sessions=2", "turns=2", "system_len=24", "turn_len=6", "output_len=2",
                    "think_time=0.05"],
-    "few-shot": ["subjects=2", "questions_per_subject=3", "shots=2", "example_len=20",
+    "few-shot": ["subjects=2", "questions_per_subject=2", "shots=2", "example_len=20",
                  "question_len=18", "output_len=2"],
-    "tree": ["problems=2", "samples=3", "prefix_len=32", "problem_len=8", "output_len=4"],
-    "random": ["input_len=16", "output_len=4", "range_ratio=0.5"],
+    "tree": ["problems=2", "samples=2", "prefix_len=32", "problem_len=8", "output_len=2"],
+    "random": ["input_len=16", "output_len=2", "range_ratio=0.5"],
 }
 EXTRA = {  # cover both endpoints, non-streaming and a concurrency limit along the way
     "shared-prefix": ["--max-concurrency", "2"],
     "few-shot": ["--disable-stream"],
-    "random": ["--endpoint", "completions", "--warmup-requests", "2"],
+    "random": ["--endpoint", "completions", "--warmup-requests", "1"],
     "multi-turn": ["--client-processes", "2"],
 }
 
@@ -83,12 +83,12 @@ def test_workload(server, tmp_path, workload):
 
 
 def test_sweep_then_compare(server, tmp_path):
-    rc, results = bench(server, tmp_path / "sweep.json", "random", "--num-requests", "3",
+    rc, results = bench(server, tmp_path / "sweep.json", "random", "--num-requests", "2",
                         "--sweep-rates", "4,inf", "--slo-ttft", "60000", "--slo-tpot", "60000")
     assert rc == 0
     assert [run["request_rate"] for run in results["runs"]] == [4.0, "inf"]
     for run in results["runs"]:
-        assert run["summary"]["completed"] == 3 and run["summary"]["goodput"] > 0
+        assert run["summary"]["completed"] == 2 and run["summary"]["goodput"] > 0
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert (tmp_path / "sweep.md").read_text().count("| random |") == 2
 
@@ -99,10 +99,10 @@ def test_sweep_then_compare(server, tmp_path):
 
 
 def test_server_errors_are_failed_requests(server, tmp_path):
-    rc, results = bench(server, tmp_path / "r.json", "random", "--num-requests", "3",
+    rc, results = bench(server, tmp_path / "r.json", "random", "--num-requests", "2",
                         "--model", "no-such-model")
     assert rc == 1
     summary = results["runs"][0]["summary"]
-    assert (summary["completed"], summary["failed"]) == (0, 3)
+    assert (summary["completed"], summary["failed"]) == (0, 2)
     [(message, count)] = summary["errors"].items()
-    assert message.startswith("HTTP 400") and "no-such-model" in message and count == 3
+    assert message.startswith("HTTP 400") and "no-such-model" in message and count == 2
