@@ -42,6 +42,9 @@ from radixrelay.router.upstream import (
 )
 
 logger = logging.getLogger("radixrelay.router")
+# Endpoints whose requests leave KV on the replica (keyed, scored and recorded); the others (/tokenize,
+# /detokenize) are proxied to the least loaded replica.
+GENERATION = ("chat", "completions")
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -242,6 +245,8 @@ class Router:
         """The body and its prompt (``PromptKeys.prompt``); ``ProxyError`` (400) for a body the router
         cannot use."""
         body = parse_object(raw)
+        if endpoint not in GENERATION:           # no KV stays behind: routed by load alone, nothing recorded
+            return body, None
         try:
             return body, self.prompt_keys.prompt(endpoint, body)
         except InvalidPrompt as exc:
@@ -401,6 +406,14 @@ def _fastapi_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await router.route(request, "completions", "/v1/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.route(request, "tokenize", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.route(request, "detokenize", "/detokenize")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -147,6 +147,16 @@ def test_a_stream_passes_through_as_the_replica_sends_it(router, replicas):
     assert garbage.status_code == 400 and "not JSON" in garbage.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_pass_through(router, replicas):
+    body = {"messages": [{"role": "user", "content": "Count from one to ten."}]}
+    want = httpx.post(f"{replicas[0].base_url}/tokenize", json=body).json()
+    assert httpx.post(f"{router.base_url}/tokenize", json=body).json() == want
+    text = httpx.post(f"{router.base_url}/detokenize", json={"tokens": want["tokens"]}).json()["prompt"]
+    assert "Count from one to ten." in text
+    bad = httpx.post(f"{router.base_url}/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_a_client_that_leaves_aborts_its_request_on_the_replica(router, replicas):
     """A non-streaming request whose client gives up after a second: the router closes the upstream
     connection and the replica stops generating (no request left running there)."""
