@@ -226,12 +226,13 @@ def fresh_logprobs(server):
     return logprobs_of
 
 
-@pytest.mark.parametrize(("prefix", "choices"), SELECT_CASES)
+@pytest.mark.parametrize(("prefix", "choices"), [SELECT_CASES[0], SELECT_CASES[-1]])
 def test_select_on_radixrelay(endpoint, fresh_logprobs, prefix, choices):
     """select scores from radixrelay's prompt logprobs (one /v1/completions request with echo + logprobs
     for the prefix and every choice, sharing the cached prefix) equal the scores computed by hand from
-    each sequence's logprobs computed alone and uncached: the cases of test_select.py (checked there
-    against transformers through a stand-in server), a BPE merge included."""
+    each sequence's logprobs computed alone and uncached: two of the cases of test_select.py (checked
+    there against transformers through a stand-in server, all four), a plain one and the BPE merge
+    across the boundary (the others take the same path with other lengths)."""
     @rl.function
     def pick(s):
         s += prefix
