@@ -2,7 +2,12 @@
 constraints; greedy constrained decoding departs from greedy unconstrained decoding only where the
 grammar forbade the unconstrained token; constrained requests batch with unconstrained ones without
 changing them; overlap on/off and retraction (a small KV pool: re-admitted grammars replay their
-outputs) give identical tokens."""
+outputs) give identical tokens.
+
+Two engines serve every test but the budget one: ``large`` (a pool for everything, overlap off) runs
+the mixed batch and the references; ``small`` (overlap on, a pool of 11 pages that the constrained
+requests start in but cannot all grow in) runs the constrained requests alone, so every request it
+retracts is a constrained one whose grammar replays its outputs when it is re-admitted."""
 
 from __future__ import annotations
 
@@ -11,7 +16,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from radixrelay import Engine, SamplingParams
 from radixrelay.structured import StructuredOutput
@@ -34,55 +38,60 @@ SCHEMAS = [
 ]
 REGEXES = [r"\d{3}-\d{4}", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)", r"(yes|no|maybe), because [a-z ]{5,20}\."]
 CHOICES = ["Paris", "London", "Rome", "Berlin"]
-MATE = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)    # long: the small pool retracts
+MATE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = ["Describe a person as JSON:", "Pick a color and some tags, as JSON:", "A point, as JSON:",
            "Call me at", "My email address is", "Will it rain tomorrow?", "The capital of France is"]
+SMALL = dict(kv_cache_tokens=16 * 11, page_size=16, max_running_requests=16, chunked_prefill_tokens=64)
 
 
-def _requests() -> tuple[list[str], list[SamplingParams]]:
+def _constrained() -> tuple[list[str], list[SamplingParams]]:
+    """Every kind of constraint, greedy and seeded. Their outputs take at most 25 tokens; max_tokens
+    is kept near that (admission reserves a share of it), so the small pool admits nearly all of them
+    at once and runs short as they grow past their first pages."""
     prompts, params = [], []
     for i, schema in enumerate(SCHEMAS):
         for temperature, seed in ((0.0, None), (0.9, 100 + i)):
             prompts.append(PROMPTS[i])
-            params.append(SamplingParams(max_tokens=96, temperature=temperature, seed=seed,
+            params.append(SamplingParams(max_tokens=32, temperature=temperature, seed=seed,
                                          structured=StructuredOutput.json_schema(schema)))
     for i, pattern in enumerate(REGEXES):
         prompts.append(PROMPTS[3 + i])
-        params.append(SamplingParams(max_tokens=48, temperature=0.8, seed=7 + i, structured=StructuredOutput.regex(pattern)))
+        params.append(SamplingParams(max_tokens=24, temperature=0.8, seed=7 + i, structured=StructuredOutput.regex(pattern)))
     prompts += [PROMPTS[6]] * 2
     params += [SamplingParams(max_tokens=8, temperature=1.0, seed=5, structured=StructuredOutput.choice(CHOICES)),
-               SamplingParams(max_tokens=32, temperature=0, logprobs=2, structured=StructuredOutput.json_object())]
-    # Unconstrained batch mates (compared with a run without any constraint).
-    prompts += PROMPTS[:3]
-    params += [MATE] * 3
+               SamplingParams(max_tokens=16, temperature=0, logprobs=2, structured=StructuredOutput.json_object())]
     return prompts, params
 
 
-def _run(unconstrained: bool = False, **options):
-    """The mixed batch; with ``unconstrained`` also the batch mates alone and the schemas' prompts greedy
-    without constraints (what the first run's outputs are compared with)."""
-    prompts, params = _requests()
-    free = greedy = None
-    with Engine(model="default", **options) as engine:
-        outs = engine.generate(prompts, params)
-        stats = engine.stats()
-        if unconstrained:
-            free = engine.generate(PROMPTS[:3], MATE)
-            greedy = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=96, temperature=0))
-    return outs, stats, free, greedy
+def _requests() -> tuple[list[str], list[SamplingParams]]:
+    """The constrained requests and, last, three unconstrained batch mates."""
+    prompts, params = _constrained()
+    return prompts + PROMPTS[:3], params + [MATE] * 3
 
 
 @pytest.fixture(scope="module")
-def runs():
-    large = _run(unconstrained=True, kv_cache_tokens=8192)
-    small = _run(kv_cache_tokens=192, page_size=16, max_running_requests=8, chunked_prefill_tokens=64)
-    lockstep = _run(kv_cache_tokens=192, page_size=16, max_running_requests=8, chunked_prefill_tokens=64,
-                    disable_overlap=True)
-    return large, small, lockstep
+def large():
+    with Engine(model="default", kv_cache_tokens=8192, disable_overlap=True) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def runs(large):
+    """The mixed batch on ``large``; then, on ``large``, the batch mates alone with the schemas' prompts
+    greedy without constraints (one token past the constrained output: what the first run is compared
+    with); the constrained requests alone on ``small``."""
+    prompts, params = _requests()
+    outs = large.generate(prompts, params)
+    greedy = [SamplingParams(max_tokens=len(outs[2 * i].token_ids) + 1, temperature=0) for i in range(len(SCHEMAS))]
+    unconstrained = large.generate(PROMPTS[:3] * 2, [MATE] * 3 + greedy)
+    with Engine(model="default", **SMALL) as engine:
+        small = engine.generate(*_constrained())
+        stats = engine.stats()
+    return outs, unconstrained[:3], unconstrained[3:], small, stats
 
 
 def test_outputs_follow_their_constraints(runs):
-    outs = runs[0][0]
+    outs = runs[0]
     _, params = _requests()
     for out, p in zip(outs, params):
         spec = p.structured
@@ -101,12 +110,13 @@ def test_outputs_follow_their_constraints(runs):
 
 
 def test_unconstrained_batch_mates_are_unchanged(runs):
-    outs, _, free, _ = runs[0]
+    outs, free = runs[0], runs[1]
     assert [o.token_ids for o in outs[-3:]] == [o.token_ids for o in free]
+    assert all(len(o.token_ids) == MATE.max_tokens for o in free)
 
 
 def test_greedy_departs_from_unconstrained_only_where_the_grammar_forbids(runs):
-    outs, _, _, greedy = runs[0]
+    outs, greedy = runs[0], runs[2]
     _, params = _requests()
     from radixrelay.model.registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
@@ -128,50 +138,36 @@ def test_greedy_departs_from_unconstrained_only_where_the_grammar_forbids(runs):
 
 
 def test_identical_with_retraction_and_with_overlap_off(runs):
-    (large, _, _, _), (small, stats, _, _), (lockstep, _, _, _) = runs
+    """The small pool (overlap on) retracts constrained requests: re-admitted, their grammars replay
+    their outputs, and every token equals the large pool's (overlap off)."""
+    outs, small, stats = runs[0], runs[3], runs[4]
     assert stats["num_retractions"] > 0
-    assert [o.token_ids for o in small] == [o.token_ids for o in large]
-    assert [o.token_ids for o in lockstep] == [o.token_ids for o in large]
+    assert [o.token_ids for o in small] == [o.token_ids for o in outs[:len(small)]]
+    assert all(o.finish_reason == "stop" and o.error is None for o in small)
 
 
-def test_bad_constraints_raise_before_submitting():
-    with Engine(model="default", kv_cache_tokens=1024) as engine:
-        with pytest.raises(ValueError, match="parenthesis"):
-            engine.generate(["x"], SamplingParams(structured=StructuredOutput.regex("(a")))
-        assert engine.generate(["x"], SamplingParams(max_tokens=4, temperature=0))[0].error is None
+def test_bad_constraints_raise_before_submitting(large):
+    with pytest.raises(ValueError, match="parenthesis"):
+        large.generate(["x"], SamplingParams(structured=StructuredOutput.regex("(a")))
+    assert large.generate(["x"], SamplingParams(max_tokens=4, temperature=0))[0].error is None
 
 
-def test_retracted_constrained_requests_resume_their_grammar():
-    """Four long constrained requests on a pool that holds about two: retraction re-admits them with
-    their outputs, which their grammars replay; tokens equal a pool large enough for all four."""
-    prompts = ["Tell me a story:", "Describe the sea:", "Write about trees:", "Explain the sky:"]
-    params = [SamplingParams(max_tokens=120, temperature=0.7, seed=i,
-                             structured=StructuredOutput.regex(r"[a-z ]{200,256}\.")) for i in range(4)]
-    runs = []
-    for kv in (128, 4096):
-        with Engine(model="default", kv_cache_tokens=kv, page_size=16, max_running_requests=4) as engine:
-            runs.append((engine.generate(prompts, params), engine.stats()["num_retractions"]))
-    (small, retractions), (large, _) = runs
-    assert retractions > 0
-    assert [o.token_ids for o in small] == [o.token_ids for o in large]
-    assert all(re.fullmatch(r"[a-z ]{200,256}\.", o.text) for o in small)
-
-
-def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch):
+def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch, runs):
     """With a budget no grammar can keep (1e-6 ms per token), each constrained request ends once its
     window of 16 tokens is full, with the budget's error; its unconstrained batch mate runs to its
-    length as if alone."""
+    length as if alone (as the same request ran without constrained mates on ``large``)."""
     monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "0.000001")
     long_string = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100}},
                    "required": ["story"]}
     constrained = SamplingParams(max_tokens=64, temperature=0, structured=StructuredOutput.json_schema(long_string))
     with Engine(model="default", kv_cache_tokens=2048) as engine:
-        hot, mate = engine.generate([PROMPTS[0], PROMPTS[6]], [constrained, MATE])
-        alone = engine.generate([PROMPTS[6]], MATE)[0]
+        hot, mate = engine.generate([PROMPTS[0], PROMPTS[1]], [constrained, MATE])
         failures = engine.stats()["grammar_budget_failures"]
+    alone = runs[1][1]                             # PROMPTS[1] with MATE, unconstrained batch
     assert hot.finish_reason == "abort"
     assert hot.error is not None and "structured output too costly" in hot.error and "per token" in hot.error
     assert 15 <= hot.completion_tokens < 64        # the 16th mask is charged before its token is sampled
+    assert hot.completion_tokens < MATE.max_tokens  # the mate outlived it
     assert (mate.finish_reason, mate.token_ids) == ("length", alone.token_ids)
     assert failures == 1                           # counted once, by the worker
 
