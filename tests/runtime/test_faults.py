@@ -6,18 +6,23 @@ Which faults recover and which end the server:
   message of the right channel that the protocol does not expect at that point) on any process's
   inbox: RECOVERS. The receiver logs and drops the frame (``radixrelay_malformed_frames_total``
   counts it) and keeps serving; requests in flight finish normally, nothing restarts.
-- kill -9 of the worker, or of the scheduler, with 64 streams (and 8 non-streaming requests) in
-  flight: CLEAN EXIT. Every stream gets an error event (``runtime_unavailable``) then ``[DONE]``,
-  every non-streaming request a 503 with OpenAI's error JSON; /health turns 503, the server exits
-  with code 1, no runtime process survives and the socket directory is removed. With 176 requests
-  queued behind 8 streams, /health still turns 503 within 2 s (no probe waits a second) and the log
-  holds one line per failed request, no traceback per request.
+- kill -9 of the worker, or of the scheduler, with streams and non-streaming requests in flight:
+  CLEAN EXIT. Every stream gets an error event (``runtime_unavailable``) then ``[DONE]``, every
+  non-streaming request a 503 with OpenAI's error JSON; /health turns 503 within 2 s, the server
+  exits with code 1, no runtime process survives and the socket directory is removed. The worker is
+  killed with 176 requests queued behind the 4 running ones: no /health probe waits a second and the
+  log holds one line per failed request, no traceback per request.
 - SIGSTOP of the worker (it stops running) with streams in flight: CLEAN EXIT as for a kill, with
   /health 503 within 2 s (the child's heartbeat goes stale) and the stopped child killed.
-- kill -9 of the server itself (or SIGTERM, then kill -9 mid-drain) with 50 chats streaming: the
+- kill -9 of the server itself (or SIGTERM, then kill -9 mid-drain) with 8 chats streaming: the
   children exit on their own within 5 s and the last one out removes the socket directory.
-- KV oversubscribed 4x (a small ``--kv-cache-tokens``, concurrent requests): no fault at all;
+- KV oversubscribed 3x (a small ``--kv-cache-tokens``, concurrent requests): no fault at all;
   retraction makes room, every request completes with the greedy tokens of a large pool.
+
+A server start costs seconds of CPU: the tests that leave their server running share one per
+configuration (``shared``, the default; ``small``, a 4-page KV pool), and the file's last two tests
+end those with their faults (the killed scheduler, the stopped worker) instead of starting their own.
+The loads are as small as still keep every request in flight when its fault strikes.
 
 No scenario may hang: every wait has a timeout. The servers run with one torch thread
 (OMP_NUM_THREADS=1): on two cores the client and the server would otherwise oversubscribe the CPU,
@@ -45,26 +50,43 @@ from radixrelay.protocol.messages import (
 )
 from radixrelay.protocol.step import StepPlan
 from radixrelay.sampling_params import SamplingParams
-from tests.runtime.server_process import ServerProcess, pid_alive
+from tests.runtime.server_process import STARTUP_TIMEOUT, ServerProcess, pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-STREAMS, PLAIN = 64, 8
+STREAMS, PLAIN = 8, 2
 BODY = {"model": "default", "temperature": 0, "ignore_eos": True}
+# The tests' own probes (/health, /metrics, single requests) share one client: httpx.get makes a client,
+# and with it an SSL context, per call (~40 ms of CPU), and the probes run in loops.
+PROBE = httpx.Client(timeout=30)
 
 
 def start_server(tmp: Path, *args: str) -> ServerProcess:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         srv = ServerProcess(tmp, *args)
-    try:
-        return srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
+        try:
+            _wait_healthy(srv)
+            return srv.wait_ready()          # at once now (or, if the server died, its retry or error)
+        except BaseException:
+            srv.stop()
+            raise
+
+
+def _wait_healthy(srv: ServerProcess) -> None:
+    """Until /health answers 200, the server exits or the start-up timeout passes: the polling of
+    ``ServerProcess.wait_ready``, on the shared client."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if PROBE.get(f"{srv.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
 
 
 def metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    text = PROBE.get(f"{base_url}/metrics").text
     match = re.search(rf"^radixrelay_{name} (\S+)$", text, re.M)
     assert match, name
     return float(match[1])
@@ -72,6 +94,50 @@ def metric(base_url: str, name: str) -> float:
 
 def socket_dirs(srv: ServerProcess) -> list[Path]:
     return [p for p in srv.runtime_tmp.iterdir() if p.name.startswith("radixrelay-")]
+
+
+class SharedServer:
+    """One server for the tests that leave it running (``get``); the last test that uses it ends it
+    (``take``: no longer shared then, so a later ``get`` starts another one and the tests stay
+    independent of their order)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> None:
+        self._tmp, self._name, self._args = tmp_path_factory, name, args
+        self._srv: ServerProcess | None = None
+
+    def get(self) -> ServerProcess:
+        if self._srv is None:
+            self._srv = start_server(self._tmp.mktemp(self._name), *self._args)
+        return self._srv
+
+    def take(self) -> ServerProcess:
+        srv, self._srv = self.get(), None
+        return srv
+
+    def close(self) -> None:
+        if self._srv is not None:
+            self._srv.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A default server: corrupted frames, the large-pool reference of the oversubscription test,
+    then the stopped worker."""
+    servers = SharedServer(tmp_path_factory, "faults")
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A server with a 4-page KV pool: the oversubscription test, then the killed scheduler."""
+    servers = SharedServer(tmp_path_factory, "small-kv", "--kv-cache-tokens", str(OVERSUB_POOL_TOKENS))
+    try:
+        yield servers
+    finally:
+        servers.close()
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -149,7 +215,7 @@ def _assert_clean_errors(outs: list[Outcome], kind: str) -> None:
 def _kill_and_watch_health(srv: ServerProcess, kind: str) -> None:
     os.kill(srv.child(kind), signal.SIGKILL)
     killed = time.monotonic()
-    while httpx.get(f"{srv.base_url}/health", timeout=5).status_code != 503:
+    while PROBE.get(f"{srv.base_url}/health", timeout=5).status_code != 503:
         assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the kill"
         time.sleep(0.05)
 
@@ -161,48 +227,6 @@ def _assert_clean_exit(srv: ServerProcess) -> None:
         time.sleep(0.1)
     assert not [p for p in srv.child_pids if pid_alive(p)], "orphaned runtime processes"
     assert socket_dirs(srv) == [], "socket directory left behind"
-
-
-@pytest.mark.parametrize("kind", ["worker", "scheduler"])
-def test_kill_child_under_load_exits_cleanly(tmp_path, kind):
-    """kill -9 of one runtime child with 64 streams and 8 non-streaming requests in flight: every
-    request ends with a clean error, /health turns 503 within 2 s, the server exits 1 with no orphan
-    and no socket directory. Outcome: clean exit (no recovery: the KV state died with the worker,
-    the request table with the scheduler)."""
-    srv = start_server(tmp_path)
-    try:
-        assert len(srv.child_pids) == 2
-        outs = asyncio.run(under_load(srv.base_url, 400, lambda: _kill_and_watch_health(srv, kind)))
-        _assert_clean_errors(outs, kind)
-        _assert_clean_exit(srv)
-    finally:
-        srv.stop()
-
-
-def test_stopped_worker_under_load_turns_health_503_within_two_seconds(tmp_path):
-    """SIGSTOP of the worker (a child that stops running, as a frozen process does) with streams in
-    flight: /health turns 503 within 2 s (its heartbeat goes stale), every request ends with a clean
-    error, the server exits 1 and the stopped child is not left behind."""
-    srv = start_server(tmp_path)
-
-    def stop_worker_and_watch_health() -> None:
-        os.kill(srv.child("worker"), signal.SIGSTOP)
-        stopped = time.monotonic()
-        while httpx.get(f"{srv.base_url}/health", timeout=5).status_code != 503:
-            assert time.monotonic() - stopped < 2.0, "/health still 200 two seconds after the worker stopped"
-            time.sleep(0.05)
-
-    try:
-        outs = asyncio.run(under_load(srv.base_url, 400, stop_worker_and_watch_health, streams=16, plain=4))
-        for out in outs:
-            assert out.error is None, out.error
-            if out.stream:
-                assert out.events[-1] == "[DONE]" and "has not run for" in out.events[-2], out.events[-2:]
-            else:
-                assert out.status == 503 and "has not run for" in out.events[0], out.events
-        _assert_clean_exit(srv)
-    finally:
-        srv.stop()
 
 
 # -- killed server: no orphans --------------------------------------------------------------------
@@ -237,7 +261,7 @@ async def _chat_streams(base_url: str, n: int, fault) -> None:
 
 @pytest.mark.parametrize("term_first", [False, True], ids=["kill", "term-then-kill"])
 def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_path, term_first):
-    """kill -9 of the server process (or SIGTERM, then kill -9 two seconds into the drain) while 50
+    """kill -9 of the server process (or SIGTERM, then kill -9 a second into the drain) while 8
     chats stream: within 5 s neither runtime child is alive (checked by pid) and the socket
     directory is gone. Children notice their parent's death on their own and always exit."""
     srv = start_server(tmp_path)
@@ -246,7 +270,7 @@ def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_pat
     def kill_server() -> None:
         if term_first:
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(2.0)
+            time.sleep(1.0)
         srv.proc.kill()
         srv.proc.wait(10)
         killed = time.monotonic()
@@ -258,7 +282,7 @@ def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_pat
 
     try:
         assert len(srv.child_pids) == 2 and len(socket_dirs(srv)) == 1
-        asyncio.run(_chat_streams(srv.base_url, 50, kill_server))
+        asyncio.run(_chat_streams(srv.base_url, 8, kill_server))
         assert not [p for p in srv.child_pids if pid_alive(p)], "runtime processes outlived the server by 5 s"
         assert socket_dirs(srv) == [], "socket directory left behind"
         assert gone_after and gone_after[0] < 5.0
@@ -269,30 +293,38 @@ def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_pat
 # -- worker death with a long queue: /health first, one log line per request --------------------
 
 
-RUNNING, QUEUED = 8, 176
+RUNNING_STREAMS, RUNNING_PLAIN, QUEUED = 3, 1, 176
+RUNNING = RUNNING_STREAMS + RUNNING_PLAIN
 
 
 async def _queue_then(srv: ServerProcess, fault) -> list[Outcome]:
-    """``RUNNING`` streams run (the server admits no more), ``QUEUED`` non-streaming requests wait
-    behind them; then ``fault()`` runs (in a thread) and every request ends within a bound."""
+    """``RUNNING_STREAMS`` streams and ``RUNNING_PLAIN`` non-streaming requests run (the server admits
+    no more), ``QUEUED`` non-streaming requests wait behind them; then ``fault()`` runs (in a thread)
+    and every request ends within a bound."""
+
+    async def wait_for_metric(name: str, value: int) -> None:
+        deadline = time.monotonic() + 120
+        while (await asyncio.to_thread(metric, srv.base_url, name)) < value:
+            assert time.monotonic() < deadline, f"{name} never reached {value}"
+            await asyncio.sleep(0.2)
+
     limits = httpx.Limits(max_connections=RUNNING + QUEUED + 4)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         url = f"{srv.base_url}/v1/completions"
-        outs = [Outcome(stream=i < RUNNING) for i in range(RUNNING + QUEUED)]
-        flags = [asyncio.Event() for _ in range(RUNNING)]
+        outs = [Outcome(stream=i < RUNNING_STREAMS) for i in range(RUNNING + QUEUED)]
+        flags = [asyncio.Event() for _ in range(RUNNING_STREAMS)]
         tasks = []
         for i, out in enumerate(outs):
             body = {**BODY, "prompt": f"Story number {i}: once upon a time", "max_tokens": 400}
             if out.stream:
                 tasks.append(asyncio.create_task(_stream(http, url, body, out, flags[i])))
-                if i == RUNNING - 1:
-                    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 120)
             else:
                 tasks.append(asyncio.create_task(_plain(http, url, body, out)))
-        deadline = time.monotonic() + 120
-        while (await asyncio.to_thread(metric, srv.base_url, "num_requests_waiting")) < QUEUED:
-            assert time.monotonic() < deadline, "the requests never queued"
-            await asyncio.sleep(0.2)
+            if i == RUNNING_STREAMS - 1:
+                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 120)
+            elif i == RUNNING - 1:
+                await wait_for_metric("num_requests_running", RUNNING)
+        await wait_for_metric("num_requests_waiting", QUEUED)
         assert not any(t.done() for t in tasks), "a request ended before the fault"
         await asyncio.to_thread(fault)
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -300,10 +332,12 @@ async def _queue_then(srv: ServerProcess, fault) -> list[Outcome]:
 
 
 def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line_per_request(tmp_path):
-    """kill -9 of the worker with 8 requests streaming and 176 queued behind them: /health answers
-    503 within 2 s of the kill and no probe waits more than 1 s (failing the requests never holds
-    the event loop); every request ends with a clean error; the server's log holds at most one
-    traceback and exactly one line per failed request."""
+    """kill -9 of the worker with 3 streams and 1 non-streaming request running and 176 requests
+    queued behind them: /health answers 503 within 2 s of the kill and no probe waits more than 1 s
+    (failing the requests never holds the event loop); every request, running or queued, ends with a
+    clean error; the server exits 1 with no orphan and no socket directory (outcome: clean exit, the
+    KV state died with the worker); the server's log holds at most one traceback and exactly one
+    line per failed request."""
     srv = start_server(tmp_path, "--max-running-requests", str(RUNNING))
     probes: list[tuple[float, float, int]] = []       # (since the kill, latency, status)
 
@@ -312,19 +346,20 @@ def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line
         killed = time.monotonic()
         while time.monotonic() - killed < 3.0:
             sent = time.monotonic()
-            status = httpx.get(f"{srv.base_url}/health", timeout=10).status_code
+            status = PROBE.get(f"{srv.base_url}/health", timeout=10).status_code
             probes.append((sent - killed, time.monotonic() - sent, status))
             if status == 503:
                 return
             time.sleep(0.05)
 
     try:
+        assert len(srv.child_pids) == 2
         outs = asyncio.run(_queue_then(srv, kill_worker_and_probe))
         first_503 = next((at + latency for at, latency, status in probes if status == 503), None)
         assert first_503 is not None and first_503 < 2.0, probes
         assert max(latency for _, latency, _ in probes) < 1.0, probes
         _assert_clean_errors(outs, "worker")
-        assert srv.proc.wait(30) == 1
+        _assert_clean_exit(srv)
         log = (srv.tmp_dir / "server.log").read_text(errors="replace")
         assert log.count("Traceback") <= 1, log[-3000:]
         failed = re.findall(r"request \d+ failed: the runtime died: the worker process", log)
@@ -334,15 +369,6 @@ def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line
 
 
 # -- corrupted frames: recovery ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def big_server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("faults"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def bad_frames() -> dict[str, list[bytes]]:
@@ -377,16 +403,17 @@ def send_frames(ipc_dir: Path, frames: dict[str, list[bytes]]) -> None:
         ctx.term()
 
 
-def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(big_server):
+def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(shared):
     """Bad frames on the four inboxes (scheduler: from the frontend and from the worker; worker:
-    from the scheduler; server: from the scheduler) while 16 streams run. Outcome: recovery. Each
-    frame is logged and dropped; the streams finish normally; the children keep their pids; a new
-    request is served; /metrics counts every dropped frame and the KV audit still passes."""
-    srv = big_server
+    from the scheduler; server: from the scheduler) while 8 streams and 2 non-streaming requests
+    run. Outcome: recovery. Each frame is logged and dropped; the requests finish normally; the
+    children keep their pids; a new request is served; /metrics counts every dropped frame and the
+    KV audit still passes."""
+    srv = shared.get()
     [ipc_dir] = socket_dirs(srv)
     frames = bad_frames()
     before = metric(srv.base_url, "malformed_frames_total")
-    outs = asyncio.run(under_load(srv.base_url, 48, lambda: send_frames(ipc_dir, frames), streams=16, plain=4))
+    outs = asyncio.run(under_load(srv.base_url, 16, lambda: send_frames(ipc_dir, frames)))
     for out in outs:
         assert out.error is None and out.status == 200, (out.status, out.events[-2:])
         if out.stream:
@@ -396,8 +423,8 @@ def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(big_ser
         else:
             assert json.loads(out.events[0])["choices"][0]["finish_reason"] == "length"
     assert all(pid_alive(p) for p in srv.child_pids) and srv.proc.poll() is None
-    assert httpx.get(f"{srv.base_url}/health").status_code == 200
-    r = httpx.post(f"{srv.base_url}/v1/completions", json={**BODY, "prompt": "After the storm", "max_tokens": 4},
+    assert PROBE.get(f"{srv.base_url}/health").status_code == 200
+    r = PROBE.post(f"{srv.base_url}/v1/completions", json={**BODY, "prompt": "After the storm", "max_tokens": 4},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     # The worker reports its count with its next step output: the request above made one.
@@ -410,9 +437,13 @@ def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(big_ser
 # -- KV oversubscription: no fault ---------------------------------------------------------------
 
 
-OVERSUB_PROMPTS = [f"Item {i}: a list of the colours of the rainbow, with a note on each one" for i in range(8)]
-OVERSUB_TOKENS = 62            # + 19 prompt tokens - 1: 80 positions, 5 pages of 16; 8 requests: 40 pages
-OVERSUB_POOL_TOKENS = 160      # 10 pages: a quarter of the demand
+OVERSUB_PROMPTS = [f"Item {i}: a list of the colours of the rainbow, with a short note on each colour and on where "
+                   "it sits in the bow" for i in range(4)]
+OVERSUB_TOKENS = 8             # + 28 prompt tokens - 1: 35 positions, 3 pages of 16; 4 requests: 12 pages
+# 4 pages: a third of the demand. Two requests are admitted together (2 prompt pages each, and their
+# decode reserve fits in them) and both need a third page 4 tokens on: the newer one is retracted, to
+# resume from its 4 tokens once the other finishes; the same again for the last two.
+OVERSUB_POOL_TOKENS = 64
 
 
 async def _greedy_all(base_url: str) -> list[tuple[int, list[str]] | str]:
@@ -429,20 +460,66 @@ async def _greedy_all(base_url: str) -> list[tuple[int, list[str]] | str]:
         return await asyncio.wait_for(asyncio.gather(*map(one, OVERSUB_PROMPTS)), 240)
 
 
-def test_kv_oversubscribed_4x_completes_with_unchanged_greedy_outputs(big_server, tmp_path):
-    """A 160-token KV pool (10 pages) and 8 concurrent requests needing 5 pages each (4x the pool):
+def test_kv_oversubscribed_3x_completes_with_unchanged_greedy_outputs(shared, small):
+    """A 64-token KV pool (4 pages) and 4 concurrent requests needing 3 pages each (3x the pool):
     every request completes, without errors, with the same greedy tokens as on a 32K-token pool;
     retraction did the work (the counter moved) and the small server ends at its idle baseline."""
-    reference = asyncio.run(_greedy_all(big_server.base_url))
+    reference = asyncio.run(_greedy_all(shared.get().base_url))
     assert all(isinstance(r, tuple) for r in reference), reference
-    assert sum(pages for pages, _ in reference) >= 4 * OVERSUB_POOL_TOKENS // 16
-    small = start_server(tmp_path, "--kv-cache-tokens", str(OVERSUB_POOL_TOKENS))
+    assert sum(pages for pages, _ in reference) >= 3 * OVERSUB_POOL_TOKENS // 16
+    srv = small.get()
+    assert metric(srv.base_url, "kv_total_pages") == OVERSUB_POOL_TOKENS // 16    # page size 16
+    got = asyncio.run(_greedy_all(srv.base_url))
+    assert got == reference
+    assert metric(srv.base_url, "retractions_total") > 0
+    assert metric(srv.base_url, "kv_idle_baseline") == 1.0
+    assert metric(srv.base_url, "kv_integrity_ok") == 1.0
+
+
+# -- the last tests end the shared servers: clean exits -------------------------------------------
+
+
+def test_kill_scheduler_under_load_exits_cleanly(small):
+    """kill -9 of the scheduler with a stream and a non-streaming request in flight (on the 4-page
+    server: its requests' decode reserve admits few, and the fault needs no more): every request ends
+    with a clean error, /health turns 503 within 2 s, the server exits 1 with no orphan and no socket
+    directory. Outcome: clean exit (no recovery: the request table died with the scheduler). The
+    worker's kill, with the same assertions, is the long-queue test's fault above."""
+    srv = small.take()
     try:
-        assert metric(small.base_url, "kv_total_pages") == OVERSUB_POOL_TOKENS // 16    # page size 16
-        got = asyncio.run(_greedy_all(small.base_url))
-        assert got == reference
-        assert metric(small.base_url, "retractions_total") > 0
-        assert metric(small.base_url, "kv_idle_baseline") == 1.0
-        assert metric(small.base_url, "kv_integrity_ok") == 1.0
+        assert len(srv.child_pids) == 2
+        outs = asyncio.run(under_load(srv.base_url, 40, lambda: _kill_and_watch_health(srv, "scheduler"),
+                                      streams=1, plain=1))
+        _assert_clean_errors(outs, "scheduler")
+        _assert_clean_exit(srv)
     finally:
-        small.stop()
+        srv.stop()
+
+
+
+
+def test_stopped_worker_under_load_turns_health_503_within_two_seconds(shared):
+    """SIGSTOP of the worker (a child that stops running, as a frozen process does) with streams in
+    flight: /health turns 503 within 2 s (its heartbeat goes stale), every request ends with a clean
+    error, the server exits 1 and the stopped child is not left behind."""
+    srv = shared.take()
+
+    def stop_worker_and_watch_health() -> None:
+        os.kill(srv.child("worker"), signal.SIGSTOP)
+        stopped = time.monotonic()
+        while PROBE.get(f"{srv.base_url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() - stopped < 2.0, "/health still 200 two seconds after the worker stopped"
+            time.sleep(0.05)
+
+    try:
+        assert len(srv.child_pids) == 2
+        outs = asyncio.run(under_load(srv.base_url, 400, stop_worker_and_watch_health))
+        for out in outs:
+            assert out.error is None, out.error
+            if out.stream:
+                assert out.events[-1] == "[DONE]" and "has not run for" in out.events[-2], out.events[-2:]
+            else:
+                assert out.status == 503 and "has not run for" in out.events[0], out.events
+        _assert_clean_exit(srv)
+    finally:
+        srv.stop()
