@@ -1,5 +1,9 @@
-"""The soak benchmark as a CI check: 60 s of mixed traffic with client aborts against the real
-server (default model), run as a user runs it (``python -m benchmarks.reliability.soak``).
+"""The soak benchmark as a CI check: 12 s of mixed traffic with client aborts against the real
+server (default model), run as a user runs it (``python -m benchmarks.reliability.soak``). Long runs
+are the benchmark's job; this one is only as long as the check needs: the aborts are sure to happen
+(with the fixed seed, the first two requests of the eight clients include three planned aborts, two of
+them streams closed after one or two events), the clients cycle through requests of every kind for
+8 s past the warm-up RSS sample, and /metrics is scraped (integrity, RSS) every 1.5 s.
 
 Asserts what the hardening issue asks of a soak: no request lost (every request sent completed,
 failed with a reason or was aborted by the client on purpose), none failed, the server back at its
@@ -19,22 +23,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DURATION_S = 60
-# A 60 s CPU run: the worker's RSS moves by ~1% as new batch shapes appear (torch's allocator
-# caches); a leak proportional to requests would show well beyond this.
+DURATION_S = 12
+WARMUP_S = 4
+# A short CPU run: the worker's RSS moves by a few % at most as new batch shapes appear (torch's
+# allocator caches); a leak proportional to requests would show well beyond this.
 RSS_GROWTH_LIMIT = 0.15
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def test_soak_60s_with_aborts(tmp_path, short_tmp):
+def test_soak_12s_with_aborts(tmp_path, short_tmp):
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "benchmarks.reliability.soak", "--duration", str(DURATION_S),
-           "--warmup", "15", "--abort-share", "0.2", "--scrape-interval", "3",
+           "--warmup", str(WARMUP_S), "--abort-share", "0.2", "--scrape-interval", "1.5",
            "--max-rss-growth", str(RSS_GROWTH_LIMIT), "--request-timeout", "120",
            "--out", str(out), "--server-log", str(tmp_path / "server.log")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(short_tmp)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert (out.with_suffix(".json")).exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.with_suffix(".json").read_text())["summary"]
     report = out.with_suffix(".md").read_text()
