@@ -72,21 +72,24 @@ class ServerProcess:
     def wait_ready(self) -> ServerProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         retries = 3          # the free port may be taken by a parallel test process before the server binds it
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = self.read_log()
-                if retries and "address already in use" in log.lower():
-                    retries -= 1
-                    self._start()
-                    continue
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    self.child_pids = children_of(self.proc.pid)
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        # one client for every poll: httpx.get builds a client (and an SSL context) per call, which costs
+        # the test process more CPU than the polling itself
+        with httpx.Client(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    log = self.read_log()
+                    if retries and "address already in use" in log.lower():
+                        retries -= 1
+                        self._start()
+                        continue
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log}")
+                try:
+                    if http.get(f"{self.base_url}/health").status_code == 200:
+                        self.child_pids = children_of(self.proc.pid)
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.read_log()}")
 
