@@ -3,8 +3,8 @@
 pool small enough to retract) and off (lock step), a shared-prefix batch, and with structured outputs
 (a regex, a choice) and prompt modules; an aborted request leaves the others exact; KV tiers (host
 memory, then disk across a restart) give the same tokens, and a page one rank's disk directory lacks is
-a miss on both; a killed or stopped rank, or a step past the watchdog's timeout, ends the Engine with a
-clear error and no process left; bad ``tp`` values are refused before anything starts."""
+a miss on both; a killed or stopped rank, or a step past the watchdog's timeout (at tp=1), ends the Engine
+with a clear error and no process left; bad ``tp`` values are refused before anything starts."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def model(tmp_path_factory):
 # One Engine per configuration for the whole module (an Engine start, three processes at tp=2, costs far
 # more than its requests): tp=1 for the references (the tier tests' too), and two tp=2 Engines that the
 # exactness, structured, module and abort tests share. The tests that end an Engine (a killed or stopped
-# rank) come last in the file and end one of these.
+# rank) come last in the file and end one of these; the watchdog test starts its own.
 @pytest.fixture(scope="module")
 def one(model):
     with _engine(model, kv_cache_tokens=4096) as engine:
@@ -266,9 +266,10 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(lockstep):
 def test_a_step_past_the_watchdog_timeout_ends_the_engine(model, monkeypatch):
     """A step that does not finish within RADIXRELAY_STEP_TIMEOUT_S (here every step: 1 ms) ends its worker
     process (as a rank stuck in a collective would), so the Engine fails with an error instead of hanging,
-    and no process is left."""
+    and no process is left. At tp=1: every rank runs the same watchdog in the same worker loop, and a tp=2
+    worker process that exits ending the Engine with no process left is the killed-rank test above."""
     monkeypatch.setenv("RADIXRELAY_STEP_TIMEOUT_S", "0.001")
-    engine = _engine(model, tp=2, kv_cache_tokens=4096)
+    engine = _engine(model, kv_cache_tokens=1024)
     try:
         pids = [p.pid for p in engine._client._processes.children.values()]
         start = time.monotonic()
