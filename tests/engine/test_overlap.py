@@ -11,28 +11,29 @@ import pytest
 
 from radixrelay import Engine, SamplingParams
 
-SHARED = "You are a terse assistant. Answer in one short sentence. " * 3
-QUESTIONS = [f"Question {i}: {SHARED}What is {i} plus {i + 1}?" for i in range(13)]
+# Short prompts (9-12 tokens) and outputs: each request is admitted with one page of 16 reserved and
+# most outgrow it, so a pool of five pages retracts.
+QUESTIONS = [f"Q{i}: {i} plus {i + 1} is" for i in range(11)]
 PARAMS = [
-    SamplingParams(max_tokens=60, temperature=0),                                   # EOS may end it
-    SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
-    SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=11, repetition_penalty=1.3,
+    SamplingParams(max_tokens=10, temperature=0),                                   # ends with EOS
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11, repetition_penalty=1.3,
                    frequency_penalty=0.5, presence_penalty=0.4, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0, stop=(".", "\n")),
-    SamplingParams(max_tokens=20, temperature=0, logprobs=3, ignore_eos=True),
-    SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0, stop=(".", "\n")),
+    SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=1, temperature=0),
-    SamplingParams(max_tokens=25, temperature=0.7, top_k=20, seed=3, frequency_penalty=1.0),
-    SamplingParams(max_tokens=40, temperature=0, stop_token_ids=(13, 30)),
-    *[SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3,    # long: KV runs short
+    SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=3, frequency_penalty=1.0),
+    SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(13, 30)),
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),                  # outgrows its page early
 ]
 
 
 def _run(disable_overlap: bool):
     # Small KV and running limits: requests queue, prefill in chunks, and decode retracts.
-    with Engine(model="default", kv_cache_tokens=384, page_size=16, max_running_requests=8,
-                chunked_prefill_tokens=64, disable_overlap=disable_overlap) as engine:
+    with Engine(model="default", kv_cache_tokens=16 * 5, page_size=16, max_running_requests=8,
+                chunked_prefill_tokens=32, disable_overlap=disable_overlap) as engine:
         outs = engine.generate(QUESTIONS, PARAMS)
         return outs, engine.stats()
 
@@ -64,6 +65,8 @@ def test_workload_exercised_queueing_retraction_and_stops(runs):
     # instead (finishes often free enough), and retracts only with nothing in flight.
     assert stats_a["num_retractions"] > 0
     assert overlap[4].finish_reason == "stop" and overlap[7].completion_tokens == 1
+    # EOS ended the first request: counted in its usage, not among its tokens
+    assert overlap[0].finish_reason == "stop" and overlap[0].completion_tokens == len(overlap[0].token_ids) + 1
     for stats in (stats_a, stats_b):       # everything was freed: only the radix cache holds KV
         assert stats["num_running"] == stats["num_waiting"] == 0
         assert stats["locked_tokens"] == 0
