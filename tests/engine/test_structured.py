@@ -41,7 +41,7 @@ CHOICES = ["Paris", "London", "Rome", "Berlin"]
 MATE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = ["Describe a person as JSON:", "Pick a color and some tags, as JSON:", "A point, as JSON:",
            "Call me at", "My email address is", "Will it rain tomorrow?", "The capital of France is"]
-SMALL = dict(kv_cache_tokens=16 * 11, page_size=16, max_running_requests=16, chunked_prefill_tokens=64)
+SMALL = {"kv_cache_tokens": 16 * 11, "page_size": 16, "max_running_requests": 16, "chunked_prefill_tokens": 64}
 
 
 def _constrained() -> tuple[list[str], list[SamplingParams]]:
