@@ -8,9 +8,6 @@ allocator; this class only owns the memory.
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 
 
@@ -40,7 +37,7 @@ class KVCache:
         # One allocation [num_layers, 2 (K, V), num_slots, num_kv_heads, head_dim], so that one gather
         # along dim 2 reads a set of pages of every layer (the KV tiers' saves); k[l] = buffer[l, 0],
         # v[l] = buffer[l, 1]: contiguous views [num_slots, num_kv_heads, head_dim].
-        self.buffer = zeroed(shape, dtype, torch.device(device))
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.model_dtype = model_dtype or dtype
@@ -99,15 +96,3 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     else:
         cache.index_copy_(0, slots, values)
 
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. In host memory it lies in an anonymous mapping, whose pages the kernel zeroes
-    when first touched: a pool of gigabytes costs nothing until used, instead of a memset of all of it
-    at start-up (and only the pages in use take resident memory). The tensor keeps the mapping alive."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
