@@ -11,29 +11,30 @@ import pytest
 
 from radixrelay import Engine, SamplingParams
 
-# Short prompts (9-12 tokens) and outputs: each request is admitted with one page of 16 reserved and
-# most outgrow it, so a pool of five pages retracts.
-QUESTIONS = [f"Q{i}: {i} plus {i + 1} is" for i in range(11)]
+# Prompts of 13-14 tokens and at most 6 output tokens: each request is admitted with one page (its
+# prompt and the 30% of its max_tokens kept in reserve fit in 16 tokens); one that outgrows it needs a
+# second page for its 5th token. The first five fill the five-page pool and four of them run to 6
+# tokens: decode runs short of pages and retracts. The rest queue behind them.
+QUESTIONS = [f"Q{i}: {i} plus {i + 1} equals what? It equals" for i in range(10)]
 PARAMS = [
-    SamplingParams(max_tokens=10, temperature=0),                                   # ends with EOS
-    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
-    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11, repetition_penalty=1.3,
+    SamplingParams(max_tokens=6, temperature=0),                                    # ends with EOS
+    SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=11, repetition_penalty=1.3,
                    frequency_penalty=0.5, presence_penalty=0.4, ignore_eos=True),
-    SamplingParams(max_tokens=10, temperature=0, stop=(".", "\n")),
-    SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0, stop=(".", "\n")),
     SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=1, temperature=0),
-    SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=3, frequency_penalty=1.0),
-    SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(13, 30)),
-    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),                  # outgrows its page early
+    SamplingParams(max_tokens=6, temperature=0.7, top_k=20, seed=3, frequency_penalty=1.0),
+    SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(13, 30)),
 ]
 
 
 def _run(disable_overlap: bool):
     # Small KV and running limits: requests queue, prefill in chunks, and decode retracts.
     with Engine(model="default", kv_cache_tokens=16 * 5, page_size=16, max_running_requests=8,
-                chunked_prefill_tokens=32, disable_overlap=disable_overlap) as engine:
+                chunked_prefill_tokens=48, disable_overlap=disable_overlap) as engine:
         outs = engine.generate(QUESTIONS, PARAMS)
         return outs, engine.stats()
 
@@ -60,11 +61,11 @@ def test_outputs_identical_with_and_without_overlap(runs):
 
 
 def test_workload_exercised_queueing_retraction_and_stops(runs):
-    (lockstep, stats_a), (overlap, stats_b) = runs
+    (_, stats_a), (overlap, stats_b) = runs
     # Lock step retracts; overlap may not: with a step in flight it waits for that step's output
     # instead (finishes often free enough), and retracts only with nothing in flight.
     assert stats_a["num_retractions"] > 0
-    assert overlap[4].finish_reason == "stop" and overlap[7].completion_tokens == 1
+    assert overlap[5].finish_reason == "stop" and overlap[7].completion_tokens == 1
     # EOS ended the first request: counted in its usage, not among its tokens
     assert overlap[0].finish_reason == "stop" and overlap[0].completion_tokens == len(overlap[0].token_ids) + 1
     for stats in (stats_a, stats_b):       # everything was freed: only the radix cache holds KV
