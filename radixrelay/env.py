@@ -13,6 +13,9 @@
   writes ``worker_trace.json`` (a Chrome trace) and ``worker_trace.txt`` (ops by device time and a
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
+- ``RADIXRELAY_STEP_LOG``: a file path; the scheduler writes its timeline there (request arrivals,
+  each step sent with its rows, each step's output with its device time; ``radixrelay.runtime.step_log``).
+  For seeing which step served a request of a burst.
 - ``RADIXRELAY_OVERLAP_DEPTH``: steps the scheduler keeps in flight with overlap on (2 when unset: step
   N+1 is planned while N computes). For measuring deeper pipelines; a finished request may then compute
   up to depth - 1 tokens that are never streamed.
@@ -78,6 +81,11 @@ def grammar_budget_ms() -> float | None:
 
 def profile_dir() -> str | None:
     return os.environ.get("RADIXRELAY_PROFILE_DIR") or None
+
+
+def step_log_path() -> str | None:
+    """``RADIXRELAY_STEP_LOG``: where the scheduler writes its timeline; None when unset."""
+    return os.environ.get("RADIXRELAY_STEP_LOG") or None
 
 
 def trace_steps() -> tuple[int, int] | None:

@@ -285,7 +285,10 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
                   for _ in range(args.stream_burst)]
         conns = await sender.connections(args.stream_burst)
 
+        sent_at: list[float] = []
+
         async def streamed() -> list[tuple[float, float, int]]:
+            sent_at.append(time.monotonic())          # the scheduler's step log (RADIXRELAY_STEP_LOG) clock
             return await asyncio.gather(*(sender.stream(c, b, errors) for c, b in zip(conns, bodies)))
 
         done, counters = await _phase(http, server, streamed())
@@ -294,6 +297,7 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
         row["stream"] = {"size": args.stream_burst, "out": args.stream_out,
                          "ttft_p50_s": _median(t for t, _, _ in done),
                          "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else None,
+                         "sent_monotonic_s": sent_at[0], "ttfts_s": sorted(t for t, _, _ in done),
                          "per_request": {k: v / args.stream_burst for k, v in counters.items()}}
     if profiler is not None:
         profiler.stop()

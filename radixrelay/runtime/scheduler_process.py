@@ -40,7 +40,7 @@ import zmq
 
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
-from radixrelay.env import gc_mode, overlap_depth
+from radixrelay.env import gc_mode, overlap_depth, step_log_path
 from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RejectReason,
@@ -54,6 +54,7 @@ from radixrelay.radix.tiers import KVTiers
 from radixrelay.runtime.audit import PacedAudit
 from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
 from radixrelay.runtime.gc_control import GcControl
+from radixrelay.runtime.step_log import StepLog
 from radixrelay.runtime.token_ids import unpack_token_ids
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
@@ -91,8 +92,17 @@ class SchedulerLoop:
         self._integrity_logged: str | None = None   # last check_integrity failure written to the log
         self._audits = PacedAudit(INTEGRITY_EVERY_S)
         self.collector = collector        # garbage collection: full collections when idle (gc_control)
+        log_path = step_log_path()
+        self.step_log = StepLog(log_path) if log_path else None
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            if self.step_log is not None:
+                self.step_log.close()
+
+    def _run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.frontend_in, zmq.POLLIN)
         poller.register(self.worker_in, zmq.POLLIN)
@@ -136,6 +146,10 @@ class SchedulerLoop:
         c.computed_tokens += extend_tokens + len(plan.decodes)
         if extend_tokens:
             self._extend_tokens[plan.step_id] = extend_tokens
+        if self.step_log is not None:
+            self.step_log.step(plan.step_id, len(plan.decodes), len(plan.extends), extend_tokens,
+                               self.scheduler.num_waiting,
+                               [e.rid for e in plan.extends if e.sample])
         if plan.decodes:
             c.decode_steps += 1
             if not plan.extends:
@@ -164,6 +178,8 @@ class SchedulerLoop:
         start = time.perf_counter()
         c = self.counters
         c.worker_busy_s += message.busy_s
+        if self.step_log is not None:
+            self.step_log.done(message.output.step_id, message.busy_s, message.device_s, message.launch_s)
         c.worker_launch_s += message.launch_s
         c.worker_device_s += message.device_s
         c.graph_capture_s += message.capture_s
@@ -256,6 +272,8 @@ class SchedulerLoop:
             return reject("queue_full", f"the queue is full ({self.max_queued} waiting requests)")
         try:
             token_ids = unpack_token_ids(req.token_ids)         # int32, no Python int per token
+            if self.step_log is not None:
+                self.step_log.arrive(req.rid, len(token_ids))
             self.scheduler.add_request(req.rid, token_ids, req.sampling, req.cache_salt,
                                        req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs)
         except ValueError as exc:
