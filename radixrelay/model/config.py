@@ -1,8 +1,9 @@
 """Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
-One frozen ``ModelConfig`` describes every supported architecture (Llama 2/3, Mistral, Qwen2,
-SmolLM2: all are the Llama block with small switches). Values are validated on construction and
-errors are ``ValueError`` naming the field.
+One frozen ``ModelConfig`` describes every supported architecture: the keys every family shares are
+read here, each family's own keys by its hooks in the architecture registry
+(``radixrelay.model.architectures``). Values are validated on construction and errors are
+``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -12,13 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# HF ``architectures`` entry / ``model_type`` / GGUF ``general.architecture`` -> our name.
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from radixrelay.model.architectures import ARCHITECTURES, from_gguf_name, from_hf_config
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,7 +57,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str                   # "llama" | "mistral" | "qwen2"
+    architecture: str                   # a name in radixrelay.model.architectures.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,8 +78,8 @@ class ModelConfig:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"ModelConfig.{field}: {why}")
 
-        if self.architecture not in _MODEL_TYPES:
-            raise bad("architecture", f"unsupported {self.architecture!r}, expected {_MODEL_TYPES}")
+        if self.architecture not in ARCHITECTURES:
+            raise bad("architecture", f"unsupported {self.architecture!r}, expected one of {sorted(ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -135,45 +131,30 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
         """Build from a ``config.json`` dict; ``generation`` is ``generation_config.json`` whose
         ``eos_token_id`` (int or list) takes precedence over the model config's."""
-        archs = cfg.get("architectures") or []
-        architecture = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
-        architecture = architecture or cfg.get("model_type")
-        if architecture not in _MODEL_TYPES:
-            raise ValueError(
-                f"config.json: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {sorted(_HF_ARCHITECTURES)}"
-            )
-        if cfg.get("mlp_bias") or (architecture != "qwen2" and cfg.get("attention_bias")):
-            raise ValueError("config.json: attention_bias/mlp_bias on a Llama-style model is not supported")
+        arch = from_hf_config(cfg)
         rope = cfg.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         num_heads = _require(cfg, "num_attention_heads")
         hidden = _require(cfg, "hidden_size")
         eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
-        max_positions = cfg.get("max_position_embeddings", 4096)
-        window = cfg.get("sliding_window")
-        if window and (architecture == "mistral" or cfg.get("use_sliding_window")):
-            # Sliding-window attention is not implemented: within the window it equals full
-            # attention, so cap the usable context at the window instead of silently diverging.
-            max_positions = min(max_positions, window)
-        return cls(
-            architecture=architecture,
-            vocab_size=_require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size"),
-            num_layers=_require(cfg, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_hf(rope or cfg.get("rope_scaling")),
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "qwen2",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_id_tuple(eos),
-        )
+        fields = {
+            "architecture": arch.name,
+            "vocab_size": _require(cfg, "vocab_size"),
+            "hidden_size": hidden,
+            "intermediate_size": _require(cfg, "intermediate_size"),
+            "num_layers": _require(cfg, "num_hidden_layers"),
+            "num_heads": num_heads,
+            "num_kv_heads": cfg.get("num_key_value_heads") or num_heads,
+            "head_dim": cfg.get("head_dim") or hidden // num_heads,
+            "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope_theta),
+            "rope_scaling": RopeScaling.from_hf(rope or cfg.get("rope_scaling")),
+            "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "bos_token_id": cfg.get("bos_token_id"),
+            "eos_token_ids": _as_id_tuple(eos),
+        }
+        return cls(**{**fields, **arch.hf_options(cfg)})
 
     @classmethod
     def from_gguf(
@@ -181,10 +162,9 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from GGUF scalar metadata (decoded to Python values) and the tensor shapes in
         torch order (vocab = rows of ``token_embd.weight``; tied embeddings = no ``output.weight``;
-        Qwen2's qkv bias = ``blk.0.attn_q.bias``)."""
-        arch = metadata.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"GGUF: unsupported general.architecture {arch!r}, expected llama or qwen2")
+        the rest by the architecture's ``gguf_options``, e.g. Qwen2's qkv bias = ``blk.0.attn_q.bias``)."""
+        entry = from_gguf_name(metadata.get("general.architecture"))
+        arch = entry.gguf_name
 
         def get(key: str, default: Any = None) -> Any:
             value = metadata.get(f"{arch}.{key}", default)
@@ -206,24 +186,24 @@ class ModelConfig:
         elif scaling_type not in ("none", None):
             raise ValueError(f"GGUF: unsupported {arch}.rope.scaling.type {scaling_type!r}")
         eos = metadata.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            architecture=arch,
-            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length")),
-            tie_word_embeddings="output.weight" not in tensor_shapes,
-            attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_id_tuple(eos),
-        )
+        fields = {
+            "architecture": entry.name,
+            "vocab_size": int(tensor_shapes["token_embd.weight"][0]),
+            "hidden_size": hidden,
+            "intermediate_size": int(get("feed_forward_length")),
+            "num_layers": int(get("block_count")),
+            "num_heads": num_heads,
+            "num_kv_heads": int(get("attention.head_count_kv", num_heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "rope_scaling": scaling,
+            "max_position_embeddings": int(get("context_length")),
+            "tie_word_embeddings": "output.weight" not in tensor_shapes,
+            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_ids": _as_id_tuple(eos),
+        }
+        return cls(**{**fields, **entry.gguf_options(metadata, tensor_shapes)})
 
 
 def _require(cfg: Mapping[str, Any], key: str) -> Any:

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from radixrelay.model.architectures import architecture
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.config_files import detect_format, gguf_file, is_gguf, read_hf_config
 from radixrelay.model.layers import uninitialised_parameters
@@ -69,7 +70,7 @@ def load_model(
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
     net = _uninitialised(config, device, dtype, tp, precision)
-    net.load_weights(weights)
+    net.load_weights(architecture(config.architecture).checkpoint_tensors(weights, config))
     return net.eval().requires_grad_(False), config
 
 

@@ -6,10 +6,10 @@ bit-identical to the ``gguf`` package's numpy code and a few times faster), ever
 Q8_0, Q4_0/1, Q5_0/1, K-quants, ... whatever the installed ``gguf`` supports) and renamed to HF
 names for ``LlamaForCausalLM.load_weights``.
 
-RoPE permutation: for ``llama`` architecture files, llama.cpp's converter reorders the rows of
-each Q/K head from HF's rotate-half layout (pairs ``i`` and ``i + D/2``) to the interleaved
-layout llama.cpp's rope uses (pairs ``2i`` and ``2i + 1``). We undo it so the HF-style
-rotate-half RoPE is correct. ``qwen2`` files use llama.cpp's NEOX rope and are not permuted.
+RoPE permutation: for ``llama`` architecture files (``Architecture.gguf_rope_permuted``), llama.cpp's
+converter reorders the rows of each Q/K head from HF's rotate-half layout (pairs ``i`` and ``i + D/2``)
+to the interleaved layout llama.cpp's rope uses (pairs ``2i`` and ``2i + 1``). We undo it so the
+HF-style rotate-half RoPE is correct. ``qwen2`` files use llama.cpp's NEOX rope and are not permuted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from radixrelay.gguf_file import GGUFFile
+from radixrelay.model.architectures import architecture
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.config_files import gguf_config, tensor_shape
 
@@ -54,7 +55,7 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
 
 
 def _iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    unpermute = config.architecture == "llama"
+    unpermute = architecture(config.architecture).gguf_rope_permuted
     for t in file.tensors:
         name = _hf_name(t.name)
         weight = dequantize(file.tensor_bytes(t), t.ggml_type, f"{file.path.name}: tensor {t.name}")

@@ -9,6 +9,12 @@ import pytest
 import torch
 
 from radixrelay.model import ModelConfig, RopeScaling, load_model, resolve_model_path
+from radixrelay.model.architectures import (
+    ARCHITECTURES,
+    architecture,
+    from_gguf_name,
+    from_hf_config,
+)
 
 HF_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 32,
@@ -109,3 +115,19 @@ def test_config_is_frozen():
     cfg = ModelConfig.from_hf(HF_LLAMA)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_layers = 3  # type: ignore[misc]
+
+
+def test_architecture_registry():
+    """config.json and GGUF names resolve through the registry; unknown names are refused by name."""
+    for entry in ARCHITECTURES.values():
+        for hf_class in entry.hf_classes:
+            assert from_hf_config({"architectures": [hf_class]}) is entry
+        assert from_hf_config({"model_type": entry.name}) is entry
+        if entry.gguf_name:
+            assert from_gguf_name(entry.gguf_name) is entry
+    assert architecture("llama").gguf_rope_permuted and not architecture("qwen2").gguf_rope_permuted
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        architecture("gpt2")
+    with pytest.raises(ValueError, match="ModelConfig.architecture"):
+        ModelConfig(architecture="gpt2", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                    num_heads=1, num_kv_heads=1, head_dim=8)
