@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrelay.model import qwen3
+from radixrelay.model.config_hooks import window_cap
+
 # config.json (dict) -> ModelConfig fields that differ from the common reading
 HfHook = Callable[[Mapping[str, Any]], dict[str, Any]]
 # (GGUF scalar metadata, tensor shapes in torch order) -> ModelConfig fields
@@ -57,26 +60,17 @@ def _llama_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mistral_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    return {**_llama_options(cfg), **_window_cap(cfg, always=True)}
+    return {**_llama_options(cfg), **window_cap(cfg, always=True)}
 
 
 def _qwen2_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("mlp_bias"):
         raise ValueError("config.json: mlp_bias on a Qwen2 model is not supported")
-    return {"attention_bias": True, **_window_cap(cfg, always=False)}
+    return {"attention_bias": True, **window_cap(cfg, always=False)}
 
 
 def _bias_from_tensors(_meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     return {"attention_bias": "blk.0.attn_q.bias" in shapes}
-
-
-def _window_cap(cfg: Mapping[str, Any], *, always: bool) -> dict[str, Any]:
-    """Sliding-window attention is not implemented: within the window it equals full attention, so the
-    usable context is capped at the window instead of silently diverging past it."""
-    window = cfg.get("sliding_window")
-    if window and (always or cfg.get("use_sliding_window")):
-        return {"max_position_embeddings": min(cfg.get("max_position_embeddings", 4096), window)}
-    return {}
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -85,6 +79,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("mistral", ("MistralForCausalLM",), hf_options=_mistral_options),
     Architecture("qwen2", ("Qwen2ForCausalLM",), gguf_name="qwen2", hf_options=_qwen2_options,
                  gguf_options=_bias_from_tensors),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", hf_options=qwen3.hf_options,
+                 gguf_options=qwen3.gguf_options),
 )}
 
 

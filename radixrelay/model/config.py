@@ -71,6 +71,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # bias on the q/k/v projections (Qwen2); o_proj never
+    qk_norm: bool = False               # RMSNorm over each head of q and of k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

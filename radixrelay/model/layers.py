@@ -94,6 +94,10 @@ class RMSNorm(nn.Module):
             return self._norm(x), x
         return self._norm(x)
 
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, dim] -> each head normed (the torch ops on every device; q/k norms)."""
+        return self._norm(x)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
             # One op instead of six; on the CPU it computes the formula below bit for bit.

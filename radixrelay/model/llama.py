@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat ragged batch.
+"""The decoder of every family in ``radixrelay.model.architectures`` (Llama 2/3, Mistral, Qwen2, Qwen3,
+SmolLM2), switched by ``ModelConfig`` fields, over a flat ragged batch.
 
 HOT FILE: only the per-token math of the model belongs here. Batch layout lives in
 ``radixrelay.attention.metadata``, attention math in the backends, checkpoint formats in
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
                                 precision, **factory)
         self.o_proj = _linear(self.q_size, config.hidden_size, False, precision, **factory)
+        # Qwen3: RMSNorm over each head of q and of k (one [D] weight each), before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
 
     # The layer runs in two halves around attention (``DecoderLayer``): ``before_attention`` (q, and the
     # new K/V written), then ``partial_output`` (whose sum over the ranks ``DecoderLayer`` takes).
@@ -79,6 +83,8 @@ class Attention(nn.Module):
         """x: [T, hidden] (or quantized rows for an FP8 q/k/v) -> q: [T, Hq, D], with the new K/V written at
         ``out_slots`` (int64 [T])."""
         qkv = self.qkv_proj(x)                                                  # [T, (Hq + 2 Hkv) * D]
+        if self.q_norm is not None:
+            return self._norm_rope_store(qkv, cos, sin, out_slots, kv_cache)
         if fused(qkv) and kv_cache.fp8_emulation is None:
             from radixrelay.kernels.rope_store import rope_and_store
 
@@ -88,6 +94,17 @@ class Attention(nn.Module):
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)     # [T, Hq, D]
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         kv_cache.store(self.layer_id, out_slots, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return q
+
+    def _norm_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
+                         kv_cache: KVCache) -> torch.Tensor:
+        """``before_attention`` with the per-head q/k norms: unfused torch ops on every device (the fused
+        RoPE-and-store kernel takes the projection's output as it is)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm.heads(q.reshape(-1, self.num_heads, self.head_dim))     # [T, Hq, D]
+        k = self.k_norm.heads(k.reshape(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv_cache.store(self.layer_id, out_slots, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
         return q
 
 

@@ -21,7 +21,7 @@ LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 QTYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
           "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -54,6 +54,9 @@ def _write_gguf(path, hf, arch: str, qtype: str, rope_freqs: torch.Tensor | None
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(1)
@@ -110,6 +113,17 @@ def _logits_both(model, hf, seq_len: int = 29):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
     return ours, ref
+
+
+def test_qwen3_norms_and_head_dim(tmp_path):
+    """llama.cpp's qwen3: per-head q/k norms (attn_q_norm, attn_k_norm), head_dim from key_length, NEOX RoPE."""
+    hf = _random_hf(transformers.Qwen3Config, head_dim=32)
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_gguf(path, hf, "qwen3", "F32")
+    model, cfg = load_model(str(path))
+    assert (cfg.architecture, cfg.head_dim, cfg.qk_norm, cfg.attention_bias) == ("qwen3", 32, True, False)
+    ours, ref = _logits_both(model, hf)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))

@@ -27,6 +27,7 @@ CASES = {
         "rope_type": "linear", "factor": 2.0}}),
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
+    "qwen3_head_dim": (transformers.Qwen3Config, {"head_dim": 32}),
 }
 
 
