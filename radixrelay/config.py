@@ -100,6 +100,14 @@ class EngineConfig:
     fp8_emulation: bool = False
     # decoder layers whose projections stay in the model dtype under quantization fp8 (-1: the last)
     fp8_keep_layers: tuple[int, ...] = ()
+    # Pinned prefixes (``radixrelay.scheduler.pins``): most KV tokens pins may hold (None: a quarter of the
+    # KV cache; 0: pins are refused), and a factor on their time-to-live (tests shorten them).
+    pinned_kv_tokens: int | None = None
+    pin_ttl_scale: float = 1.0
+    # Per-request priority (smaller first): refused unless enabled; a queued request gains one level per
+    # ``priority_ageing_s`` seconds waited.
+    enable_priority: bool = False
+    priority_ageing_s: float = 5.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -182,8 +190,21 @@ class EngineConfig:
             field = "quantization" if self.quantization else "kv_cache_dtype"
             raise bad(field, "FP8 needs a CUDA device with FP8 tensor cores (compute capability 8.9+); on the CPU "
                              "only its emulation runs (fp8_emulation=True: quantize-then-dequantize in float32)")
+        if self.pinned_kv_tokens is not None and self.pinned_kv_tokens < 0:
+            raise bad("pinned_kv_tokens", f"must be >= 0 (0: no pins), got {self.pinned_kv_tokens}")
+        if not self.pin_ttl_scale > 0:
+            raise bad("pin_ttl_scale", f"must be > 0, got {self.pin_ttl_scale}")
+        if not self.priority_ageing_s > 0:
+            raise bad("priority_ageing_s", f"must be > 0, got {self.priority_ageing_s}")
         if self.tp > 1 and self.device.startswith("cuda:"):
             raise bad("tp", f"with tp > 1, rank r runs on cuda:r: use device 'cuda' or 'auto', not {self.device!r}")
+
+    def pinned_kv_budget(self, kv_cache_tokens: int) -> int:
+        """Tokens pins may hold in a KV cache of ``kv_cache_tokens``: ``pinned_kv_tokens`` (at most the cache),
+        by default a quarter of it."""
+        if self.pinned_kv_tokens is None:
+            return kv_cache_tokens // 4
+        return min(self.pinned_kv_tokens, kv_cache_tokens)
 
 
 @dataclass(frozen=True)

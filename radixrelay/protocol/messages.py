@@ -27,6 +27,13 @@ from radixrelay.sampling_params import SamplingParams
 # -- frontend -> scheduler ----------------------------------------------------------------------
 
 
+class PinSpec(msgspec.Struct, frozen=True):
+    """Pin the prompt's first ``num_tokens`` tokens (rounded down to whole pages) in the radix cache for
+    ``ttl_s`` seconds after their last use (``radixrelay.scheduler.pins``)."""
+    num_tokens: int
+    ttl_s: float
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     rid: int
     token_ids: list[int] | bytes      # bytes: int32 little-endian, packed (runtime/token_ids.py)
@@ -36,6 +43,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     shifted_at: int = 0
     modules: list[ModuleSpan] = []    # modular prompt (radixrelay.modules.compose): see Scheduler.add_request
     rope_runs: list[tuple[int, int]] = []
+    pins: list[PinSpec] = []          # pinned prefixes of the prompt (Scheduler.add_request)
+    priority: int = 0                 # smaller is admitted first (Scheduler.add_request)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

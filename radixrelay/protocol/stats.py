@@ -73,6 +73,18 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prompt_tokens: Annotated[int, counter("Prompt tokens admitted by the scheduler (first admissions).",
                                           "scheduled_prompt_tokens")]
     num_retractions: Annotated[int, counter("Requests retracted to the queue for lack of KV.", "retractions")]
+    # -- pinned prefixes (``radixrelay.scheduler.pins``) ----------------------------------------------------
+    pinned_tokens: Annotated[int, gauge("Radix-tree tokens held by pinned prefixes (overlaps counted once).",
+                                        "radix_pinned_tokens")] = 0
+    num_pins: Annotated[int, gauge("Pinned prefixes held.", "pinned_prefixes")] = 0
+    pins_created: Annotated[int, counter("Pinned prefixes established.", "pins_created")] = 0
+    pin_expiries: Annotated[int, counter("Pinned prefixes released after their time-to-live.", "pin_expiries")] = 0
+    pin_yields: Annotated[int, counter("Pinned prefixes released early to fit a request that could not fit "
+                                       "beside them.", "pin_yields")] = 0
+    pin_hits: Annotated[int, counter("Pinned prefixes found in admissions' cached prefixes (each hit refreshes "
+                                     "the pin's time-to-live).", "pin_hits")] = 0
+    pin_refusals: Annotated[int, counter("Requests refused because their pins exceeded the pinned KV budget.",
+                                         "pin_refusals")] = 0
     # -- KV tiers below the device (0 without): capacity, hits, bytes moved, load time -------------
     tier_host_pages: Annotated[int, gauge("KV pages the host tier can hold.", "kv_tier_host_pages")] = 0
     tier_host_used_pages: Annotated[int, gauge("KV pages held by the host tier.", "kv_tier_host_used_pages")] = 0

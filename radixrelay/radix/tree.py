@@ -23,7 +23,14 @@ Invariants (checked by ``check_integrity``):
   on every ancestor, so ``parent.lock_ref >= child.lock_ref``. Locked nodes are never evicted, and
   a holder's page ids stay valid only while its node is locked;
 - ``_evictable_leaves`` is exactly the set of non-root leaves with ``lock_ref == 0``;
-  ``_cached_tokens`` / ``_evictable_tokens`` sum key lengths over all / unlocked nodes.
+  ``_cached_tokens`` / ``_evictable_tokens`` sum key lengths over all / unlocked nodes;
+- pins (``pin``/``unpin``: pinned prefixes, ``radixrelay.scheduler.pins``) are locks that also count in
+  ``pin_ref``: ``parent.pin_ref >= child.pin_ref`` and ``lock_ref >= pin_ref``; ``_pinned_tokens`` sums
+  key lengths over nodes with ``pin_ref > 0`` (overlapping pins count their shared tokens once).
+
+Eviction order: lowest priority first (``priority``: the scheduler's request priority, a larger number is
+lower; a node counts at the highest priority of the requests that locked it since it was last unlocked,
+``lock``), then least recently used. With every request at the default priority 0 that is plain LRU.
 
 The tree deals in page ids only; evicted pages are returned to the caller, who frees them.
 All operations cost O(path depth) Python steps plus C-speed passes over the matched or inserted
@@ -49,7 +56,8 @@ _EMPTY = np.empty(0, dtype=TOKEN_DTYPE)          # a root's key
 
 
 class RadixNode:
-    __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt", "page_keys")
+    __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt", "page_keys",
+                 "pin_ref", "priority")
 
     def __init__(self, node_id: int, key: np.ndarray, pages: list[int],
                  parent: RadixNode | None, salt: str | None = None) -> None:
@@ -61,6 +69,8 @@ class RadixNode:
         self.children: dict[bytes, RadixNode] = {}      # by the bytes of the child's first page
         self.parent = parent                            # None only for a namespace root
         self.lock_ref = 0
+        self.pin_ref = 0                                # of lock_ref: pins (pinned prefixes)
+        self.priority = 0                               # eviction class: larger evicted first
         self.last_access = 0                            # logical clock, larger = more recent
         self.salt = salt                                # meaningful on roots only
         # Lower KV tiers' content keys of ``pages`` (``radix.page_keys``), once computed; None before.
@@ -97,6 +107,7 @@ class RadixTree:
         self._evictable_leaves: set[RadixNode] = set()
         self._cached_tokens = 0
         self._evictable_tokens = 0
+        self._pinned_tokens = 0
         # Called with each leaf eviction is about to detach (its path to the root still intact): KV
         # events (``radixrelay.scheduler.kv_events``).
         self.on_evict: Callable[[RadixNode], None] | None = None
@@ -110,6 +121,11 @@ class RadixTree:
     @property
     def evictable_tokens(self) -> int:
         return self._evictable_tokens
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens of nodes some pin holds (each counted once)."""
+        return self._pinned_tokens
 
     @property
     def locked_tokens(self) -> int:
@@ -200,14 +216,16 @@ class RadixTree:
     # -- updates -----------------------------------------------------------------------------
 
     def insert(self, token_ids: Tokens, pages: list[int], salt: str | None = None,
-               start: tuple[RadixNode, int] | None = None, length: int | None = None) -> int:
+               start: tuple[RadixNode, int] | None = None, length: int | None = None,
+               priority: int = 0) -> int:
         """Cache ``token_ids[:length]`` (all of it by default; a whole number of pages) with KV in
         ``pages``.
 
         Returns the length of the prefix that was already cached. The tree adopts
         ``pages[existing // page_size:]``; the caller still owns ``pages[:existing // page_size]``
         and must free those that are not the tree's own (its duplicates). ``start``: as for
-        ``match_prefix`` (the walk, and its cost, begins below that node).
+        ``match_prefix`` (the walk, and its cost, begins below that node). ``priority``: the new
+        leaf's eviction class (``lock``).
         """
         ps = self.page_size
         token_ids = as_tokens(token_ids, length)
@@ -224,6 +242,7 @@ class RadixTree:
             self.version += 1
             # a copy: the node must not keep the caller's (growing) buffer alive
             leaf = RadixNode(next(self._ids), token_ids[existing:n].copy(), pages[existing // ps:], node)
+            leaf.priority = priority
             if not node.children and node.lock_ref == 0:
                 self._evictable_leaves.discard(node)
             node.children[leaf.key[:ps].tobytes()] = leaf
@@ -234,14 +253,40 @@ class RadixTree:
         self._touch(node)
         return existing
 
-    def lock(self, node: RadixNode) -> None:
-        """Pin the path root -> ``node``: none of it is evicted until ``unlock(node)``."""
+    def lock(self, node: RadixNode, priority: int | None = None) -> None:
+        """Lock the path root -> ``node``: none of it is evicted until ``unlock(node)``. ``priority``
+        (a request's; smaller is higher): each node of the path counts at the highest priority of the
+        requests that locked it since it was last unlocked (its eviction class)."""
         while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_tokens -= len(node.key)
                 self._evictable_leaves.discard(node)
+                if priority is not None:
+                    node.priority = priority
+            elif priority is not None and priority < node.priority:
+                node.priority = priority
             node.lock_ref += 1
             node = node.parent
+
+    def pin(self, node: RadixNode) -> None:
+        """A lock on the path root -> ``node`` counted as a pin (``pinned_tokens``); ``unpin`` ends it."""
+        self.lock(node)
+        while node.parent is not None:
+            if node.pin_ref == 0:
+                self._pinned_tokens += len(node.key)
+            node.pin_ref += 1
+            node = node.parent
+
+    def unpin(self, node: RadixNode) -> None:
+        walk = node
+        while walk.parent is not None:
+            if walk.pin_ref <= 0:
+                raise ValueError(f"RadixTree.unpin: {walk} is not pinned")
+            walk.pin_ref -= 1
+            if walk.pin_ref == 0:
+                self._pinned_tokens -= len(walk.key)
+            walk = walk.parent
+        self.unlock(node)
 
     def unlock(self, node: RadixNode) -> None:
         while node.parent is not None:
@@ -255,15 +300,15 @@ class RadixTree:
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
-        """Evict least-recently-used unlocked leaves until ``num_pages`` pages are freed (fewer
-        only when nothing evictable is left). A leaf longer than what is still needed loses only
-        its tail pages: the prefix other requests would match stays cached. Returns the freed page
-        ids; the caller frees them."""
-        heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
+        """Evict unlocked leaves, lowest priority then least recently used first, until ``num_pages``
+        pages are freed (fewer only when nothing evictable is left). A leaf longer than what is still
+        needed loses only its tail pages: the prefix other requests would match stays cached. Returns
+        the freed page ids; the caller frees them."""
+        heap = [(-n.priority, n.last_access, n.node_id, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            leaf = heapq.heappop(heap)[-1]
             keep = len(leaf.pages) - (num_pages - len(freed))
             if keep > 0:
                 self._evictable_leaves.add(self._split(leaf, keep * self.page_size))
@@ -282,7 +327,7 @@ class RadixTree:
             if parent.parent is not None:
                 if parent.lock_ref == 0:
                     self._evictable_leaves.add(parent)
-                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                    heapq.heappush(heap, (-parent.priority, parent.last_access, parent.node_id, parent))
             elif parent.salt is not None:
                 del self._roots[parent.salt]   # drop empty salted namespaces (unbounded salts)
         return freed
@@ -299,7 +344,7 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         ps = self.page_size
-        cached = evictable = 0
+        cached = evictable = pinned = 0
         leaves: set[RadixNode] = set()
         for salt, root in self._roots.items():
             if root.salt != salt or root.parent is not None or len(root.key) or root.pages:
@@ -314,7 +359,10 @@ class RadixTree:
                 raise AssertionError(f"RadixTree: {node} is not page aligned")
             if node.lock_ref < 0 or (not parent.is_root and parent.lock_ref < node.lock_ref):
                 raise AssertionError(f"RadixTree: {node} lock_ref exceeds its parent's")
+            if not 0 <= node.pin_ref <= node.lock_ref or (not parent.is_root and parent.pin_ref < node.pin_ref):
+                raise AssertionError(f"RadixTree: {node} pin_ref exceeds its lock_ref or its parent's")
             cached += len(node.key)
+            pinned += len(node.key) if node.pin_ref else 0
             if node.lock_ref == 0:
                 evictable += len(node.key)
                 if not node.children:
@@ -322,6 +370,8 @@ class RadixTree:
         if cached != self._cached_tokens or evictable != self._evictable_tokens:
             raise AssertionError(f"RadixTree: counters ({self._cached_tokens}, "
                                  f"{self._evictable_tokens}) != recount ({cached}, {evictable})")
+        if pinned != self._pinned_tokens:
+            raise AssertionError(f"RadixTree: pinned tokens {self._pinned_tokens} != recount {pinned}")
         if leaves != self._evictable_leaves:
             raise AssertionError("RadixTree: evictable-leaf set is stale")
 
@@ -383,6 +433,8 @@ class RadixTree:
         self.splits += 1
         upper = RadixNode(next(self._ids), node.key[:at], node.pages[: at // ps], parent)
         upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
+        upper.priority = node.priority
         upper.last_access = node.last_access
         parent.children[upper.key[:ps].tobytes()] = upper
         node.key = node.key[at:]

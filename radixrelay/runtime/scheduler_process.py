@@ -275,7 +275,8 @@ class SchedulerLoop:
             if self.step_log is not None:
                 self.step_log.arrive(req.rid, len(token_ids))
             self.scheduler.add_request(req.rid, token_ids, req.sampling, req.cache_salt,
-                                       req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs)
+                                       req.shifted_prefix, req.shifted_at, req.modules, req.rope_runs,
+                                       req.pins, req.priority)
         except ValueError as exc:
             return reject("invalid", str(exc))
         self._live[req.rid] = _Pending([] if req.sampling.logprobs is not None else None,
@@ -391,7 +392,10 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
                             chunked_prefill_tokens=cfg.chunked_prefill_tokens,
                             schedule_policy=cfg.schedule_policy,
                             disable_radix_cache=cfg.disable_radix_cache, eos_token_ids=eos,
-                            kv_namespace=ready.kv_namespace, kv_page_bytes=ready.page_bytes),
+                            kv_namespace=ready.kv_namespace, kv_page_bytes=ready.page_bytes,
+                            pinned_kv_tokens=cfg.pinned_kv_budget(ready.num_pages * cfg.page_size),
+                            pin_ttl_scale=cfg.pin_ttl_scale, enable_priority=cfg.enable_priority,
+                            priority_ageing_s=cfg.priority_ageing_s),
             detokenize=tokenizer.decode, tiers=make_tiers(cfg, ready), events=publisher)
         planner = make_cascade_planner(cfg.cascade, cfg.page_size)
         scheduler.set_cascade_planner(planner)

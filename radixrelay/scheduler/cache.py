@@ -26,12 +26,18 @@ enter the tree are saved to host memory once (``TierCoordinator.save``); an admi
 device match with the pages host memory holds, loaded into fresh device pages (``promote``: the device
 pages and the tree here, the host run and the loads there); a queued request's are loaded before its
 admission, while steps are in flight (``load_early``).
+
+Pinned prefixes (``pins.py``, ``PinTable``): a request's pins are established here once its computed prefix
+is in the tree (after its prefill, else when it leaves), refreshed by every admission whose match covers
+them, and their reservations end when it leaves. Every tree lock a request takes carries its priority
+(the nodes' eviction class, ``RadixTree.lock``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.allocator import PageAllocator
@@ -41,16 +47,18 @@ from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import KVHold, Request
 from radixrelay.scheduler.kv_events import KVEventHook, Publisher
+from radixrelay.scheduler.pins import PinTable
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
 
 
 class CacheManager:
     def __init__(self, config: SchedulerConfig, tiers: KVTiers | None = None,
-                 events: Publisher | None = None) -> None:
+                 events: Publisher | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.tree = RadixTree(config.page_size)
+        self.pins = PinTable(self.tree, config.pinned_kv_tokens, config.pin_ttl_scale, clock)
         # content keys of pages, for the tiers and the events alike (computed only when one of them asks)
         self.keys = ContentKeys(self.tree, config.kv_namespace, use_tree=not config.disable_radix_cache)
         # the lower tiers' coordinator (None: no tiers): saves, promotion's host side, prefetch, acks
@@ -78,7 +86,8 @@ class CacheManager:
     def flush(self) -> None:
         """Drop every cached prefix of the radix tree (the lower tiers keep theirs); the caller makes sure
         no request holds a path. Its pages go back through cooling (a step may still be in flight), and
-        the KV events say the replica's device cache was cleared."""
+        the KV events say the replica's device cache was cleared. Pins are dropped too."""
+        self.pins.clear()
         self._free(self.tree.evict(self.tree.evictable_pages))
         if self.events is not None:
             self.events.cleared()
@@ -144,7 +153,8 @@ class CacheManager:
             hold.pages, hold.num_shared_pages, hold.lock_node = [], 0, None
             hold.kv_len = hold.kv_committed = 0
         else:
-            self.tree.lock(matched.node)
+            self.tree.lock(matched.node, req.priority)
+            self.pins.touch(matched.node)
             hold.pages = list(matched.pages)
             hold.num_shared_pages = len(matched.pages)
             hold.lock_node = matched.node
@@ -166,7 +176,7 @@ class CacheManager:
         hold = req.hold
         hold.pages, hold.module_nodes = [], []
         for m in found:
-            self.tree.lock(m.node)
+            self.tree.lock(m.node, req.priority)
             hold.module_nodes.append(m.node)
             hold.pages.extend(m.pages)
         hold.num_shared_pages = len(hold.pages)
@@ -251,9 +261,9 @@ class CacheManager:
         _, cached = self.tree.peek_prefix(tokens, req.salt, start, length=n)
         if cached != hold.num_shared_pages * ps:
             return
-        self.tree.insert(tokens, hold.pages[:num_full], req.salt, start, length=n)
+        self.tree.insert(tokens, hold.pages[:num_full], req.salt, start, length=n, priority=req.priority)
         node = self.tree.match_prefix(tokens, req.salt, start, length=n).node
-        self.tree.lock(node)                    # the new path contains the old one: lock first
+        self.tree.lock(node, req.priority)      # the new path contains the old one: lock first
         if hold.lock_node is not None:
             self.tree.unlock(hold.lock_node)
         hold.lock_node = node
@@ -262,6 +272,25 @@ class CacheManager:
             self.events.stored(req, num_full)
         if self.tiers is not None:
             self.tiers.save(req, node, hold.pages[:num_full])
+        self._establish_pins(req)
+
+    def _establish_pins(self, req: Request) -> None:
+        """Pin those of ``req``'s asked pins whose prefix the tree now holds whole."""
+        left = []
+        for p in req.pins:
+            found = self.tree.match_prefix(req.token_ids, req.salt, length=p.num_tokens)
+            if found.num_tokens == p.num_tokens:
+                self.pins.establish(p, found.node)
+                self.pins.unreserve([p])
+            else:
+                left.append(p)
+        req.pins = left
+
+    def forget_pins(self, req: Request) -> None:
+        """``req`` leaves for good (finished, aborted, failed; not retracted): the reservations of its
+        pins not established end."""
+        self.pins.unreserve(req.pins)
+        req.pins = []
 
     def _locked_start(self, hold: KVHold):
         """Where a walk for the holder's tokens may begin: its locked node (which the lock keeps, ending
@@ -282,7 +311,7 @@ class CacheManager:
         if keep_cache and not self.config.disable_radix_cache and not req.modules:
             num_full = hold.kv_committed // ps
             existing = self.tree.insert(req.token_ids, hold.pages[:num_full], req.salt,
-                                        self._locked_start(hold), length=num_full * ps)
+                                        self._locked_start(hold), length=num_full * ps, priority=req.priority)
             # pages[:own_from] are the tree's own (locked path, so existing >= own_from * ps);
             # pages[own_from:existing // ps] duplicate what another request cached meanwhile;
             # pages[existing // ps:num_full] now belong to the tree.
@@ -295,6 +324,7 @@ class CacheManager:
                          if hold.lock_node is not None else self.tree.match_prefix(req.token_ids, req.salt, length=n))
                 if found.num_tokens == n:
                     self.tiers.save(req, found.node, found.pages)
+            self._establish_pins(req)
         else:
             self._free(hold.pages[own_from:])
         self.unlock(req)
@@ -369,7 +399,7 @@ class CacheManager:
         node = self.tree.match_prefix(req.token_ids, req.salt, start, length=n).node
         if not off and node.page_keys is None and len(node.pages) == len(keys):
             node.page_keys = list(keys)          # the new node's content keys: the ones just looked up
-        self.tree.lock(node)
+        self.tree.lock(node, req.priority)
         if hold.lock_node is not None:
             self.tree.unlock(hold.lock_node)
         tiers.load(keys, pages, shift=-off * ps, start_now=self.cool(pages), early=early)
@@ -384,6 +414,7 @@ class CacheManager:
     def check_integrity(self, running: Iterable[Request]) -> None:
         self.allocator.check_integrity()
         self.tree.check_integrity()
+        self.pins.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
         free = self.allocator.free_pages() + [p for _, pages in self._cooling for p in pages]

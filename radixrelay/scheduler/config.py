@@ -36,6 +36,14 @@ class SchedulerConfig:
     # Fewest prompt tokens a request reads from disk: a shorter run is computed (cheaper than a disk
     # round trip); longer ones are read, and waited for while that is cheaper than computing them.
     disk_min_tokens: int = 64
+    # Pinned prefixes (``scheduler/pins.py``): most radix-tree tokens pins may hold (0: pins are refused),
+    # and a factor on every pin's time-to-live (tests shorten them).
+    pinned_kv_tokens: int = 0
+    pin_ttl_scale: float = 1.0
+    # Request priorities (smaller first): refused unless enabled. A queued request gains one priority level
+    # for every ``priority_ageing_s`` seconds it has waited, so no request starves.
+    enable_priority: bool = False
+    priority_ageing_s: float = 5.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -57,6 +65,13 @@ class SchedulerConfig:
             raise bad("disk_min_tokens", f"must be >= 0, got {self.disk_min_tokens}")
         if self.policy_queue_limit < 0:
             raise bad("policy_queue_limit", f"must be >= 0, got {self.policy_queue_limit}")
+        if not 0 <= self.pinned_kv_tokens <= self.kv_cache_tokens:
+            raise bad("pinned_kv_tokens", f"must be in [0, kv_cache_tokens = {self.kv_cache_tokens}], "
+                                          f"got {self.pinned_kv_tokens}")
+        if not self.pin_ttl_scale > 0:
+            raise bad("pin_ttl_scale", f"must be > 0, got {self.pin_ttl_scale}")
+        if not self.priority_ageing_s > 0:
+            raise bad("priority_ageing_s", f"must be > 0, got {self.priority_ageing_s}")
         if not 0 <= self.decode_reservation_ratio <= 1:
             raise bad("decode_reservation_ratio",
                       f"must be in [0, 1], got {self.decode_reservation_ratio}")

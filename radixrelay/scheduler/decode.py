@@ -2,7 +2,8 @@
 
 Before a request feeds position ``L - 1`` (``L = len(token_ids)``) its pages must cover it, so it
 may need one new page. When free plus evictable pages cannot cover every such request, the most
-recently admitted running requests are retracted (LIFO: the least progress is lost) until they can:
+recently admitted running requests are retracted (LIFO: the least progress is lost; with
+``enable_priority`` the lowest priority, the largest number, first, then LIFO) until they can:
 a retracted request returns to the front of the queue with its outputs and resumes later from its
 cached prefix. Retraction needs every sampled token on the host, so with a step in flight
 (``can_retract`` False) the manager plans nothing instead and the caller waits for the output.
@@ -45,7 +46,7 @@ class DecodeManager:
         if len(grow) > self.cache.available_pages and not can_retract:
             return None
         while len(grow) > self.cache.available_pages:
-            victim = running.pop()
+            victim = running.pop(self._victim(running))
             self._retract(victim)
             out.retracted.append(victim)
             grow = [r for r in grow if r is not victim]
@@ -54,6 +55,12 @@ class DecodeManager:
         out.page_appends = [(req, [page]) for req, page in zip(grow, pages)]
         out.decodes = [r for r in running if r.can_decode]
         return out
+
+    def _victim(self, running: list[Request]) -> int:
+        """Index in ``running`` (admission order) of the request to retract next."""
+        if not self.config.enable_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda i: (running[i].priority, i))
 
     def _needs_page(self, req: Request) -> bool:
         hold = req.hold

@@ -8,6 +8,11 @@
   first, heavier subtrees (more waiting requests) first, so requests under one node run together
   and the node's KV is shared by the whole group (and by one cascade segment at decode).
 
+Priority (``by_priority``, with ``enable_priority``): the order above regrouped by request priority,
+smaller first; a queued request counts one level higher for every ``priority_ageing_s`` seconds it has
+waited (ageing: a steady stream of higher-priority requests delays it, never forever). Within a level the
+policy's order holds (a stable sort). A queue whose requests share one priority keeps the policy's order.
+
 Cache-aware orders cost one tree walk per queued request, so queues longer than
 ``policy_queue_limit`` fall back to FCFS (and a queue of one needs no order: no walk). lpm keeps each
 request's match until the tree's contents change (``RadixTree.version``), and then walks again only from
@@ -39,6 +44,15 @@ def order_waiting(queue: Sequence[Request], tree: RadixTree, config: SchedulerCo
             matched = {id(r): m + extend(r, m) for r in queue for m in (matched[id(r)],)}
         return sorted(queue, key=lambda r: -matched[id(r)])
     return _dfs_weight(queue, tree)
+
+
+def by_priority(order: Iterable[Request], now: float, ageing_s: float) -> Iterable[Request]:
+    """``order`` regrouped by aged priority (smaller first), stable within a level; ``order`` itself when
+    every request has the same priority."""
+    queue = order if isinstance(order, Sequence) else list(order)
+    if not queue or all(r.priority == queue[0].priority for r in queue):
+        return queue
+    return sorted(queue, key=lambda r: r.priority - int((now - r.queued_at) // ageing_s))
 
 
 def _device_match(req: Request, tree: RadixTree) -> int:

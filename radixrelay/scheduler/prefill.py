@@ -9,7 +9,12 @@ KV budget: an admitted request gets pages for all of its known tokens at once (i
 further pages). It must fit in ``available_pages`` after reserving, for every running request and
 itself, ``decode_reservation_ratio`` of the pages its remaining ``max_tokens`` could still need.
 With nothing running the reservation is waived, so the queue head always makes progress (any
-request fits the whole cache alone: ``Scheduler.add_request`` checks it).
+request fits the whole cache alone: ``Scheduler.add_request`` checks it; pinned prefixes in its way yield,
+soonest expiry first, ``PinTable.yield_one``).
+
+With ``enable_priority`` the policy order is regrouped by priority (``policy.by_priority``: smaller first,
+aged), so a queued request of a higher priority is admitted first and blocks lower ones while it does
+not fit.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.config import SchedulerConfig
-from radixrelay.scheduler.policy import order_waiting
+from radixrelay.scheduler.policy import by_priority, order_waiting
 from radixrelay.scheduler.request import Phase, Request
 from radixrelay.scheduler.stages import StageTimes
 
@@ -36,9 +42,11 @@ class PrefillSchedule:
 
 
 class PrefillManager:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.cache = cache
+        self.clock = clock           # priority ageing
         self.hit_tokens = 0          # cumulative prompt tokens served from cache (first admission)
         self.prompt_tokens = 0       # cumulative prompt tokens of first admissions
         self.stages = StageTimes()   # host time of the match and queue stages (written here only)
@@ -67,7 +75,10 @@ class PrefillManager:
         tiers = self.cache.tiers
         extend = tiers.host_extension if tiers is not None else None
         stages = self.stages
-        for req in order_waiting(waiting, self.cache.tree, self.config, extend):
+        order = order_waiting(waiting, self.cache.tree, self.config, extend)
+        if self.config.enable_priority:
+            order = by_priority(order, self.clock(), self.config.priority_ageing_s)
+        for req in order:
             if budget <= 0 or len(running) + len(out.admitted) >= self.config.max_running_requests:
                 break
             start = time.perf_counter()
@@ -134,6 +145,9 @@ class PrefillManager:
         cache = self.cache
         need = self.config.pages_for(len(req.token_ids)) - len(req.hold.pages)
         margin = 0 if reserved is None else reserved + self.reserve_pages(req)
+        if reserved is None:          # alone: pins in the way yield (else it could never run)
+            while need > cache.available_pages and cache.pins.yield_one():
+                pass
         if need + margin > cache.available_pages:
             cache.unlock(req)
             self.stages.add("match", time.perf_counter() - match_start)

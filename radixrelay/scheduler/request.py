@@ -39,6 +39,7 @@ from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tokens import TokenArray
 from radixrelay.radix.tree import RadixNode
 from radixrelay.sampling_params import SamplingParams
+from radixrelay.scheduler.pins import PendingPin
 
 
 @dataclass(eq=False, slots=True)
@@ -117,6 +118,10 @@ class Request:
     module_ids: list[np.ndarray] = field(default_factory=list)      # each span's token ids, int32 (as modules)
     rope_runs: list[tuple[int, int]] = field(default_factory=list)   # (first KV index, position delta)
     internal: bool = False                      # computes a module span for modular requests
+    # -- pins and priority ------------------------------------------------------------------------
+    pins: list[PendingPin] = field(default_factory=list)   # asked pins not established yet (pins.py)
+    priority: int = 0                           # smaller is admitted first (policy.by_priority)
+    queued_at: float = 0.0                      # scheduler clock at arrival (priority ageing)
     # -- reporting ----------------------------------------------------------------------------
     cached_tokens: int | None = None            # prompt tokens served from cache at first admission
     module_tokens: int = 0                      # of which module KV (modular prompts)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
 from dataclasses import dataclass
 
 from radixrelay.protocol.kv import KVTransfers
-from radixrelay.protocol.messages import FinishReason, RequestUpdate
+from radixrelay.protocol.messages import FinishReason, PinSpec, RequestUpdate
 from radixrelay.protocol.stats import KVAudit, SchedulerStats
 from radixrelay.protocol.step import (
     AdmittedRequest, ExtendItem, ModuleSpan, PageAppend, StepOutput, StepPlan, needs_all_tokens, needs_outputs,
@@ -44,6 +45,8 @@ from radixrelay.scheduler.prefill import PrefillManager
 from radixrelay.scheduler.request import Phase, Request
 from radixrelay.scheduler.stop import Detokenize, StopChecker
 
+
+MAX_PINS = 4          # pinned prefixes one request may ask for (Anthropic's limit on cache marks)
 
 # An internal request computing a module span: its prompt's KV is the point; the one token sampled
 # (greedy, never reported) ends it.
@@ -73,12 +76,15 @@ class _InFlight:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, detokenize: Detokenize | None = None,
-                 tiers: KVTiers | None = None, events: Publisher | None = None) -> None:
+                 tiers: KVTiers | None = None, events: Publisher | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds, for pin lifetimes and priority ageing (tests pass their own)."""
         self.config = config
-        self.cache = CacheManager(config, tiers, events)
+        self._clock = clock
+        self.cache = CacheManager(config, tiers, events, clock)
         self._tiers = self.cache.tiers                # the lower tiers' coordinator (None: no tiers)
         self._stop = StopChecker(config.eos_token_ids, detokenize)
-        self._prefill = PrefillManager(config, self.cache)
+        self._prefill = PrefillManager(config, self.cache, clock)
         self._decode = DecodeManager(config, self.cache, self._retract)
         self._requests: dict[int, Request] = {}       # every live request
         self._waiting: deque[Request] = deque()
@@ -98,7 +104,8 @@ class Scheduler:
     def add_request(self, rid: int, token_ids: TokenArray | np.ndarray | list[int], sampling: SamplingParams,
                     cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
                     shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
-                    rope_runs: list[tuple[int, int]] | None = None) -> None:
+                    rope_runs: list[tuple[int, int]] | None = None, pins: list[PinSpec] | None = None,
+                    priority: int = 0) -> None:
         """``shifted_prefix``: a truncated prompt's tokens dropped since the previous truncation
         point, at ``shifted_at`` (``radixrelay.radix.truncation``): KV cached for
         ``token_ids[:shifted_at] + shifted_prefix + token_ids[shifted_at:]`` is reused for
@@ -106,7 +113,9 @@ class Scheduler:
         (``radixrelay.modules.compose``; ``token_ids`` begins with the spans' tokens): the spans' KV
         comes from their own cache entries, computed first where missing. ``token_ids``: any sequence of
         ids; an int32 array (``radixrelay.runtime.token_ids.unpack_token_ids``) is taken without a Python
-        object per token."""
+        object per token. ``pins``: prefixes of the prompt to pin (``scheduler/pins.py``; each rounded
+        down to whole pages, one shorter than a page pins nothing); refused past the pinned KV budget.
+        ``priority``: smaller is admitted first (``policy.by_priority``); only with ``enable_priority``."""
         arrived = time.perf_counter()
         if rid in self._requests:
             raise ValueError(f"request {rid} is already live")
@@ -131,7 +140,14 @@ class Scheduler:
         if rid < 0:
             raise ValueError(f"request {rid}: request ids must be >= 0")
         module_ids = self._check_modular(rid, token_ids, modules, rope_runs or [], sampling) if modules else []
+        if priority and not self.config.enable_priority:
+            raise ValueError(f"request {rid}: priority {priority} needs a server started with --enable-priority "
+                             f"(without it every request has priority 0)")
+        asked = self._check_pins(rid, len(token_ids), pins, bool(modules)) if pins else []
         req = Request(rid, TokenArray(token_ids), len(token_ids), sampling, cache_salt, self._arrivals)
+        req.priority, req.queued_at = priority, self._clock()
+        if asked:                                   # the last check: nothing is reserved for a refused request
+            req.pins = self.cache.pins.reserve(rid, req.token_ids, cache_salt, asked)
         req.shifted_prefix, req.shifted_at = list(shifted_prefix or ()), shifted_at
         req.modules, req.rope_runs, req.module_ids = list(modules or ()), list(rope_runs or ()), module_ids
         req.arrived_s = arrived
@@ -140,6 +156,22 @@ class Scheduler:
         for span in self.cache.missing_modules(req):
             self._compute_span(span)
         self._waiting.append(req)
+
+    def _check_pins(self, rid: int, num_tokens: int, pins: list[PinSpec], modular: bool) -> list[tuple[int, float]]:
+        """The pins asked, as (whole-page prefix length, TTL), those shorter than a page left out."""
+        if self.config.disable_radix_cache or modular:
+            raise ValueError(f"request {rid}: pinned prefixes need the radix cache"
+                             + (" (modular prompts cannot pin)" if modular else ""))
+        if len(pins) > MAX_PINS:
+            raise ValueError(f"request {rid}: at most {MAX_PINS} pinned prefixes per request, got {len(pins)}")
+        ps, out = self.config.page_size, []
+        for pin in pins:
+            if pin.num_tokens < 0 or not pin.ttl_s > 0:
+                raise ValueError(f"request {rid}: a pin needs num_tokens >= 0 and ttl_s > 0, got {pin}")
+            n = min(pin.num_tokens, num_tokens)
+            if n >= ps:
+                out.append((n - n % ps, pin.ttl_s))
+        return out
 
     def _check_modular(self, rid: int, token_ids: np.ndarray, modules: list[ModuleSpan],
                        rope_runs: list[tuple[int, int]], sampling: SamplingParams) -> list[np.ndarray]:
@@ -189,6 +221,7 @@ class Scheduler:
             self._forget_path(rid)
         else:
             self._waiting.remove(req)
+        self.cache.forget_pins(req)
         if req.on_worker:
             self._released.append(rid)
         return self._final_update(req, [], "abort")
@@ -266,7 +299,10 @@ class Scheduler:
         the longest cached prefix and locks it. (3) The plan is a diff for the worker: released
         rids, admissions with their page lists, page appends, extend chunks and decode rids.
         Planned work counts as done for the next plan (``KVHold.kv_len``, ``Request.num_pending``).
+        With ``enable_priority`` the queue is taken by priority first (aged: ``policy.by_priority``), the
+        policy order within a priority, and retraction takes the lowest priority first.
         """
+        self.cache.pins.expire()
         running = list(self._running.values())
         dec = self._decode.schedule(running, can_retract=not self._inflight)  # may retract
         if dec is None:
@@ -337,6 +373,7 @@ class Scheduler:
         finished, self._finished = self._finished, []
         for req, keep_cache in finished:
             self.cache.release(req, keep_cache=keep_cache)
+            self.cache.forget_pins(req)
             self._released.append(req.rid)
 
     def _process_output(self, out: StepOutput) -> list[RequestUpdate]:
@@ -389,6 +426,7 @@ class Scheduler:
         return [u for u in updates if u.rid >= 0]          # internal requests are never reported
 
     def stats(self) -> SchedulerStats:
+        self.cache.pins.expire()
         alloc, tree = self.cache.allocator, self.cache.tree
         tier_stats = self._tiers.stats() if self._tiers is not None else {}
         return msgspec.structs.replace(self._base_stats(alloc, tree), **tier_stats)
@@ -401,7 +439,14 @@ class Scheduler:
             cached_tokens=tree.cached_tokens, evictable_tokens=tree.evictable_tokens,
             locked_tokens=tree.locked_tokens, cache_hit_tokens=self._prefill.hit_tokens,
             prompt_tokens=self._prefill.prompt_tokens, num_retractions=self._retractions,
-            stage_seconds=dict(self._prefill.stages.seconds), stage_counts=dict(self._prefill.stages.counts))
+            stage_seconds=dict(self._prefill.stages.seconds), stage_counts=dict(self._prefill.stages.counts),
+            **self._pin_stats())
+
+    def _pin_stats(self) -> dict[str, int]:
+        pins = self.cache.pins
+        c = pins.counters
+        return {"pinned_tokens": pins.pinned_tokens, "num_pins": len(pins), "pins_created": c.created,
+                "pin_expiries": c.expired, "pin_yields": c.yielded, "pin_hits": c.hits, "pin_refusals": c.refused}
 
     def audit(self, integrity: bool = True) -> KVAudit:
         """Who holds the KV pages and radix locks, and (``integrity``) ``check_integrity``'s verdict; without
@@ -489,6 +534,7 @@ class Scheduler:
         for req in waiting:
             self._waiting.remove(req)
             del self._requests[req.rid]
+            self.cache.forget_pins(req)
         return [self._final_update(r, [], "abort", error=error) for r in waiting]
 
     def _update(self, req: Request, new: list[int]) -> RequestUpdate:
