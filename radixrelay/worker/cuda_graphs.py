@@ -80,6 +80,11 @@ CAPTURE_UNCOVERED_AFTER = 8
 # Batch buckets of the graphs captured at start-up that cover flat decode and up to ``COVER_GROUPS`` shared
 # groups (``DecodeGraphs.capture_covers``): those below ``max_batch``, and ``max_batch`` itself.
 COVER_BUCKETS = (16, 64, 128, 256, 384)
+# A graph captured for other sizes may read a row's own KV in one piece per KV head (``_one_split_unbounded``):
+# harmless for short rows, the whole step's critical path for a long one. A step whose longest own range is
+# longer than this many tokens runs on another graph only if that graph cuts the range into at least half as
+# many pieces as its own size class's launch would; else it is deferred, then gets its own graph.
+COVER_OWN_TOKENS = 8192
 COVER_GROUPS = 4
 logger = logging.getLogger("radixrelay.worker")
 
@@ -303,7 +308,7 @@ class DecodeGraphs:
         fresh = False
         if g is None:
             seen = self._misses[key] = self._misses.get(key, 0) + 1
-            need = _Need(runs is not None, max_rows * self._group, own_len, contiguous)
+            need = _Need(runs is not None, max_rows * self._group, own_len, contiguous, shape.own_splits)
             g = self._covering(num, caps, need) if seen < CAPTURE_AFTER else None
             if g is None and defer and seen < CAPTURE_UNCOVERED_AFTER:
                 self.counters.decode_steps_deferred += 1
@@ -522,14 +527,23 @@ class _Need(NamedTuple):
     query_rows: int      # most rows of a group x query heads per KV head (folded rows of a tile)
     own_len: int         # longest own KV range, tokens
     contiguous: bool     # every run's pages contiguous (a TMA launch needs it)
+    own_splits: int = 0  # own-KV splits of the step's size class launch (0: not checked)
 
 
 def _covers(plan: CascadePlan, need: _Need) -> bool:
-    own = plan.own_splits * plan.own_chunk >= need.own_len
+    own = plan.own_splits * plan.own_chunk >= need.own_len and _splits_long_rows(plan, need)
     if not need.cascade:
         return own
     return (own and plan.m_tiles * plan.shared_config[0] >= need.query_rows
             and (need.contiguous or not plan.kv_tma))
+
+
+def _splits_long_rows(plan: CascadePlan, need: _Need) -> bool:
+    """Whether ``plan`` reads the step's longest own range in enough pieces (``COVER_OWN_TOKENS``)."""
+    if need.own_len <= COVER_OWN_TOKENS or need.own_splits <= 1:
+        return True
+    pieces = min(plan.own_splits, -(-need.own_len // plan.own_chunk))
+    return 2 * pieces >= need.own_splits
 
 
 def _launch_shape(plan: CascadePlan | CascadeLaunch) -> _LaunchShape:

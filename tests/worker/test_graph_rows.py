@@ -269,3 +269,24 @@ def test_batch_shrinking_below_its_bucket_stays_on_its_graph(model):
         assert len(fast.device_batch.last.graph.ids) == graph_rows
         assert (graphs.counters.decode_steps_advanced > before) == advanced, (leave, join)
     assert graphs.captures == 1 and graphs.counters.decode_steps_covered == 1
+
+
+def test_a_cover_reading_a_long_row_in_one_piece_does_not_cover_it():
+    """A start-up cover reads a row's own KV in one piece per KV head (its one split's chunk spans the
+    whole context): fine for short rows, but a row longer than ``COVER_OWN_TOKENS`` runs on a graph only
+    if it cuts the row into at least half the pieces of the step's own size class launch."""
+    from types import SimpleNamespace
+
+    from radixrelay.worker.cuda_graphs import COVER_OWN_TOKENS, _covers, _Need
+
+    longest = 131072
+    one_piece = SimpleNamespace(own_splits=1, own_chunk=longest, m_tiles=1, shared_config=(16, 0, 0, 0), kv_tma=False)
+    split = SimpleNamespace(own_splits=16, own_chunk=longest // 16, m_tiles=1, shared_config=(16, 0, 0, 0),
+                            kv_tma=False)
+    long_row, short_row = 112_000, COVER_OWN_TOKENS
+    assert _covers(one_piece, _Need(False, 4, short_row, False, 32))          # short: covered as before
+    assert not _covers(one_piece, _Need(False, 4, long_row, False, 32))       # long, class splits 32: not
+    assert _covers(one_piece, _Need(False, 4, long_row, False, 1))            # the class itself reads it whole
+    assert _covers(one_piece, _Need(False, 4, long_row, False))               # unchecked (advance's refill)
+    assert _covers(split, _Need(False, 4, long_row, False, 28))               # 14 pieces of 28: enough
+    assert not _covers(split, _Need(False, 4, long_row, False, 64))           # 14 of 64: not
