@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrelay.model import qwen3
+from radixrelay.model import phi3, qwen3
 from radixrelay.model.config_hooks import window_cap
 
 # config.json (dict) -> ModelConfig fields that differ from the common reading
@@ -81,6 +81,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_options=_bias_from_tensors),
     Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", hf_options=qwen3.hf_options,
                  gguf_options=qwen3.gguf_options),
+    Architecture("phi3", ("Phi3ForCausalLM",), hf_options=phi3.hf_options,
+                 checkpoint_tensors=phi3.checkpoint_tensors),
 )}
 
 

@@ -109,15 +109,25 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], float32, with the config's scaling applied."""
+    """Inverse frequencies [head_dim / 2], float32, with the config's scaling applied (longrope: those
+    of the positions below its original context, ``short_factor``'s)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        return _longrope_inv_freq(config, scaling.short_factor)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE: frequency i divided by ``factors[i]`` (HF's ``1 / (factor * base ** (2i / D))``)."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** exponents)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -134,11 +144,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE computed from positions on the fly (no position-length cache), once per step
-    in the layout ``apply_rope`` consumes."""
+    in the layout ``apply_rope`` consumes. LongRoPE (Phi-3): a position below the original context
+    takes the short factors' frequencies and any later one the long factors', and cos and sin are scaled
+    by the attention factor. The choice is per position, not per sequence: a token's K/V depends only on
+    its position, as the prefix cache needs (HF switches a whole forward to the long factors once its
+    last position passes the original context: the same for decodes, not for a prompt longer than it)."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        scaling = config.rope_scaling
+        longrope = scaling is not None and scaling.rope_type == "longrope"
+        # longrope: the frequencies from position ``long_from`` on; cos and sin scaled by ``magnitude``
+        self.long_from = scaling.original_max_position_embeddings if longrope else None
+        long = _longrope_inv_freq(config, scaling.long_factor).to(device) if longrope else None
+        self.register_buffer("long_inv_freq", long, persistent=False)
+        self.magnitude = float(scaling.attention_factor) if longrope else 1.0
+
+    @property
+    def shifts_exactly(self) -> bool:
+        """Whether RoPE at position p + d is RoPE at p rotated by ``self(d)`` (what shifted KV loads do):
+        not where the frequencies depend on the position (longrope) or cos and sin are scaled."""
+        return self.long_inv_freq is None and self.magnitude == 1.0
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """Divide the frequencies by per-frequency factors (GGUF ``rope_freqs``, llama3 models)."""
@@ -149,8 +176,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int [T] -> (cos, sin), each float32 [T, head_dim]: ``cos`` repeated for both halves,
         ``sin`` negated on the first half (``[-sin, sin]``), as ``apply_rope`` takes them."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        inv_freq = self.inv_freq[None, :]                                      # [1 or T, D / 2]
+        if self.long_inv_freq is not None:
+            inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)
+        freqs = positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
+        if self.magnitude != 1.0:
+            cos, sin = cos * self.magnitude, sin * self.magnitude
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 

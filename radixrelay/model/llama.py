@@ -1,4 +1,4 @@
-"""The decoder of every family in ``radixrelay.model.architectures`` (Llama 2/3, Mistral, Qwen2, Qwen3,
+"""The decoder of every family in ``radixrelay.model.architectures`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 SmolLM2), switched by ``ModelConfig`` fields, over a flat ragged batch.
 
 HOT FILE: only the per-token math of the model belongs here. Batch layout lives in

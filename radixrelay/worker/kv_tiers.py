@@ -451,7 +451,8 @@ class TierStore:
         if not shifts:
             return []
         if self.rotary is None:
-            raise ValueError("shifted KV loads need the model's rotary embedding (TierStore.rotary)")
+            raise ValueError("shifted KV loads need the model's rotary embedding (TierStore.rotary), and one that "
+                             "rotates by the position delta (not LongRoPE's)")
         ps, device = self.kv.page_size, self.kv.device
         by_delta: dict[int, list[int]] = {}
         for _, page, delta in shifts:

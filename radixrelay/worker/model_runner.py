@@ -156,7 +156,8 @@ class ModelRunner:
         worker's, incremented in place here and by the graphs (None: the decode graphs', else new ones)."""
         self.tiers = tiers
         if tiers is not None:
-            tiers.rotary = model.rotary          # shifted loads rotate keys like the model does
+            # shifted loads rotate keys like the model does, where its RoPE is a rotation by the position delta
+            tiers.rotary = model.rotary if model.rotary.shifts_exactly else None
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend

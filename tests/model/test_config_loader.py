@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -131,3 +132,21 @@ def test_architecture_registry():
     with pytest.raises(ValueError, match="ModelConfig.architecture"):
         ModelConfig(architecture="gpt2", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=1, num_kv_heads=1, head_dim=8)
+
+
+def test_phi3_longrope_config():
+    """transformers 4's spelling (``rope_scaling`` type ``su``, the original context at the top level): the
+    attention factor derived from the contexts' ratio; partial rotary refused."""
+    phi3 = {**HF_LLAMA, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 256, "sliding_window": None,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0]}}
+    cfg = ModelConfig.from_hf(phi3)
+    s = cfg.rope_scaling
+    assert (cfg.architecture, s.rope_type, s.original_max_position_embeddings, s.factor) == ("phi3", "longrope", 256, 16)
+    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(256)))
+    assert s.long_factor == (2.0, 3.0, 4.0, 5.0) and cfg.max_position_embeddings == 4096
+    with pytest.raises(ValueError, match="head_dim / 2 = 4 factors"):
+        ModelConfig.from_hf({**phi3, "rope_scaling": {**phi3["rope_scaling"], "short_factor": [1.0] * 3,
+                                                      "long_factor": [1.0] * 3}})
+    with pytest.raises(ValueError, match="partial rotary"):
+        ModelConfig.from_hf({**phi3, "partial_rotary_factor": 0.75})

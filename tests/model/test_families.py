@@ -22,6 +22,13 @@ BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_h
 # family -> (transformers config class name, overrides of BASE)
 FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # LongRoPE within the original context (short factors, the attention factor of a 256 / 128 extension;
+    # past it, transformers' generate re-encodes the whole sequence with the long factors: docs/models.md,
+    # and tests/model/test_hf_parity for the long factors)
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None, "original_max_position_embeddings": 128,
+                            "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.4 * i for i in range(8)]}}),
 }
 
 

@@ -28,6 +28,12 @@ CASES = {
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
     "qwen3_head_dim": (transformers.Qwen3Config, {"head_dim": 32}),
+    # Phi-3: fused qkv / gate_up split at load; LongRoPE below its original context (short factors, the
+    # attention factor of a 128 / 64 context extension)
+    "phi3_longrope": (transformers.Phi3Config, {"pad_token_id": 0, "original_max_position_embeddings": 64,
+                                                "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.3 * i for i in range(8)]}}),
 }
 
 
@@ -81,3 +87,23 @@ def test_llama3_config_parsed(tmp_path):
     _, cfg = load_model(str(tmp_path), load_format="dummy")
     assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3"
     assert cfg.rope_scaling.original_max_position_embeddings == 16 and cfg.rope_theta == 500000.0
+
+
+@torch.no_grad()
+def test_phi3_long_factors_per_position(tmp_path):
+    """LongRoPE past the original context: positions from it on take the long factors, the earlier ones
+    keep the short factors' K/V, as transformers' forward computes decodes over its cache."""
+    hf = _save_random(tmp_path, *CASES["phi3_longrope"])
+    model, cfg = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert cfg.rope_scaling.original_max_position_embeddings == 64 and cfg.rope_scaling.attention_factor > 1
+    seq = torch.randint(0, TINY["vocab_size"], (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    session = PagedSession(model, num_pages=64, page_size=4, seed=3)
+    session.add(0, seq)
+    ours = [session.step([(0, 60)])] + [session.step([(0, 1)]) for _ in range(10)]
+    out = hf(torch.tensor([seq[:60]]), use_cache=True)
+    ref, cache = [out.logits[:, -1]], out.past_key_values
+    for p in range(60, 70):
+        out = hf(torch.tensor([[seq[p]]]), cache=cache, position_ids=torch.tensor([[p]]), use_cache=True)
+        ref.append(out.logits[:, -1])
+        cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(ours), torch.cat(ref).float(), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,51 @@
+"""Phi-3 (mini, small, medium; 4k and 128k contexts): the Llama block with q/k/v fused into one
+``qkv_proj`` and gate/up into one ``gate_up_proj`` in the checkpoint, and LongRoPE scaling (``longrope``,
+once ``su``) for the long-context models (``RopeScaling``, ``RotaryEmbedding``).
+
+The fused tensors are split at load into the decoder's HF names (``q_proj``, ``k_proj``, ``v_proj``;
+``gate_proj``, ``up_proj``), so tensor parallelism slices and FP8 quantizes them as it does Llama's.
+Torch-free at import: the split only calls tensor methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from radixrelay.model.config_hooks import window_cap
+
+# fused checkpoint module -> the decoder's modules it holds, in row order
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} on a Phi-3 model is not supported")
+    return window_cap(cfg, always=True)
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:
+    """Each fused tensor (weight, bias, or an FP8 per-channel ``weight_scale``) as its parts; a per-tensor
+    scale is given to every part."""
+    for name, tensor in weights:
+        parts = name.rsplit(".", 2)
+        if len(parts) < 3 or parts[1] not in _FUSED:
+            yield name, tensor
+            continue
+        prefix, fused, kind = parts
+        if fused == "qkv_proj":
+            sizes = [config.q_size, config.kv_size, config.kv_size]
+        else:
+            sizes = [config.intermediate_size] * 2
+        if kind == "weight_scale" and tensor.numel() == 1:
+            pieces = [tensor] * len(sizes)
+        elif tensor.shape[0] != sum(sizes):
+            raise ValueError(f"load_weights: {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)}")
+        else:
+            pieces = tensor.split(sizes)
+        for part, piece in zip(_FUSED[fused], pieces):
+            yield f"{prefix}.{part}.{kind}", piece
