@@ -74,6 +74,18 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly instead of as captured CUDA graphs")
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="never reuse cached prefixes")
+    g.add_argument("--pinned-kv-tokens", type=int, default=None, metavar="N",
+                   help="most KV tokens pinned prefixes may hold (prompt_cache_retention \"24h\", cache_control "
+                        "marks); a pin past it is refused with a 400; 0 refuses every pin (default: a quarter of "
+                        "the KV cache)")
+    g.add_argument("--pin-ttl-scale", type=float, default=1.0, metavar="FACTOR",
+                   help="multiply every pin's time-to-live by FACTOR, e.g. 0.001 for tests (default: %(default)s)")
+    g.add_argument("--enable-priority", action="store_true",
+                   help="let requests set `priority` (an integer, smaller runs first); without it a non-zero "
+                        "priority is refused with a 400")
+    g.add_argument("--priority-ageing", type=float, default=5.0, metavar="SECONDS", dest="priority_ageing_s",
+                   help="with --enable-priority, a queued request counts one priority level higher for every "
+                        "SECONDS it has waited, so none starves (default: %(default)s)")
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the scheduler and worker in lock step (one step in flight) instead of "
                         "overlapping the next step's planning and launch with the device's work; "
@@ -117,7 +129,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_events_key_file=getattr(args, "kv_events_key_file", None),
         kv_events_password_file=getattr(args, "kv_events_password_file", None),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, fp8_emulation=args.fp8_emulation,
-        fp8_keep_layers=args.fp8_keep_layers)
+        fp8_keep_layers=args.fp8_keep_layers, pinned_kv_tokens=args.pinned_kv_tokens,
+        pin_ttl_scale=args.pin_ttl_scale, enable_priority=args.enable_priority,
+        priority_ageing_s=args.priority_ageing_s)
 
 
 def _layer_list(text: str) -> tuple[int, ...]:

@@ -7,6 +7,11 @@ Prompt modules (``radixrelay.modules``, opt-in): ``engine.register_schema(pml)``
 ``engine.generate(prompts, params, prompt_schema=name)`` then takes prompts written against it (PML
 text, a JSON-style dict, or a ``modules.Prompt``), served from the modules' cached KV.
 
+Pinned prefixes and priority (``generate``/``generate_stream`` keywords): ``pin_ttl_s`` keeps each prompt's
+first ``pin_tokens`` tokens (all of it by default; whole pages) in the radix cache, unevicted, until that many
+seconds pass without a request using them (``radixrelay.scheduler.pins``, within ``pinned_kv_tokens``);
+``priority`` (smaller first, with ``enable_priority=True``) orders admission and retraction.
+
 The Engine is a frontend like the HTTP server: its prompts take the server's admission path
 (``radixrelay.admission``: encoding or checking token ids, context fitting, truncation; a refusal is
 an ``AdmissionError``, a ``ValueError`` with the message the server's 400 carries), it submits them to
@@ -33,7 +38,7 @@ from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.registry import SchemaInfo, SchemaRegistry
 from radixrelay.outputs import RequestOutput
-from radixrelay.protocol.messages import RequestRejected, UpdateBatch
+from radixrelay.protocol.messages import PinSpec, RequestRejected, UpdateBatch
 from radixrelay.protocol.stats import stats_values
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.client import QueueFullError
@@ -96,9 +101,13 @@ class Engine:
 
     def generate(self, prompts: Prompt | SchemaPrompt | Sequence[Prompt | SchemaPrompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, cache_salt: str | None = None, prompt_schema: str | None = None) -> list[RequestOutput]:
+                 *, cache_salt: str | None = None, prompt_schema: str | None = None,
+                 pin_ttl_s: float | None = None, pin_tokens: int | None = None,
+                 priority: int = 0) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A prompt is text or token ids; with
-        ``prompt_schema`` (a registered schema's name) a PML prompt, a dict or a ``modules.Prompt``."""
+        ``prompt_schema`` (a registered schema's name) a PML prompt, a dict or a ``modules.Prompt``.
+        ``pin_ttl_s``, ``pin_tokens``, ``priority``: see the module docstring (a refusal is a ValueError)."""
+        extra = _extra(pin_ttl_s, pin_tokens, priority)
         if prompt_schema is not None:
             prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         else:
@@ -111,7 +120,8 @@ class Engine:
             # prefills) the first ones while later ones are still being checked. A bad prompt raises
             # here and the ones submitted before it are aborted below: nothing of the call stays live.
             for prompt, sp in zip(prompt_list, params):
-                rids.append(self._submit(self._encode(prompt, sp, prompt_schema, cache_salt), sp, cache_salt))
+                rids.append(self._submit(self._encode(prompt, sp, prompt_schema, cache_salt), sp, cache_salt,
+                                         **extra))
             while not all(self._outputs[rid].finished for rid in rids):
                 self._pump()
         except BaseException:
@@ -121,11 +131,14 @@ class Engine:
         return [self._outputs.pop(rid).result() for rid in rids]
 
     def generate_stream(self, prompt: Prompt | SchemaPrompt, sampling_params: SamplingParams | None = None,
-                        *, cache_salt: str | None = None, prompt_schema: str | None = None) -> Iterator[str]:
+                        *, cache_salt: str | None = None, prompt_schema: str | None = None,
+                        pin_ttl_s: float | None = None, pin_tokens: int | None = None,
+                        priority: int = 0) -> Iterator[str]:
         """Yield text deltas of one request as they are produced."""
         params = sampling_params or SamplingParams()
         self._check_params([params])
-        rid = self._submit(self._encode(prompt, params, prompt_schema, cache_salt), params, cache_salt)
+        rid = self._submit(self._encode(prompt, params, prompt_schema, cache_salt), params, cache_salt,
+                           **_extra(pin_ttl_s, pin_tokens, priority))
         output = self._outputs[rid]
         try:
             while not output.finished:
@@ -205,15 +218,20 @@ class Engine:
             return self._admission.text(prompt, budget).prompt
         return self._admission.token_ids(prompt, budget).prompt          # type: ignore[arg-type]
 
-    def _submit(self, prompt: Truncated | ComposedPrompt, params: SamplingParams, cache_salt: str | None) -> int:
+    def _submit(self, prompt: Truncated | ComposedPrompt, params: SamplingParams, cache_salt: str | None,
+                pin: tuple[int | None, float] | None = None, priority: int = 0) -> int:
+        """``pin``: (prompt tokens to pin, None for all; TTL seconds)."""
         rid = next(self._rids)
+        ids = prompt.token_ids if isinstance(prompt, ComposedPrompt) else prompt.ids
+        pins = [] if pin is None else [PinSpec(len(ids) if pin[0] is None else pin[0], pin[1])]
         if isinstance(prompt, ComposedPrompt):
             self._outputs[rid] = OutputAssembler(self.tokenizer, prompt.token_ids, params)
             self._client.submit(rid, prompt.token_ids, params, cache_salt, modules=prompt.modules,
-                                rope_runs=prompt.rope_runs)
+                                rope_runs=prompt.rope_runs, pins=pins, priority=priority)
             return rid
         self._outputs[rid] = OutputAssembler(self.tokenizer, prompt.ids, params)
-        self._client.submit(rid, prompt.ids, params, cache_salt, prompt.shifted_prefix, prompt.shifted_at)
+        self._client.submit(rid, prompt.ids, params, cache_salt, prompt.shifted_prefix, prompt.shifted_at,
+                            pins=pins, priority=priority)
         return rid
 
     def _pump(self) -> list[tuple[int, str]]:
@@ -232,6 +250,13 @@ class Engine:
             if output is not None:
                 deltas.append((item.update.rid, output.apply(item)))
         return deltas
+
+
+def _extra(pin_ttl_s: float | None, pin_tokens: int | None, priority: int) -> dict[str, Any]:
+    """``_submit``'s pin and priority keywords from the public ones."""
+    if pin_tokens is not None and pin_ttl_s is None:
+        raise ValueError("pin_tokens needs pin_ttl_s (how long the prefix stays pinned)")
+    return {"pin": None if pin_ttl_s is None else (pin_tokens, pin_ttl_s), "priority": priority}
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

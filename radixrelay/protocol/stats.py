@@ -144,12 +144,13 @@ class KVAudit(msgspec.Struct, frozen=True):
     free_pages: int
     cached_pages: int                 # held by radix-tree nodes (locked or evictable)
     request_pages: int                # private pages of running requests (beyond their locked path)
-    locked_nodes: int                 # radix nodes with lock_ref > 0
-    lock_refs: int                    # lock_ref summed over nodes (a lock counts once per node of its path)
+    locked_nodes: int                 # radix nodes with lock_ref > 0 beyond their pins
+    lock_refs: int                    # lock_ref summed over nodes (a lock counts once per node of its path), pins apart
     lock_holders: int                 # running requests holding a lock on their matched path
     live_requests: int                # running + waiting
     integrity_error: str | None = None   # check_integrity's failure, None when every invariant holds
     integrity_age_s: float = 0.0         # seconds since that verdict was computed (0: by this audit)
+    pin_refs: int = 0                    # pin_ref summed over nodes: pinned prefixes' locks (not leaks)
 
     @property
     def integrity_ok(self) -> bool:

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from radixrelay.config import EngineConfig
 from radixrelay.protocol.messages import (
-    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RequestRejected,
+    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, PinSpec, RequestRejected,
     RuntimeMessage, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest, TokenUpdate, UpdateBatch, decoder,
     encoder,
 )
@@ -100,10 +100,12 @@ class AsyncRuntimeClient:
                        shifted_prefix: list[int] | None = None,
                        shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
                        rope_runs: list[tuple[int, int]] | None = None,
-                       on_sent: Callable[[], None] | None = None) -> AsyncIterator[TokenUpdate]:
+                       on_sent: Callable[[], None] | None = None, pins: list[PinSpec] | None = None,
+                       priority: int = 0) -> AsyncIterator[TokenUpdate]:
         """``token_ids``: a numpy integer array is sent packed (``runtime/token_ids.py``), a list as it
         is. ``modules``/``rope_runs``: a modular prompt (``radixrelay.modules.compose.ComposedPrompt``).
-        ``on_sent``: called once the request is on its way to the scheduler."""
+        ``on_sent``: called once the request is on its way to the scheduler. ``pins``, ``priority``: see
+        ``Scheduler.add_request``."""
         self._check_usable()
         rid = next(self._rids) if rid is None else rid
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
@@ -112,7 +114,8 @@ class AsyncRuntimeClient:
         try:
             await self._outbox.send(self._encode(GenerateRequest(rid, pack_token_ids(token_ids), sampling,
                                                                  cache_salt, shifted_prefix or [], shifted_at,
-                                                                 modules or [], rope_runs or [])))
+                                                                 modules or [], rope_runs or [], pins or [],
+                                                                 priority)))
             if on_sent is not None:
                 on_sent()
             while True:

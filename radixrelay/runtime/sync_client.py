@@ -16,7 +16,7 @@ import zmq
 
 from radixrelay.config import EngineConfig
 from radixrelay.protocol.messages import (
-    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RuntimeMessage,
+    AbortRequest, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, PinSpec, RuntimeMessage,
     RuntimeReady, ShutdownRequest, StatsReply, StatsRequest, decoder, encoder,
 )
 from radixrelay.protocol.stats import RuntimeStats
@@ -55,10 +55,12 @@ class SyncRuntimeClient:
     def submit(self, rid: int, token_ids: list[int] | np.ndarray, sampling: SamplingParams,
                cache_salt: str | None = None, shifted_prefix: list[int] | None = None,
                shifted_at: int = 0, modules: list[ModuleSpan] | None = None,
-               rope_runs: list[tuple[int, int]] | None = None) -> None:
-        """``token_ids``: a numpy integer array is sent packed (``runtime/token_ids.py``)."""
+               rope_runs: list[tuple[int, int]] | None = None, pins: list[PinSpec] | None = None,
+               priority: int = 0) -> None:
+        """``token_ids``: a numpy integer array is sent packed (``runtime/token_ids.py``). ``pins``,
+        ``priority``: see ``Scheduler.add_request``."""
         self._send(GenerateRequest(rid, pack_token_ids(token_ids), sampling, cache_salt, shifted_prefix or [],
-                                   shifted_at, modules or [], rope_runs or []))
+                                   shifted_at, modules or [], rope_runs or [], pins or [], priority))
 
     def abort(self, rid: int) -> None:
         self._send(AbortRequest(rid))

@@ -12,7 +12,8 @@ cached in the radix tree and nothing is locked:
     free_pages + cached_pages == total_pages, integrity_error is None.
 
 Cached pages may stay (the radix cache keeps prefixes for later requests); they are unlocked and
-therefore evictable. A client checks the baseline after its traffic ends (``at_idle_baseline``);
+therefore evictable, but for pinned prefixes (``scheduler/pins.py``), whose locks are counted apart
+(``pin_refs``) and stay until their pins end. A client checks the baseline after its traffic ends (``at_idle_baseline``);
 anything else is a leak of pages or locks.
 """
 
@@ -30,12 +31,14 @@ def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: i
     """Count holders independently of each other (so that a leak shows as a mismatch, not as a
     derived zero), then run ``check_integrity`` (None: not now; the caller fills in an earlier
     verdict); its AssertionError becomes ``integrity_error``."""
-    locked_nodes = lock_refs = cached_pages = 0
+    locked_nodes = lock_refs = cached_pages = pin_refs = 0
     for node in cache.tree.nodes():
         cached_pages += len(node.pages)
-        if node.lock_ref > 0:
+        held = node.lock_ref - node.pin_ref
+        pin_refs += node.pin_ref
+        if held > 0:
             locked_nodes += 1
-            lock_refs += node.lock_ref
+            lock_refs += held
     error = None
     try:
         if check_integrity is not None:
@@ -47,4 +50,4 @@ def audit_kv(cache: CacheManager, running: Collection[Request], live_requests: i
         cached_pages=cached_pages, request_pages=sum(len(r.hold.own_pages) for r in running),
         locked_nodes=locked_nodes, lock_refs=lock_refs,
         lock_holders=sum(r.hold.holds_locks for r in running), live_requests=live_requests,
-        integrity_error=error)
+        integrity_error=error, pin_refs=pin_refs)

@@ -185,6 +185,15 @@ def test_salts_never_share(engine):
     assert other.cached_tokens == 0
 
 
+def test_pins_and_priority_through_the_engine(engine):
+    prompt = [7, 8, 9, 10] * 12                                     # 48 tokens: 3 pages
+    engine.generate([prompt], SamplingParams(max_tokens=1), pin_ttl_s=60.0, pin_tokens=40)
+    stats = engine.stats()
+    assert stats["num_pins"] == 1 and stats["pinned_tokens"] == 32 and stats["kv_idle_baseline"]
+    with pytest.raises(ValueError, match="--enable-priority"):
+        engine.generate(["hi"], SamplingParams(max_tokens=1), priority=2)
+
+
 def test_bad_input_raises_clear_errors(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
