@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.router.index import PrefixIndex
-from radixrelay.router.policy import MODES, Candidate, choose
+from radixrelay.router.policy import MODES, CacheKeyAffinity, Candidate, choose
 from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
 from radixrelay.router import upstream
@@ -92,9 +92,9 @@ class Router:
         self.prompt_keys = prompt_keys
         self.events = events                   # the replicas' KV events (precise mode)
         self.index = PrefixIndex(config.index_capacity)
+        self.affinity = CacheKeyAffinity()     # prompt_cache_key -> replica (``policy``)
         discover = events.replica_names if events is not None and config.mode == "precise" else None
-        self.pool = Pool([Replica(url) for url in config.replicas], on_leave=lambda r: self.index.drop(r.url),
-                         discover=discover)
+        self.pool = Pool([Replica(url) for url in config.replicas], on_leave=self._left, discover=discover)
         self.client: httpx.AsyncClient | None = None          # health polls
         self.session: aiohttp.ClientSession | None = None     # the proxied requests, /v1/models
         self._turn = 0
@@ -126,14 +126,32 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def pick(self, keys: list[bytes], prompt: Prompt | None = None) -> tuple[Replica, int] | None:
+    def _left(self, replica: Replica) -> None:
+        self.index.drop(replica.url)
+        self.affinity.drop(replica.url)
+
+    def pick(self, keys: list[bytes], prompt: Prompt | None = None,
+             cache_key: tuple[str | None, str] | None = None) -> tuple[Replica, int] | None:
         """(replica, the prompt tokens it is expected to hold), or None when no replica is healthy.
         ``keys``: the router's own page keys of the prompt (approximate); ``prompt``: its tokens and salt
         (precise: looked up under each replica's own page keys). Precise mode routes approximately while
-        its KV-event reader is stalled, rather than failing requests."""
+        its KV-event reader is stalled, rather than failing requests. ``cache_key``: (salt,
+        prompt_cache_key): the replica the key's last request went to, while it is healthy."""
         healthy = self.pool.healthy()
         if not healthy:
             return None
+        if cache_key is not None:
+            url = self.affinity.get(cache_key)
+            sticky = next((r for r in healthy if r.url == url), None)
+            if sticky is None:
+                picked = self._pick(healthy, keys, prompt)
+                self.affinity.set(cache_key, picked[0].url)
+                return picked
+            self._turn += 1
+            return sticky, self.index.matched(sticky.url, keys) * PAGE_TOKENS if keys else 0
+        return self._pick(healthy, keys, prompt)
+
+    def _pick(self, healthy: list[Replica], keys: list[bytes], prompt: Prompt | None) -> tuple[Replica, int]:
         mode = self.config.mode
         measured = self._precise(healthy, prompt) if mode == "precise" and self.events is not None else None
         if measured is not None:
@@ -206,7 +224,9 @@ class Router:
         body, prompt = await asyncio.to_thread(self._parse, endpoint, raw) if len(raw) > OFFLOAD_BYTES else \
             self._parse(endpoint, raw)
         keys = self.prompt_keys.keys_of(prompt) if prompt is not None and self.config.mode != "precise" else []
-        picked = self.pick(keys, prompt)
+        key, salt = body.get("prompt_cache_key"), body.get("cache_salt")
+        sticky = (salt if isinstance(salt, str) else None, key) if isinstance(key, str) else None
+        picked = self.pick(keys, prompt, sticky)
         if picked is None:
             raise ProxyError(503, "no replica is available", "service_unavailable")
         replica, expected = picked

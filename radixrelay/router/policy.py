@@ -11,10 +11,15 @@ Modes:
   flight, then to the next in turn. A replica holding a long prefix keeps it against a moderately busier
   one; with nothing matched anywhere, the least loaded wins.
 - ``round-robin``: the healthy replicas in turn (for comparison).
+
+In every mode a request with a ``prompt_cache_key`` (OpenAI's field) goes to the replica the last request
+with the same key (and ``cache_salt``) went to, while that replica is healthy (``CacheKeyAffinity``): the
+client says those requests share a prefix, so one replica computes and holds it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 MODES = ("precise", "approximate", "round-robin")
@@ -41,3 +46,34 @@ def choose(mode: str, candidates: list[Candidate], turn: int) -> Candidate:
     if mode not in ("precise", "approximate"):
         raise ValueError(f"routing mode must be one of {MODES}, got {mode!r}")
     return max(rotated, key=lambda c: (c.matched_tokens - LOAD_TOKENS * c.in_flight, -c.in_flight))
+
+
+class CacheKeyAffinity:
+    """``prompt_cache_key`` (under a salt) -> the replica its requests go to; the ``capacity`` most recently
+    used keys are kept."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        if capacity < 1:
+            raise ValueError(f"CacheKeyAffinity: capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._replica: OrderedDict[tuple[str | None, str], str] = OrderedDict()
+
+    def get(self, key: tuple[str | None, str]) -> str | None:
+        replica = self._replica.get(key)
+        if replica is not None:
+            self._replica.move_to_end(key)
+        return replica
+
+    def set(self, key: tuple[str | None, str], replica: str) -> None:
+        self._replica[key] = replica
+        self._replica.move_to_end(key)
+        while len(self._replica) > self.capacity:
+            self._replica.popitem(last=False)
+
+    def drop(self, replica: str) -> None:
+        """``replica`` left the pool: its keys go elsewhere next time."""
+        for key in [k for k, r in self._replica.items() if r == replica]:
+            del self._replica[key]
+
+    def __len__(self) -> int:
+        return len(self._replica)

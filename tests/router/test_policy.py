@@ -47,3 +47,25 @@ def test_replica_urls():
     for bad in ("127.0.0.1:30000", "http://:80", "http://h:x", "http://h:1/v1", "http://h:1?a=b"):
         with pytest.raises(ValueError, match="replica"):
             check_replica_url(bad)
+
+
+def test_requests_with_one_prompt_cache_key_go_to_one_replica():
+    from radixrelay.router.app import Router, RouterConfig
+    from radixrelay.router.policy import CacheKeyAffinity
+
+    router = Router(RouterConfig(("http://a:1", "http://b:1", "http://c:1")), prompt_keys=None)
+    for replica in router.pool.replicas:
+        replica.healthy = True
+    first, _ = router.pick([], None, (None, "agent-7"))
+    first.in_flight = 10                                  # busier than the others: the key still sticks
+    assert all(router.pick([], None, (None, "agent-7"))[0] is first for _ in range(5))
+    assert router.pick([], None, ("tenant-b", "agent-7"))[0] is not first      # another salt, another key
+    first.healthy = False                                 # gone: the key moves and sticks to the new one
+    moved, _ = router.pick([], None, (None, "agent-7"))
+    assert moved is not first and router.pick([], None, (None, "agent-7"))[0] is moved
+    affinity = CacheKeyAffinity(capacity=2)
+    for i in range(3):
+        affinity.set((None, str(i)), "a")
+    assert len(affinity) == 2 and affinity.get((None, "0")) is None
+    affinity.drop("a")
+    assert len(affinity) == 0
