@@ -193,12 +193,15 @@ class Engine:
 
     def _check_params(self, params: Sequence[SamplingParams]) -> None:
         """What ``SamplingParams`` cannot check alone, before anything is submitted: stop token ids
-        within the vocabulary (``ValueError``), and each structured output compiled once here
-        (cached): a bad one raises ``InvalidStructuredOutput`` (a ValueError)."""
+        and ``logit_bias`` ids within the vocabulary (``ValueError``), and each structured output compiled
+        once here (cached): a bad one raises ``InvalidStructuredOutput`` (a ValueError)."""
         for sp in params:
             if any(t >= self.vocab_size for t in sp.stop_token_ids):
                 raise ValueError(f"SamplingParams.stop_token_ids: must be in [0, {self.vocab_size}) (the model's "
                                  f"vocabulary), got {max(sp.stop_token_ids)}")
+            if any(t >= self.vocab_size for t, _ in sp.logit_bias):
+                raise ValueError(f"SamplingParams.logit_bias: token ids must be in [0, {self.vocab_size}) (the "
+                                 f"model's vocabulary), got {max(t for t, _ in sp.logit_bias)}")
         for spec in {p.structured for p in params if p.structured is not None}:
             if self._grammars is None:
                 self._grammars = GrammarEngine(self.tokenizer, self.vocab_size)

@@ -25,6 +25,10 @@ MAX_STOP_STRING_CHARS = 256
 # Duplicates are allowed and count; ids must be below the model's vocabulary (checked where it is
 # known: the server's 400, ``Engine.generate``'s ValueError).
 MAX_STOP_TOKEN_IDS = 256
+# Entries of ``logit_bias`` per request (OpenAI's bound on its own API): the sampler adds them to the
+# logits row by row, and they travel with the request between processes.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,6 +53,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Output constraint (JSON schema, JSON object, regex, choice): disallowed tokens are masked before
     # sampling; a grammar that reaches its end allows only EOS, so the request ends with "stop".
     structured: StructuredOutput | None = None
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI: -100 bans a token
+    # in practice, +100 forces it); ids must be below the model's vocabulary (checked where it is known)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS and ``stop_token_ids`` cannot be sampled before this many output tokens (vLLM's meaning: stop
+    # strings still end the output); at most ``max_tokens``
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -93,6 +103,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop", "stop strings must be non-empty strings")
         if problem := stop_strings_problem(self.stop):
             raise bad("stop", problem)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries are accepted, got {len(self.logit_bias)}")
+        for entry in self.logit_bias:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or isinstance(entry[0], bool)
+                    or not isinstance(entry[0], int) or not 0 <= entry[0] <= INT64_MAX
+                    or isinstance(entry[1], bool) or not isinstance(entry[1], (int, float))
+                    or not LOGIT_BIAS_RANGE[0] <= entry[1] <= LOGIT_BIAS_RANGE[1]):
+                raise bad("logit_bias", f"entries must be (token id >= 0, bias in [-100, 100]), got {entry!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.structured is not None and self.min_tokens:
+            raise bad("min_tokens", "cannot be combined with a structured output: the constraint may end the "
+                                    "output with EOS")
         if self.structured is not None and self.ignore_eos:
             raise bad("ignore_eos", "cannot be combined with a structured output: the constraint ends the "
                                     "output with EOS")

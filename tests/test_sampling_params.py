@@ -17,6 +17,9 @@ from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
     ("min_p", math.nan), ("frequency_penalty", math.inf), ("presence_penalty", math.nan),
     ("top_k", 2.5), ("top_k", True), ("seed", 2 ** 64), ("top_k", 2 ** 70), ("max_tokens", 2 ** 64), ("max_tokens", True),
     ("stop_token_ids", (2 ** 64,)), ("stop_token_ids", (-1,)), ("seed", -(2 ** 63) - 1), ("seed", 1.5), ("seed", True),
+    ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1, math.nan),)),
+    ("logit_bias", ((True, 1.0),)), ("logit_bias", tuple((i, 1.0) for i in range(301))),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.5),
 ])
 def test_unusable_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -40,3 +43,12 @@ def test_edges_that_are_valid():
 def test_decoding_a_message_validates_too():
     with pytest.raises(msgspec.ValidationError, match="seed"):
         msgspec.json.decode(b'{"seed": 18446744073709551616}', type=SamplingParams)
+
+
+def test_min_tokens_and_logit_bias_cross_processes():
+    sp = SamplingParams(max_tokens=8, min_tokens=8, logit_bias=((3, -100.0), (7, 2.5)))
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    assert again == sp and again.logit_bias == ((3, -100.0), (7, 2.5))
+    from radixrelay.structured import StructuredOutput
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens"):
+        SamplingParams(min_tokens=1, structured=StructuredOutput(kind="regex", value="a+"))

@@ -39,6 +39,9 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
                                # (0 when the worker needs them all: ``needs_all_tokens``)
     rope_runs: list[tuple[int, int]] = []   # RoPE position of KV index t: t + the delta of the last
                                             # run (first index, delta) with first <= t; none: t
+    # ids the sampler must not pick while the request has fewer than ``sampling.min_tokens`` outputs
+    # (EOS and stop token ids, as the scheduler stops on them); empty once that many exist
+    min_tokens_ban: list[int] = []
 
 
 def needs_outputs(sampling: SamplingParams) -> bool:

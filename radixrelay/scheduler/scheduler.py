@@ -494,14 +494,16 @@ class Scheduler:
         """The tier copies to send with the step being planned."""
         return None if self._tiers is None else self._tiers.take_transfers(self._next_step)
 
-    @staticmethod
-    def _admission(req: Request) -> AdmittedRequest:
+    def _admission(self, req: Request) -> AdmittedRequest:
         """The worker needs the tokens it will compute, not the cached prefix (O(new tokens))."""
         offset = 0 if needs_all_tokens(req.sampling) else req.hold.kv_len
         if needs_outputs(req.sampling):
             offset = min(offset, req.num_prompt)
+        sp = req.sampling
+        ban = (sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.config.eos_token_ids)))
+               if sp.min_tokens > req.num_outputs else [])
         return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.hold.pages), req.sampling,
-                               offset, req.rope_runs)
+                               offset, req.rope_runs, ban)
 
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]

@@ -96,6 +96,7 @@ class _Resident:
     pages: list[int]
     sampling: SamplingParams
     rope_runs: list[tuple[int, int]]    # RoPE position deltas (``AdmittedRequest.rope_runs``)
+    min_tokens_ban: list[int] = dataclasses.field(default_factory=list)   # ``AdmittedRequest.min_tokens_ban``
 
 
 class LaunchedStep:
@@ -173,6 +174,7 @@ class ModelRunner:
         self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
         self._tokens = ResidentTokens(self.device, self.vocab_size)
         self._sampling = SamplingTensorsCache()              # the sampling rows' tensors while they repeat
+        self._banned: dict[int, _Resident] = {}              # residents whose min_tokens still bans ids
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
         self.graphs = graphs
@@ -236,6 +238,7 @@ class ModelRunner:
                 self._page_table.release(rid)
                 self._tokens.release(rid)
                 self._decode_runs.release(rid)
+                self._banned.pop(rid, None)
                 if self.constraints is not None:
                     self.constraints.release(rid)
         for req in plan.admitted:
@@ -245,7 +248,11 @@ class ModelRunner:
             self._num_rope += bool(req.rope_runs)
             res = self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
                                                    req.token_offset + len(req.token_ids), list(req.pages),
-                                                   req.sampling, req.rope_runs)
+                                                   req.sampling, req.rope_runs, req.min_tokens_ban)
+            if req.min_tokens_ban:
+                self._banned[req.rid] = res
+            else:
+                self._banned.pop(req.rid, None)
             self._pages[req.rid] = res.pages
             self._page_table.admit(req.rid, req.pages)
             self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
@@ -257,6 +264,23 @@ class ModelRunner:
             self._appends.append((append.rid, len(pages), append.pages))
             pages.extend(append.pages)
             self._page_table.append(append.rid, append.pages)
+
+    def _ban_before_min_tokens(self, residents: list[_Resident], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [len(residents), V] with EOS and stop ids at -inf on rows below their ``min_tokens``."""
+        rows: list[int] = []
+        ids: list[int] = []
+        for row, res in enumerate(residents):
+            if res.min_tokens_ban:
+                if _outputs_of(res) < res.sampling.min_tokens:
+                    rows.extend([row] * len(res.min_tokens_ban))
+                    ids.extend(res.min_tokens_ban)
+                else:
+                    res.min_tokens_ban = []              # this row's bans are over
+        self._banned = {rid: res for rid, res in self._banned.items() if res.min_tokens_ban}
+        if not rows:
+            return logits
+        index = (to_device(rows, torch.int64, self.device), to_device(ids, torch.int64, self.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=self.device))
 
     def _admit_constrained(self, req: AdmittedRequest) -> None:
         """Its grammar replays the outputs it has (a re-admission): they must have been sent."""
@@ -329,6 +353,8 @@ class ModelRunner:
             logits = logits.float()
             if self.constraints:                  # constrained rows resident: mask what their grammars forbid
                 logits = self.constraints.mask(samplers, logits)
+            if self._banned:
+                logits = self._ban_before_min_tokens(residents, logits)
             out = self.sampler(logits, tensors)
             # rows of the newest-token table: the decode graph's own (kept by row) when it gathered them
             self._tokens.record(samplers, out.token_ids, self.device_batch.token_rows)

@@ -2,6 +2,7 @@
 
 One step, for logits ``[B, V]`` (fp32) of B requests:
 
+0. ``logit_bias`` (only when a row has one): each (token, bias) pair added to the row's logits;
 1. penalties (only when a row asks for one):
    - repetition (Hugging Face): a token seen in prompt + output has its logit divided by ``r`` if
      positive, multiplied by ``r`` if not;
@@ -17,7 +18,7 @@ Seeded requests draw their ``E`` row from a generator seeded with ``mix(seed, ou
 the token depends only on the seed, the position and the logits, never on batch mates, and a
 retracted request resumes with the same stream. Unseeded rows share one vectorised draw.
 
-Logprobs follow vLLM's default: the log-softmax of the *raw* model logits (before penalties,
+Logprobs follow vLLM's default: the log-softmax of the *raw* model logits (before biases, penalties,
 temperature and filters), natural log. The sampled token's logprob is reported even when the
 filters would make its raw probability look different from the one it was drawn with.
 
@@ -75,6 +76,8 @@ class SamplingTensors:
     penalties: PenaltyTensors | None
     step_seeds: tuple[int | None, ...]  # per row: generator seed for this step, None = unseeded
     num_logprobs: tuple[int | None, ...]  # per row: SamplingParams.logprobs
+    # ``logit_bias`` of every row, flattened: (rows int64 [N], ids int64 [N], biases fp32 [N]); None if none
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -115,10 +118,12 @@ class SamplingTensors:
         outputs = num_outputs if callable(num_outputs) else num_outputs.__getitem__
         num_logprobs = tuple(map(_LOGPROBS, params))                      # C-level maps: O(batch), small constant
         temperatures = list(map(_TEMPERATURE, params))
+        bias = _bias_tensors(params, device) if any(map(_LOGIT_BIAS, params)) else None
         if not any(temperatures):                                         # every row greedy
             ones, column = _constant_rows(len(params), device)
             return cls(greedy=ones, all_greedy=True, temperatures=column, top_k=None, top_p=None, min_p=None,
-                       penalties=penalties, step_seeds=(None,) * len(params), num_logprobs=num_logprobs)
+                       penalties=penalties, step_seeds=(None,) * len(params), num_logprobs=num_logprobs,
+                       bias=bias)
         greedy = [t == 0 for t in temperatures]
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -138,11 +143,27 @@ class SamplingTensors:
                               for i, (p, g) in enumerate(zip(params, greedy)))
                         if seeded else (None,) * len(params)),
             num_logprobs=num_logprobs,
+            bias=bias,
         )
 
 
+def _bias_tensors(params: Sequence[SamplingParams], device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+    ids = [t for p in params for t, _ in p.logit_bias]
+    biases = [b for p in params for _, b in p.logit_bias]
+    return (to_device(rows, torch.int64, device), to_device(ids, torch.int64, device),
+            to_device(biases, torch.float32, device))
+
+
+def apply_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """logits: [B, V] fp32 -> a new tensor with each (row, id) pair's bias added (repeated ids add up)."""
+    rows, ids, biases = bias
+    return logits.index_put((rows, ids), biases, accumulate=True)
+
+
 _CONSTANT_ROWS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_LOGPROBS, _TEMPERATURE = attrgetter("logprobs"), attrgetter("temperature")
+_LOGPROBS, _TEMPERATURE, _LOGIT_BIAS = attrgetter("logprobs"), attrgetter("temperature"), attrgetter("logit_bias")
 
 
 def _constant_rows(n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +335,8 @@ class Sampler:
             raise ValueError(f"Sampler: expected fp32 logits [B, V], got {logits.dtype} {tuple(logits.shape)}")
         if logits.shape[0] != tensors.greedy.shape[0]:
             raise ValueError(f"Sampler: {logits.shape[0]} logit rows for {tensors.greedy.shape[0]} requests")
-        penalised = apply_penalties(logits, tensors.penalties) if tensors.penalties is not None else logits
+        biased = apply_bias(logits, tensors.bias) if tensors.bias is not None else logits
+        penalised = apply_penalties(biased, tensors.penalties) if tensors.penalties is not None else biased
         if tensors.all_greedy:
             token_ids = penalised.argmax(dim=-1)
         else:

@@ -12,6 +12,7 @@ import functools
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -284,3 +285,35 @@ def test_concurrent_requests_compute_a_new_shared_prefix_once(engine):
     again = engine.generate(prompts, params)        # the prefix cached now: every request reads it
     assert all(o.cached_tokens >= prefix - 16 for o in again)
     assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+
+
+def test_logit_bias_bans_and_forces_tokens(engine):
+    """-100 on the greedy token makes another one win; +100 on a token makes it every output token, sampled
+    or greedy; logprobs stay the raw model's."""
+    prompt = "The capital of France is"
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    plain = engine.generate([prompt], greedy)[0].token_ids
+    banned = engine.generate([prompt], msgspec.structs.replace(greedy, logit_bias=((plain[0], -100.0),)))[0]
+    assert banned.token_ids[0] != plain[0]
+    forced_id = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = msgspec.structs.replace(greedy, logit_bias=((forced_id, 100.0),), logprobs=0)
+    sampled = msgspec.structs.replace(forced, temperature=1.0, seed=3)
+    outs = engine.generate([prompt, prompt], [forced, sampled])
+    assert [o.token_ids for o in outs] == [[forced_id] * 3] * 2
+    assert outs[0].logprobs[0].logprob < -1.0          # the raw distribution did not favour it
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.generate([prompt], msgspec.structs.replace(greedy, logit_bias=((engine.vocab_size, 1.0),)))
+
+
+def test_min_tokens_holds_back_eos(engine):
+    """A chat answer that ends with EOS after a few tokens runs to ``min_tokens`` with EOS banned, then
+    may stop; without ``min_tokens`` it stops where it did."""
+    prompt = "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"      # the model's ChatML
+    free = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 24
+    held = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=0,
+                                                    min_tokens=len(free.token_ids) + 8))[0]
+    assert len(held.token_ids) >= len(free.token_ids) + 8
+    assert held.token_ids[:len(free.token_ids)] == free.token_ids       # greedy until EOS would have won
+    eos = engine.tokenizer.eos_token_ids
+    assert not eos & set(held.token_ids[:len(free.token_ids) + 8])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.worker.sampling import Sampler, SamplingTensors, apply_penalties
+from radixrelay.worker.sampling import Sampler, SamplingTensors, apply_bias, apply_penalties
 
 V = 64
 
@@ -167,3 +167,20 @@ def test_cuda_seeded_rows_and_filters() -> None:
     first, second = Sampler()(logits, build).token_ids, Sampler()(logits, build).token_ids
     assert first.is_cuda and first[0] == second[0] == first[3]
     assert first[2] == logits[2].argmax() and first[0].item() in allowed_set(logits[0].cpu(), params[0])
+
+
+def test_logit_bias_is_added_per_row_and_logprobs_stay_raw() -> None:
+    logits = logits_for(3)
+    params = [SamplingParams(temperature=0, logit_bias=((5, 100.0), (5, -30.0), (9, -1.5)), logprobs=1),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=2.0, seed=1, logit_bias=((11, 100.0),))]
+    tensors = make(params)
+    expected = logits.clone().double()
+    expected[0, 5] += 70.0
+    expected[0, 9] -= 1.5
+    expected[2, 11] += 100.0
+    assert torch.allclose(apply_bias(logits, tensors.bias).double(), expected, atol=1e-4)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, tensors)
+    assert out.token_ids.tolist() == [5, int(logits[1].argmax()), 11]
+    assert math.isclose(float(out.logprobs.sampled[0]), float(logits[0].log_softmax(-1)[5]), rel_tol=1e-5)
+    assert make([SamplingParams()]).bias is None
