@@ -9,12 +9,17 @@ Contract, per model step:
 
 Per-step preparation (index plans, kernel workspaces) depends only on the batch, not the layer:
 backends build it on the first layer call for a batch and reuse it for the others.
+
+Layers that attend differently (``LayerAttention``: a sliding window, logit soft-capping, a softmax
+scale other than ``head_dim ** -0.5``; Gemma, Mistral) are told to the backend once, by the model
+(``set_layers``); a backend that cannot compute them refuses there, at load.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +28,45 @@ from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.attention.reference import AttentionPlan, attend_planned, plan_attention
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, where it differs from plain causal attention."""
+
+    window: int | None = None           # attends the last ``window`` positions, itself included
+    logit_softcap: float | None = None  # scores s -> cap * tanh(s / cap), after scaling (Gemma 2)
+    sm_scale: float | None = None       # None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"LayerAttention.window: must be >= 1, got {self.window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"LayerAttention.logit_softcap: must be > 0, got {self.logit_softcap}")
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN
+
+
+PLAIN = LayerAttention()
+
+
 class AttentionBackend(ABC):
+    layers: tuple[LayerAttention, ...] = ()      # per layer id (``set_layers``); beyond it: plain
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> int | None:
+        """How each layer attends (index: layer id). Returns the longest context this backend computes
+        exactly for them (None: any); ``ValueError`` where it cannot compute them. This base accepts
+        only plain layers."""
+        layers = tuple(layers)
+        if any(not layer.plain for layer in layers):
+            raise ValueError(f"{type(self).__name__}: sliding-window, soft-capped or rescaled attention layers "
+                             "are not supported")
+        self.layers = layers
+        return None
+
+    def layer(self, layer_id: int) -> LayerAttention:
+        return self.layers[layer_id] if layer_id < len(self.layers) else PLAIN
+
     @abstractmethod
     def forward(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
@@ -64,6 +107,7 @@ class _SharedPart:
 class _StepPlan:
     own: AttentionPlan
     shared: tuple[_SharedPart, ...]
+    windowed: dict = field(default_factory=dict)     # window -> the flat plan of that sliding window
 
 
 class TorchBackend(AttentionBackend):
@@ -101,29 +145,56 @@ class TorchBackend(AttentionBackend):
             self._batch = batch
         return self._plan
 
+    def set_layers(self, layers: Sequence[LayerAttention]) -> int | None:
+        """Every kind of layer: windows as masks over a flat plan (a windowed layer does not use the step's
+        cascade: its shared runs would need each query's window), soft-capping and scales in the scores."""
+        self.layers = tuple(layers)
+        return None
+
+    def _windowed(self, batch: ForwardBatch, window: int) -> AttentionPlan:
+        """The step's flat plan for a sliding window: each request's KV from the first position its first
+        new token sees (``prefix_len - window + 1``) to its end."""
+        plans = self._plan_for(batch).windowed
+        if window not in plans:
+            kv_start = (batch.prefix_lens.long() - (window - 1)).clamp(min=0)
+            plans[window] = plan_attention(
+                batch.page_table, batch.page_size, batch.q_indptr, batch.prefix_lens, kv_start,
+                max_q_len=batch.max_q_len, max_kv_len=min(batch.max_seq_len, batch.max_q_len + window - 1),
+                num_tokens=batch.num_tokens, window=window)
+        return plans[window]
+
+    def _scale(self, spec: LayerAttention) -> float | None:
+        return self.sm_scale if spec.sm_scale is None else spec.sm_scale
+
     def forward_with_lse(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.layer(layer_id)
         plan = self._plan_for(batch)
         k, v = kv_cache.k[layer_id], kv_cache.v[layer_id]
-        o, lse = attend_planned(q, k, v, plan.own, self.sm_scale)
+        scale, cap = self._scale(spec), spec.logit_softcap
+        if spec.window is not None:
+            return attend_planned(q, k, v, self._windowed(batch, spec.window), scale, softcap=cap)
+        o, lse = attend_planned(q, k, v, plan.own, scale, softcap=cap)
         if not plan.shared:
             return o, lse
         parts = [(o, lse, torch.arange(q.shape[0], device=q.device))]
         for part in plan.shared:
-            parts.append((*attend_planned(q[part.rows], k, v, part.plan, self.sm_scale), part.rows))
+            parts.append((*attend_planned(q[part.rows], k, v, part.plan, scale, softcap=cap), part.rows))
         return merge_rows(parts, q.shape[0])
 
     def forward(
         self, q: torch.Tensor, layer_id: int, kv_cache: KVCache, batch: ForwardBatch,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        spec = self.layer(layer_id)
         plan = self._plan_for(batch)
-        if plan.shared:
+        if plan.shared and spec.window is None:
             o = self.forward_with_lse(q, layer_id, kv_cache, batch)[0]
         else:       # flat batch: the same computation, without the LSE's fix-up and scatter
-            o = attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], plan.own, self.sm_scale,
-                               with_lse=False)[0]
+            flat = plan.own if spec.window is None else self._windowed(batch, spec.window)
+            o = attend_planned(q, kv_cache.k[layer_id], kv_cache.v[layer_id], flat, self._scale(spec),
+                               with_lse=False, softcap=spec.logit_softcap)[0]
         return o if out is None else out.copy_(o)
 
 

@@ -6,7 +6,8 @@ float32 ``[T, Hq]`` (float64 when q is float64); a row that attends nothing has 
 output 0.
 
 Masking: query row i of request b sits at position ``p = prefix_lens[b] + i`` and attends KV
-positions ``j`` with ``kv_start[b] <= j < kv_end[b]`` and ``j <= p`` (causal). Defaults
+positions ``j`` with ``kv_start[b] <= j < kv_end[b]`` and ``j <= p`` (causal); with a sliding
+``window`` also ``j > p - window`` (the last ``window`` positions, p included). Defaults
 ``kv_start = 0`` and ``kv_end = prefix_lens + q_len`` give ordinary extend/decode; other windows
 give the partial results that cascaded attention merges with ``merge_states``.
 
@@ -72,9 +73,11 @@ def plan_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     num_tokens: int | None = None,
+    window: int | None = None,
 ) -> AttentionPlan:
     """Gather indices and mask for a ragged batch. Pass the host sizes (maxima may over-estimate)
-    to avoid device syncs; page_table: int32 [B, max_pages]; the rest int [B] / [B + 1]."""
+    to avoid device syncs; page_table: int32 [B, max_pages]; the rest int [B] / [B + 1]. ``window``:
+    each query attends only the last ``window`` positions (itself included)."""
     device = page_table.device
     q_indptr = q_indptr.long()
     q_lens = q_indptr[1:] - q_indptr[:-1]                              # [B]
@@ -108,13 +111,15 @@ def plan_attention(
     cells = q_valid.flatten().nonzero().flatten()                      # [T]
     span = num_pages * page_size
     # [B]-sized test: each window is exactly its gathered pages and ends at or before its first query
-    if bool(((kv_start == first_page * page_size) & (kv_end == kv_start + span) & (kv_end <= prefix_lens)).all()):
+    if window is None and bool(((kv_start == first_page * page_size) & (kv_end == kv_start + span) & (kv_end <= prefix_lens)).all()):
         return AttentionPlan(q_rows, q_valid, pages, None, num_tokens, page_size, dense,
                              rows=q_rows.flatten()[cells], cells=cells, empty=~q_valid.flatten(),
                              consecutive_from=_consecutive_from(pages))
     kv_valid = (kv_pos >= kv_start[:, None]) & (kv_pos < kv_end[:, None])
     mask = (q_valid[:, :, None] & kv_valid[:, None, :]
             & (kv_pos[:, None, :] <= q_pos[:, :, None]))               # [B, Lq, S]
+    if window is not None:
+        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
     return AttentionPlan(q_rows, q_valid, pages, mask, num_tokens, page_size, dense,
                          rows=q_rows.flatten()[cells], cells=cells, empty=~mask.any(-1).flatten())
 
@@ -127,9 +132,11 @@ def attend_planned(
     sm_scale: float | None = None,
     *,
     with_lse: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run attention for a plan. Returns ``o: [T, Hq, D]`` in q's dtype and ``lse: [T, Hq]``
     (natural log, float32; float64 for float64 q), or None for the lse without ``with_lse``.
+    ``softcap``: scaled scores s become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2).
 
     One batched attention over the padded grid: the G query heads that share a KV head are folded
     into the query rows (``[B, Hkv, G * Lq, D]``), so each KV head is read once for its group; K/V
@@ -155,7 +162,7 @@ def attend_planned(
     k = _gather_pages(k_cache, plan).to(compute).transpose(1, 2)              # [B, Hkv, S, D]
     v = _gather_pages(v_cache, plan).to(compute).transpose(1, 2)
     bias = plan.bias(group, compute)                                          # [B, 1, G * Lq, S] or None
-    o, lse = _attend_folded(qf, k, v, bias, scale)
+    o, lse = _attend_folded(qf, k, v, bias, scale) if softcap is None else _attend_matmul(qf, k, v, bias, scale, softcap)
     # [B, Hkv, G * Lq, D] -> [B * Lq, Hq, D]: (b, i) rows, heads (kv head, group) as in q.
     o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
     o = o.to(q.dtype) if plan.dense else o.index_select(0, plan.cells).to(q.dtype)
@@ -206,10 +213,12 @@ def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 
 def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, L, D], k/v [B, H, S, D], bias [B, 1, L, S] or None (no mask) -> (o [B, H, L, D], lse [B, H, L]);
     rows that attend nothing get o = 0 (their lse is fixed up by the caller)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale                # [B, H, L, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixrelay.attention.backend import AttentionBackend
+from radixrelay.attention.backend import AttentionBackend, LayerAttention
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.kernels import CascadePlan, plan_cascade
@@ -53,6 +53,23 @@ class TritonBackend(AttentionBackend):
         self._side_stream: torch.cuda.Stream | None = None
         self._batch: ForwardBatch | None = None
         self._step: _Step | None = None
+
+    def set_layers(self, layers) -> int | None:
+        """The kernels compute plain causal attention only. Where every layer has one sliding window and
+        nothing else differs (Mistral), attention within the window is plain attention: the context is
+        capped at the window (returned). Anything else is refused."""
+        layers: tuple[LayerAttention, ...] = tuple(layers)
+        windows = {layer.window for layer in layers}
+        if any(layer.logit_softcap is not None or layer.sm_scale is not None for layer in layers):
+            raise ValueError("attention logit soft-capping and per-layer softmax scales (Gemma) need the torch "
+                             "attention backend: not yet supported on cuda by the Triton kernels "
+                             "(attention_backend='torch', or device='cpu')")
+        if len(windows) > 1:
+            raise ValueError("sliding-window layers beside full-attention or other-window layers (Gemma) need the "
+                             "torch attention backend: not yet supported on cuda by the Triton kernels "
+                             "(attention_backend='torch', or device='cpu')")
+        self.layers = tuple(LayerAttention() for _ in layers)     # within the cap, every layer attends plainly
+        return windows.pop() if windows else None
 
     def bind(self, batch: ForwardBatch, kv_start: torch.Tensor, decode_plan: CascadePlan | None) -> None:
         """Use this per-step state for ``batch`` instead of planning it (CUDA graphs: a plan made

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrelay.model import phi3, qwen3
-from radixrelay.model.config_hooks import window_cap
+from radixrelay.model import gemma, phi3, qwen3
+from radixrelay.model.config_hooks import every_layer, layer_windows, qwen_windows
 
 # config.json (dict) -> ModelConfig fields that differ from the common reading
 HfHook = Callable[[Mapping[str, Any]], dict[str, Any]]
@@ -60,13 +60,13 @@ def _llama_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mistral_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    return {**_llama_options(cfg), **window_cap(cfg, always=True)}
+    return {**_llama_options(cfg), **layer_windows(cfg, every_layer)}
 
 
 def _qwen2_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("mlp_bias"):
         raise ValueError("config.json: mlp_bias on a Qwen2 model is not supported")
-    return {"attention_bias": True, **window_cap(cfg, always=False)}
+    return {"attention_bias": True, **qwen_windows(cfg)}
 
 
 def _bias_from_tensors(_meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -83,6 +83,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_options=qwen3.gguf_options),
     Architecture("phi3", ("Phi3ForCausalLM",), hf_options=phi3.hf_options,
                  checkpoint_tensors=phi3.checkpoint_tensors),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), hf_options=gemma.gemma2_options,
+                 checkpoint_tensors=gemma.checkpoint_tensors),
+    Architecture("gemma3_text", ("Gemma3ForCausalLM",), hf_options=gemma.gemma3_options,
+                 checkpoint_tensors=gemma.checkpoint_tensors),
 )}
 
 

@@ -8,88 +8,14 @@ read here, each family's own keys by its hooks in the architecture registry
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from radixrelay.model.architectures import ARCHITECTURES, from_gguf_name, from_hf_config
+from radixrelay.model.rope_scaling import ROPE_TYPES, RopeScaling
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. ``linear`` divides every frequency by ``factor``; ``llama3``
-    divides only the low frequencies (wavelength above ``original_max_position_embeddings /
-    low_freq_factor``) and interpolates smoothly up to the high-frequency band. ``longrope`` (Phi-3;
-    HF's ``su`` too) divides frequency i by ``short_factor[i]`` at positions below
-    ``original_max_position_embeddings`` and by ``long_factor[i]`` from there on, and scales cos and sin
-    by ``attention_factor`` (default: ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` the model's
-    context over the original one; 1 when that is <= 1)."""
-
-    rope_type: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    short_factor: tuple[float, ...] = ()        # longrope: one per frequency (head_dim / 2)
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float | None = None       # longrope: None until ``from_hf`` derives it
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"RopeScaling.rope_type: unsupported {self.rope_type!r}, expected one of {ROPE_TYPES}"
-            )
-        if self.factor <= 0:
-            raise ValueError(f"RopeScaling.factor: must be > 0, got {self.factor}")
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError(
-                "RopeScaling: llama3 needs high_freq_factor > low_freq_factor > 0, got "
-                f"{self.high_freq_factor} and {self.low_freq_factor}"
-            )
-        if self.rope_type == "longrope":
-            if not self.short_factor or len(self.short_factor) != len(self.long_factor):
-                raise ValueError("RopeScaling: longrope needs short_factor and long_factor of one length, got "
-                                 f"{len(self.short_factor)} and {len(self.long_factor)}")
-            if self.attention_factor is None or self.attention_factor <= 0:
-                raise ValueError(f"RopeScaling.attention_factor: must be > 0, got {self.attention_factor}")
-
-    @classmethod
-    def from_hf(cls, params: Mapping[str, Any] | None, cfg: Mapping[str, Any] | None = None) -> RopeScaling | None:
-        """Parse HF ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5); ``cfg``: the
-        whole ``config.json``, where longrope's ``original_max_position_embeddings`` and the context
-        that sets its default attention factor may sit."""
-        if not params:
-            return None
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type == "default":
-            return None
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
-        values = {k: v for k, v in params.items() if k in fields}
-        if rope_type in ("longrope", "su"):
-            values.update(_longrope_values(params, cfg or {}))
-            rope_type = "longrope"
-        return cls(rope_type=rope_type, **values)
-
-
-def _longrope_values(params: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """LongRoPE's fields the way HF reads them: factors as tuples, the original context from the RoPE
-    parameters or the config, and the attention factor derived from the contexts' ratio where not given."""
-    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    if original is None:
-        raise ValueError("config.json: longrope RoPE scaling needs original_max_position_embeddings")
-    factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {"original_max_position_embeddings": int(original), "factor": float(factor),
-            "attention_factor": float(attention),
-            "short_factor": tuple(float(f) for f in params.get("short_factor") or ()),
-            "long_factor": tuple(float(f) for f in params.get("long_factor") or ())}
-
+__all__ = ["ROPE_TYPES", "ModelConfig", "RopeScaling"]
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -107,7 +33,16 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # bias on the q/k/v projections (Qwen2); o_proj never
-    qk_norm: bool = False               # RMSNorm over each head of q and of k before RoPE (Qwen3)
+    qk_norm: bool = False               # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    # each layer's sliding window in tokens (0: full attention; empty: every layer full): Mistral, Gemma
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None   # RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
+    hidden_act: str = "silu"            # the MLP's gate activation: "silu" | "gelu_tanh" (Gemma)
+    sandwich_norms: bool = False        # norms after attention and around the MLP too (Gemma 2/3)
+    embedding_scale: bool = False       # embeddings times sqrt(hidden_size) (Gemma)
+    attn_logit_softcap: float | None = None    # attention scores s -> cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcap: float | None = None   # logits likewise (Gemma 2)
+    attn_scale: float | None = None     # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -126,6 +61,14 @@ class ModelConfig:
             raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
         if self.head_dim % 2:
             raise bad("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise bad("layer_windows", f"one window >= 0 per layer ({self.num_layers}), got {self.layer_windows}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise bad("hidden_act", f"must be silu or gelu_tanh, got {self.hidden_act!r}")
+        for name in ("local_rope_theta", "attn_logit_softcap", "final_logit_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise bad(name, f"must be > 0 or None, got {value}")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
             raise bad("rope_scaling", f"longrope needs head_dim / 2 = {self.head_dim // 2} factors, got "
@@ -136,6 +79,10 @@ class ModelConfig:
             raise bad("rope_theta", f"must be > 0, got {self.rope_theta}")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise bad("eos_token_ids", f"{self.eos_token_ids} outside [0, {self.vocab_size})")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens, None for full attention."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
 
     # Derived sizes.
     @property

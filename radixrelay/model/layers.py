@@ -160,12 +160,14 @@ class RotaryEmbedding(nn.Module):
         long = _longrope_inv_freq(config, scaling.long_factor).to(device) if longrope else None
         self.register_buffer("long_inv_freq", long, persistent=False)
         self.magnitude = float(scaling.attention_factor) if longrope else 1.0
+        self.single = True        # every layer rotates by this one (not Gemma 3's two bases)
 
     @property
     def shifts_exactly(self) -> bool:
         """Whether RoPE at position p + d is RoPE at p rotated by ``self(d)`` (what shifted KV loads do):
-        not where the frequencies depend on the position (longrope) or cos and sin are scaled."""
-        return self.long_inv_freq is None and self.magnitude == 1.0
+        not where the frequencies depend on the position (longrope), cos and sin are scaled, or some layers
+        rotate by another RoPE."""
+        return self.long_inv_freq is None and self.magnitude == 1.0 and self.single
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """Divide the frequencies by per-frequency factors (GGUF ``rope_freqs``, llama3 models)."""

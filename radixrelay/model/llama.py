@@ -14,6 +14,7 @@ and gate/up are fused (``qkv_proj``, ``gate_up_proj``); ``load_weights`` takes H
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
+from radixrelay.attention.backend import LayerAttention
 from radixrelay.kernels.fp8 import E4M3, QuantizedRows
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
@@ -118,10 +120,14 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, precision, **factory)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, precision, **factory)
         self.quantized_down = False      # the fused SiLU-and-mul quantizes down's input (set by DecoderLayer)
+        self.silu = config.hidden_act == "silu"      # else GELU-tanh (Gemma): the torch ops on every device
 
     def partial(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x: [T, hidden] (quantized by the fused norm where gate/up takes it so) -> this rank's share of the
         MLP's output [T, hidden] (the ranks' shares sum to it)."""
+        if not self.silu:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                   # [T, inter] each
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if isinstance(x, QuantizedRows) or fused(x):              # (quantized rows: fused kernels only)
             from radixrelay.kernels.silu_mul import silu_mul
 
@@ -145,6 +151,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_id, tp, precision, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, tp, precision, **factory)
+        # Gemma: attention's output normed before the residual add (post_attention_layernorm), and the MLP
+        # between a norm of its own and another on its output
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.quantize_into_products()
 
     def quantize_into_products(self, on: bool = True) -> None:
@@ -156,7 +168,8 @@ class DecoderLayer(nn.Module):
         product quantizes that. ``on=False``: every product quantizes its own input (comparisons)."""
         attn, mlp = self.self_attn, self.mlp
         self.input_layernorm.quantize_output = on and _takes_quantized(attn.qkv_proj)
-        self.post_attention_layernorm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
+        mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        mlp_norm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
         mlp.quantized_down = on and _takes_quantized(mlp.down_proj)
 
     # A layer is two halves around attention (piecewise CUDA graphs capture the halves and launch
@@ -178,8 +191,18 @@ class DecoderLayer(nn.Module):
         # Each row-parallel output joins the residual stream in one op: its all-reduce, the residual add
         # and the norm that follows are one kernel where they can be (TensorParallel.all_reduce_add); at
         # one rank, the add and the norm.
+        if self.sandwich:
+            return self._sandwich_after_attention(x, o, next_norm)
         h, x = self.self_attn.tp.all_reduce_add(self.self_attn.partial_output(o), x, self.post_attention_layernorm)
         return self.mlp.tp.all_reduce_add(self.mlp.partial(h), x, next_norm)
+
+    def _sandwich_after_attention(self, x: torch.Tensor, o: torch.Tensor, next_norm: RMSNorm | None):
+        """Gemma's second half: x + post_attn_norm(attention), then + post_ff_norm(MLP(pre_ff_norm(x)))."""
+        tp = self.self_attn.tp
+        x = x + self.post_attention_layernorm(tp.all_reduce(self.self_attn.partial_output(o)))
+        h = self.pre_feedforward_layernorm(x)
+        x = x + self.post_feedforward_layernorm(tp.all_reduce(self.mlp.partial(h)))
+        return x if next_norm is None else (next_norm(x), x)
 
 
 class LlamaModel(nn.Module):
@@ -207,6 +230,16 @@ class LlamaForCausalLM(nn.Module):
         # per layer: (K scale, V scale) of an FP8 KV cache, from the checkpoint where it has them
         self.kv_scales: dict[int, tuple[float, float]] = {}
         self.rotary = RotaryEmbedding(config, device=device)
+        # Gemma 3: the windowed layers' RoPE (their own base, unscaled); None where every layer shares one
+        self.local_rotary = None
+        if config.local_rope_theta is not None and config.layer_windows:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rotary = RotaryEmbedding(local, device=device)
+            self.rotary.single = False          # shifted KV loads would rotate the windowed layers' keys wrongly
+        # how each layer attends where it differs from plain causal attention (empty: none does)
+        layers = tuple(LayerAttention(window=config.window(i), logit_softcap=config.attn_logit_softcap,
+                                      sm_scale=config.attn_scale) for i in range(config.num_layers))
+        self.attention_layers = () if all(layer.plain for layer in layers) else layers
         vocab_rows = self.tp.vocab_rows(config.vocab_size)[1]
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, vocab_rows, bias=False, **factory))
@@ -221,11 +254,15 @@ class LlamaForCausalLM(nn.Module):
         (float64 for a float64 model)."""
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"forward: {input_ids.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
-        cos, sin = self.rotary(batch.rope_positions)                            # [T, D] each
+        if self.attention_layers and backend.layers != self.attention_layers:
+            backend.set_layers(self.attention_layers)         # (the worker sets them at load: refusals come there)
+        rope = self.rotary(batch.rope_positions)                                # (cos, sin): [T, D] each
+        local = rope if self.local_rotary is None else self.local_rotary(batch.rope_positions)
         x = self.embed(input_ids)                                               # [T, hidden]
         layers, h = self.model.layers, None
         for i, layer in enumerate(layers):
             kv_cache.wait_for_layer(layer.self_attn.layer_id)     # KV tier loads: before the layer's K/V store
+            cos, sin = local if self.config.window(layer.self_attn.layer_id) else rope
             q = layer.before_attention(x, cos, sin, batch.out_slots, kv_cache, normed=h)
             o = backend.forward(q, layer.self_attn.layer_id, kv_cache, batch)
             h, x = self.next_layer_input(i, x, o)
@@ -250,18 +287,23 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(x, head)                                            # [R, vocab rows of this rank]
         if self.tp.enabled:
             logits = self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
-        return logits.to(torch.promote_types(x.dtype, torch.float32))
+        logits = logits.to(torch.promote_types(x.dtype, torch.float32))
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap          # (Gemma 2)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: int [T] -> [T, hidden]. Tensor parallel: each rank looks up the tokens in its
         vocabulary rows (zeros for the others) and the ranks' rows are summed."""
         if not self.tp.enabled:
-            return self.model.embed_tokens(input_ids)
-        start, rows, _ = self.tp.vocab_rows(self.config.vocab_size)
-        local = input_ids - start
-        outside = (local < 0) | (local >= rows)
-        x = self.model.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
-        return self.tp.all_reduce(x)
+            x = self.model.embed_tokens(input_ids)
+        else:
+            start, rows, _ = self.tp.vocab_rows(self.config.vocab_size)
+            local = input_ids - start
+            outside = (local < 0) | (local >= rows)
+            x = self.tp.all_reduce(self.model.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0))
+        if self.config.embedding_scale:        # Gemma: times sqrt(hidden), rounded to the model dtype first
+            x = x * float(torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype))
+        return x
 
     def _cpu_head_t(self, head: torch.Tensor) -> torch.Tensor:
         """BLAS on the CPU (``cpu_gemm`` mode blas, or activations oneDNN does not take):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from radixrelay.model.config_hooks import window_cap
+from radixrelay.model.config_hooks import every_layer, layer_windows
 
 # fused checkpoint module -> the decoder's modules it holds, in row order
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -25,7 +25,7 @@ def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} on a Phi-3 model is not supported")
-    return window_cap(cfg, always=True)
+    return layer_windows(cfg, every_layer)
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:

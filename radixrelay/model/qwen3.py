@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from radixrelay.model.config_hooks import window_cap
+from radixrelay.model.config_hooks import qwen_windows
 
 
 def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("config.json: attention_bias/mlp_bias on a Qwen3 model is not supported")
-    return {"qk_norm": True, **window_cap(cfg, always=False)}
+    return {"qk_norm": True, **qwen_windows(cfg)}
 
 
 def gguf_options(_meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -96,6 +96,9 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
         raise ValueError(f"node kernel fa3 runs in the triton attention backend, not {backend_name!r}")
     node_kernel = resolve_node_kernel(cfg.node_kernel, device) if backend_name == "triton" else "triton"
     backend = make_backend(backend_name, device, node_kernel)
+    # layers with windows, soft-capping or their own scale: refused here by a backend that cannot compute
+    # them; the context it computes them exactly over (a uniform window on the Triton kernels), or None
+    exact_context = backend.set_layers(model.attention_layers) if model.attention_layers else None
     if node_kernel == "fa3":
         logger.info("shared decode nodes of consecutive pages: FlashAttention-3 (16-bit caches), others Triton")
     if device.type == "cuda" and backend_name == "triton":
@@ -144,7 +147,8 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[M
         from radixrelay.worker.warmup import warm_up_steps
 
         logger.info("start-up warm-up step ran in %.2f s", warm_up_steps(runner))
-    max_context = mc.max_position_embeddings
+    max_context = mc.max_position_embeddings if exact_context is None else min(mc.max_position_embeddings,
+                                                                                exact_context)
     if cfg.context_length is not None:
         if cfg.context_length > max_context:
             raise ValueError(f"context_length {cfg.context_length} exceeds the model's maximum positions "

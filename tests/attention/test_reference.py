@@ -11,6 +11,7 @@ import torch
 
 from radixrelay.attention import (
     BatchRequest,
+    LayerAttention,
     KVCache,
     TorchBackend,
     build_forward_batch,
@@ -41,8 +42,9 @@ def _random_case(prefixes: list[int], news: list[int], seed: int = 0):
     return q, k, v, pages, batch
 
 
-def _direct(q, k, v, pages, prefixes, news, kv_start=None, kv_end=None):
-    """float64, one query row at a time, straight from the definitions in docs/kv_layout.md."""
+def _direct(q, k, v, pages, prefixes, news, kv_start=None, kv_end=None, window=None, softcap=None, scale=D ** -0.5):
+    """float64, one query row at a time, straight from the definitions in docs/kv_layout.md; ``window``:
+    the last ``window`` positions only; ``softcap``: scores s -> softcap * tanh(s / softcap)."""
     o = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
     row = 0
@@ -50,13 +52,15 @@ def _direct(q, k, v, pages, prefixes, news, kv_start=None, kv_end=None):
         lo = 0 if kv_start is None else kv_start[b]
         hi = p + n if kv_end is None else kv_end[b]
         for i in range(n):
-            pos = range(lo, min(hi, p + i + 1))
+            pos = range(lo if window is None else max(lo, p + i + 1 - window), min(hi, p + i + 1))
             if len(pos):
                 slots = torch.tensor([pg[t // PAGE] * PAGE + t % PAGE for t in pos])
                 for h in range(HQ):
                     kh = k[slots, h // (HQ // HKV)].double()
                     vh = v[slots, h // (HQ // HKV)].double()
-                    s = kh @ q[row, h].double() * D ** -0.5
+                    s = kh @ q[row, h].double() * scale
+                    if softcap is not None:
+                        s = torch.tanh(s / softcap) * softcap
                     lse[row, h] = torch.logsumexp(s, 0)
                     o[row, h] = torch.softmax(s, 0) @ vh
             row += 1
@@ -153,6 +157,43 @@ def test_torch_backend_uses_kv_cache_and_returns_lse():
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
     torch.testing.assert_close(backend.forward(q, 1, cache, batch), o_ref, rtol=0, atol=0)
+
+
+def test_torch_backend_layer_windows_softcap_and_scale():
+    """Per-layer attention (``set_layers``): a sliding window, soft-capped scores and a softmax scale of its
+    own, against the direct computation; a plain layer beside them is unchanged."""
+    prefixes, news = [0, 9, 13, 3], [7, 1, 4, 6]
+    q, k, v, pages, batch = _random_case(prefixes, news, seed=5)
+    cache = KVCache(num_layers=2, num_pages=k.shape[0] // PAGE, page_size=PAGE, num_kv_heads=HKV,
+                    head_dim=D, dtype=torch.float32, device="cpu")
+    for layer in (0, 1):
+        cache.k[layer].copy_(k)
+        cache.v[layer].copy_(v)
+    backend = TorchBackend()
+    assert backend.set_layers([LayerAttention(window=5, logit_softcap=0.5, sm_scale=0.2), LayerAttention()]) is None
+    o_ref, lse_ref = _direct(q, k, v, pages, prefixes, news, window=5, softcap=0.5, scale=0.2)
+    o, lse = backend.forward_with_lse(q, 0, cache, batch)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.forward(q, 0, cache, batch).double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.forward(q, 1, cache, batch).double(), _direct(q, k, v, pages, prefixes, news)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_triton_backend_refuses_what_its_kernels_cannot_compute():
+    """The kernels compute plain causal attention: one window on every layer caps the context at it; windows
+    beside full layers, soft-capping and per-layer scales are refused, by name."""
+    pytest.importorskip("triton")
+    from radixrelay.attention.triton_backend import TritonBackend
+
+    backend = TritonBackend(overlap=False)
+    assert backend.set_layers([LayerAttention()] * 2) is None
+    assert backend.set_layers([LayerAttention(window=64)] * 2) == 64
+    assert backend.layers == (LayerAttention(),) * 2
+    with pytest.raises(ValueError, match="sliding-window layers beside .* not yet supported on cuda"):
+        backend.set_layers([LayerAttention(window=64), LayerAttention()])
+    with pytest.raises(ValueError, match="soft-capping .* not yet supported on cuda"):
+        backend.set_layers([LayerAttention(logit_softcap=50.0)])
 
 
 def test_build_forward_batch_exact_layout():

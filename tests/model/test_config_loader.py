@@ -52,13 +52,42 @@ def test_from_hf_rejects(change, message):
         ModelConfig.from_hf({**HF_LLAMA, **change})
 
 
-def test_sliding_window_caps_context():
+def test_sliding_windows_per_layer():
+    """Windows are the model's (the context is not capped at them): every layer for Mistral and Phi-3, the
+    layers from max_window_layers on for Qwen2 with use_sliding_window, layer_types where given."""
     mistral = {**HF_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                "max_position_embeddings": 32768, "sliding_window": 4096}
-    assert ModelConfig.from_hf(mistral).max_position_embeddings == 4096
+    cfg = ModelConfig.from_hf(mistral)
+    assert cfg.max_position_embeddings == 32768 and cfg.layer_windows == (4096, 4096)
+    assert (cfg.window(0), cfg.window(1)) == (4096, 4096)
     qwen = {**HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
             "max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False}
-    assert ModelConfig.from_hf(qwen).max_position_embeddings == 32768
+    assert ModelConfig.from_hf(qwen).layer_windows == () and ModelConfig.from_hf(qwen).window(1) is None
+    qwen.update(use_sliding_window=True, max_window_layers=1)
+    assert ModelConfig.from_hf(qwen).layer_windows == (0, 4096)
+    typed = {**mistral, "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf(typed).layer_windows == (0, 4096)
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf({**mistral, "layer_types": ["sliding_attention"]})
+
+
+def test_gemma_configs():
+    """Gemma 2 / 3 switches, from transformers 4's spelling (no layer_types: Gemma 2 windows every other
+    layer from the first, Gemma 3 all but every sliding_window_pattern-th)."""
+    gemma = {**HF_LLAMA, "head_dim": 16, "sliding_window": 512, "query_pre_attn_scalar": 144,
+             "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 6}
+    g2 = ModelConfig.from_hf({**gemma, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+                              "final_logit_softcapping": 30.0})
+    assert g2.layer_windows == (512, 0) * 3 and (g2.attn_logit_softcap, g2.final_logit_softcap) == (50.0, 30.0)
+    assert g2.sandwich_norms and g2.embedding_scale and g2.hidden_act == "gelu_tanh" and g2.tie_word_embeddings
+    assert g2.attn_scale == 144 ** -0.5 and not g2.qk_norm and g2.local_rope_theta is None
+    g3 = ModelConfig.from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1e6,
+                              "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                              "sliding_window_pattern": 3})
+    assert g3.layer_windows == (512, 512, 0) * 2 and g3.qk_norm and g3.attn_logit_softcap is None
+    assert (g3.rope_theta, g3.local_rope_theta, g3.rope_scaling) == (1e6, 1e4, RopeScaling("linear", factor=8.0))
+    with pytest.raises(ValueError, match="hidden_activation"):
+        ModelConfig.from_hf({**gemma, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"})
 
 
 def test_from_hf_missing_key():

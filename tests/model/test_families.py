@@ -2,7 +2,8 @@
 (float32, SmolLM2's vocabulary of 49,152, 2 layers), served by ``Engine(model=DIR,
 tokenizer="default", device="cpu", dtype="float32")`` with cascade forced on every shared node, gives
 the greedy tokens of transformers' own ``generate``: prompts that share a prefix (read once by the
-cascade), and where the family has a window, a prompt longer than it. One Engine per family."""
+cascade), longer than the window where the family has one. One Engine per family (Mistral's window, the Llama
+block with Phi-3's window, is covered by tests/model/test_hf_parity)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,29 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 49152                      # the default tokenizer's
 NEW_TOKENS = 40
+WINDOW = 64                        # where the family has a sliding window
 BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
         "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
-# family -> (transformers config class name, overrides of BASE)
+# family -> (transformers config class name, overrides of BASE). Embeddings untied: a tied random model
+# repeats a few tokens (tied embeddings are covered by tests/model/test_hf_parity).
 FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     # LongRoPE within the original context (short factors, the attention factor of a 256 / 128 extension;
     # past it, transformers' generate re-encodes the whole sequence with the long factors: docs/models.md,
-    # and tests/model/test_hf_parity for the long factors)
-    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None, "original_max_position_embeddings": 128,
+    # and tests/model/test_hf_parity for the long factors), and a sliding window
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": WINDOW, "original_max_position_embeddings": 128,
                             "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.5 + 0.4 * i for i in range(8)]}}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}),
 }
 
 
@@ -77,8 +87,10 @@ def family(request, tmp_path_factory):
 
 
 def test_greedy_tokens_equal_transformers_with_a_shared_prefix(family):
-    _, engine, hf = family
-    prompts = _prompts((56, 56, 56), shared=48, seed=1)
+    """Two prompts of 72 tokens sharing 48 (cached first, then read once by the cascade): longer than the
+    window of the families that have one."""
+    name, engine, hf = family
+    prompts = _prompts((72, 72), shared=48, seed=1)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0))   # the prefix cached first
     before = engine.stats()["cascade_steps"]
@@ -88,4 +100,4 @@ def test_greedy_tokens_equal_transformers_with_a_shared_prefix(family):
     assert all(o.cached_tokens >= 48 for o in outs)
     expected = _hf_greedy(hf, prompts)
     assert len({t for toks in expected for t in toks}) > 10                 # the model is not degenerate
-    assert [o.token_ids for o in outs] == expected
+    assert [o.token_ids for o in outs] == expected, name

@@ -34,6 +34,15 @@ CASES = {
                                                 "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
         "long_factor": [2.0 + 0.3 * i for i in range(8)]}}),
+    # sliding windows shorter than the sequences (37 and 11 tokens)
+    "mistral_window": (transformers.MistralConfig, {"sliding_window": 8}),
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                           "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": (transformers.Gemma3TextConfig, {
+        "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}),
 }
 
 

@@ -1,7 +1,7 @@
 """Tensor parallelism in the model (radixrelay.model.parallel): two ranks in two processes (gloo on the
 CPU) give the single-rank model's greedy tokens (64 per prompt, fp32, paged KV) and its logits within
 float rounding, with KV heads split or replicated, an untied or tied LM head, a vocabulary that does
-not divide (padded rows) and q/k/v biases; what a rank holds and what cannot be split is checked
+not divide (padded rows), q/k/v biases and Gemma's switches; what a rank holds and what cannot be split is checked
 without processes."""
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ CASES = {
     "kv-replicated-tied-odd-vocab": ModelConfig(**{**BASE, "num_kv_heads": 1, "vocab_size": 97,
                                                    "tie_word_embeddings": True}),
     "qkv-bias": ModelConfig(**{**BASE, "architecture": "qwen2", "attention_bias": True}),
+    # Gemma's switches at once: q/k norms, norms around each half, GELU, scaled embeddings, soft-capping, a
+    # window of 8 beside a full layer with two RoPE bases, a softmax scale of its own
+    "gemma-switches": ModelConfig(**{**BASE, "architecture": "gemma3_text", "qk_norm": True, "sandwich_norms": True,
+                                     "hidden_act": "gelu_tanh", "embedding_scale": True, "attn_logit_softcap": 5.0,
+                                     "final_logit_softcap": 3.0, "layer_windows": (8, 0), "rope_theta": 1e6,
+                                     "local_rope_theta": 1e4, "attn_scale": 0.2}),
 }
 
 

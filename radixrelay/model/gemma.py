@@ -1,0 +1,68 @@
+"""Gemma 2 and Gemma 3 (text): the Llama block with
+
+- embeddings scaled by ``sqrt(hidden_size)``; RMSNorm weights stored as offsets from 1 (``(1 + w)``:
+  1 is added to every norm weight at load, after which the norm is the decoder's);
+- norms around each half of the block (``sandwich_norms``: input, post-attention, pre-feedforward and
+  post-feedforward norms), a GELU-tanh MLP;
+- softmax scale ``query_pre_attn_scalar ** -0.5``; sliding-window layers beside global ones
+  (``layer_types``, or the older configs' rule: Gemma 2 every other layer from the first, Gemma 3 all but
+  every ``sliding_window_pattern``-th);
+- Gemma 2: attention-logit and final-logit soft-capping;
+- Gemma 3: per-head q/k norms, and two RoPE bases: the global layers' (``rope_theta``, with its
+  scaling), the windowed layers' (``rope_local_base_freq``, unscaled).
+
+Config hooks and the norm offset (torch-free at import); the math is the decoder's switches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from radixrelay.model.config_hooks import layer_windows
+from radixrelay.model.rope_scaling import RopeScaling
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def gemma2_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_common(cfg), **layer_windows(cfg, lambda layer: layer % 2 == 0),
+            "attn_logit_softcap": cfg.get("attn_logit_softcapping") or None,
+            "final_logit_softcap": cfg.get("final_logit_softcapping") or None}
+
+
+def gemma3_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+    options = {**_common(cfg), **layer_windows(cfg, lambda layer: (layer + 1) % pattern != 0), "qk_norm": True,
+               "attn_logit_softcap": cfg.get("attn_logit_softcapping") or None,
+               "final_logit_softcap": cfg.get("final_logit_softcapping") or None}
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:       # transformers 5: one set per layer type
+        full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+        if RopeScaling.from_hf(local) is not None:
+            raise ValueError("config.json: RoPE scaling on Gemma 3's sliding-window layers is not supported")
+        options.update(rope_theta=float(full.get("rope_theta", 1e6)), rope_scaling=RopeScaling.from_hf(full),
+                       local_rope_theta=float(local.get("rope_theta", 1e4)))
+    else:
+        options["local_rope_theta"] = float(cfg.get("rope_local_base_freq", 1e4))
+    return options
+
+
+def _common(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ValueError(f"config.json: hidden_activation {act!r} on a Gemma model is not supported")
+    if cfg.get("attention_bias") or cfg.get("use_bidirectional_attention"):
+        raise ValueError("config.json: attention_bias / bidirectional attention on a Gemma model is not supported")
+    return {"hidden_act": "gelu_tanh", "sandwich_norms": True, "embedding_scale": True,
+            "attn_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, Any]], _config: Any) -> Iterator[tuple[str, Any]]:
+    """Gemma's RMSNorm scales by ``1 + w``: every norm weight plus one, in float32 (the decoder's norm then
+    multiplies by it as HF multiplies by ``1.0 + w.float()``)."""
+    for name, tensor in weights:
+        if name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor
