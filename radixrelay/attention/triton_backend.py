@@ -68,7 +68,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError("sliding-window layers beside full-attention or other-window layers (Gemma) need the "
                              "torch attention backend: not yet supported on cuda by the Triton kernels "
                              "(attention_backend='torch', or device='cpu')")
-        self.layers = tuple(LayerAttention() for _ in layers)     # within the cap, every layer attends plainly
+        self.layers = layers           # (the kernels read none of it: within the cap, every layer attends plainly)
         return windows.pop() if windows else None
 
     def bind(self, batch: ForwardBatch, kv_start: torch.Tensor, decode_plan: CascadePlan | None) -> None:

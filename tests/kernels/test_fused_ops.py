@@ -10,7 +10,7 @@ from radixrelay.attention import BatchRequest, KVCache, TorchBackend, build_forw
 from radixrelay.kernels.rms_norm import rms_norm, rms_norm_reference
 from radixrelay.kernels.rope_store import rope_and_store
 from radixrelay.kernels.silu_mul import silu_mul, silu_mul_reference
-from radixrelay.model import ModelConfig, load_model
+from radixrelay.model import ModelConfig, RopeScaling, load_model
 from radixrelay.model.config import ModelConfig as _Cfg
 from radixrelay.model.layers import RotaryEmbedding, rope_and_store_reference, set_fused_kernels
 from tests.kernels.helpers import DEVICE, tolerance
@@ -112,10 +112,24 @@ def fused_everywhere():
     set_fused_kernels("auto")
 
 
-def test_model_with_fused_kernels_matches_unfused(fused_everywhere):
+_TINY = {"architecture": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2,
+         "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+_FAMILIES = {       # the families' switches where the fused kernels meet them (docs/models.md)
+    "llama": {},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True},
+    "phi3-longrope": {"architecture": "phi3", "max_position_embeddings": 64, "rope_scaling": RopeScaling(
+        "longrope", factor=2.0, original_max_position_embeddings=8, short_factor=(1.0,) * 8,
+        long_factor=tuple(1.0 + i for i in range(8)), attention_factor=1.2)},
+    "gemma": {"architecture": "gemma3_text", "qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh",
+              "embedding_scale": True, "layer_windows": (4, 0), "local_rope_theta": 1e4, "attn_logit_softcap": 5.0,
+              "final_logit_softcap": 3.0, "attn_scale": 0.2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_model_with_fused_kernels_matches_unfused(fused_everywhere, family):
     """A prefill then a decode of a small random model: logits and the KV cache agree, fused or not (fp32)."""
-    cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(**{**_TINY, **_FAMILIES[family]})
     model, _ = load_model(cfg, seed=0, device=DEVICE, dtype=torch.float32)   # (bfloat16 by default on CUDA)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=gen).to(DEVICE)
