@@ -51,6 +51,8 @@ class Architecture:
     hf_options: HfHook = field(default=_nothing)
     gguf_options: GgufHook = field(default=_nothing)
     checkpoint_tensors: TensorHook = field(default=_as_is)
+    # config.json keeps the decoder's keys under "text_config" (a multimodal checkpoint served as text)
+    text_config: bool = False
 
 
 def _llama_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,6 +89,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  checkpoint_tensors=gemma.checkpoint_tensors),
     Architecture("gemma3_text", ("Gemma3ForCausalLM",), hf_options=gemma.gemma3_options,
                  checkpoint_tensors=gemma.checkpoint_tensors),
+    Architecture("gemma3", ("Gemma3ForConditionalGeneration",), hf_options=gemma.gemma3_options,
+                 checkpoint_tensors=gemma.language_model_tensors, text_config=True),
 )}
 
 
@@ -95,6 +99,19 @@ def architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name!r}, expected one of {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def decoder_keys(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The keys of the decoder a ``config.json`` describes: a multimodal checkpoint's ``text_config`` over its
+    top-level keys (the vision tower's are dropped), else the config as it is."""
+    entry = from_hf_config(cfg)
+    if not entry.text_config:
+        return cfg
+    text = cfg.get("text_config")
+    if not text:
+        raise ValueError(f"config.json: {entry.hf_classes[0]} without a text_config")
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "model_type")}
+    return {**top, **text}
 
 
 def from_hf_config(cfg: Mapping[str, Any]) -> Architecture:

@@ -12,10 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixrelay.model.architectures import ARCHITECTURES, from_gguf_name, from_hf_config
+from radixrelay.model.architectures import (
+    ARCHITECTURES,
+    decoder_keys,
+    from_gguf_name,
+    from_hf_config,
+)
 from radixrelay.model.rope_scaling import ROPE_TYPES, RopeScaling
 
 __all__ = ["ROPE_TYPES", "ModelConfig", "RopeScaling"]
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -120,6 +126,7 @@ class ModelConfig:
         """Build from a ``config.json`` dict; ``generation`` is ``generation_config.json`` whose
         ``eos_token_id`` (int or list) takes precedence over the model config's."""
         arch = from_hf_config(cfg)
+        cfg = decoder_keys(cfg)
         rope = cfg.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         num_heads = _require(cfg, "num_attention_heads")

@@ -9,7 +9,9 @@
   every ``sliding_window_pattern``-th);
 - Gemma 2: attention-logit and final-logit soft-capping;
 - Gemma 3: per-head q/k norms, and two RoPE bases: the global layers' (``rope_theta``, with its
-  scaling), the windowed layers' (``rope_local_base_freq``, unscaled).
+  scaling), the windowed layers' (``rope_local_base_freq``, unscaled). The multimodal checkpoints
+  (``Gemma3ForConditionalGeneration``: 4B and up) are served as text: their ``text_config`` and
+  language-model tensors, the vision tower skipped.
 
 Config hooks and the norm offset (torch-free at import); the math is the decoder's switches.
 """
@@ -66,3 +68,25 @@ def checkpoint_tensors(weights: Iterable[tuple[str, Any]], _config: Any) -> Iter
         if name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0
         yield name, tensor
+
+
+# a multimodal checkpoint's language model (both spellings transformers has saved) -> the decoder's names
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:
+    """Gemma 3's multimodal checkpoints served as text: the language model's tensors renamed, the vision
+    tower's and the projector's skipped, norms offset as ``checkpoint_tensors`` does."""
+    def renamed() -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if name.startswith(_VISION):
+                continue
+            for prefix, ours in _LANGUAGE_MODEL:
+                if name.startswith(prefix):
+                    name = ours + name[len(prefix):]
+                    break
+            yield name, tensor
+
+    return checkpoint_tensors(renamed(), config)

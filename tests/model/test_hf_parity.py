@@ -116,3 +116,22 @@ def test_phi3_long_factors_per_position(tmp_path):
         ref.append(out.logits[:, -1])
         cache = out.past_key_values
     torch.testing.assert_close(torch.cat(ours), torch.cat(ref).float(), atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text_config and the language model's
+    tensors are the decoder; the vision tower is skipped."""
+    text = {**TINY, **CASES["gemma3"][1]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    for name, p in hf.named_parameters():
+        if "norm" in name:
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    model, cfg = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert (cfg.architecture, cfg.vocab_size, cfg.layer_windows, cfg.qk_norm) == ("gemma3", 96, (8, 0), True)
+    _compare(model, hf.eval())
