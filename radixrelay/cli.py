@@ -12,7 +12,7 @@ from pathlib import Path
 
 from radixrelay.config import (
     ATTENTION_BACKENDS, CASCADE_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, KV_TIER_POLICIES, LOAD_FORMATS, LOG_LEVELS,
-    NODE_KERNELS, QUANTIZATIONS, EngineConfig, ServerConfig,
+    NODE_KERNELS, QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, ServerConfig,
 )
 from radixrelay.env import api_key_env
 
@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send and /v1/models lists (default: the --model value)")
     _chat_template_arg(g)
+    g.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the format of tool calls in the model's output: hermes (<tool_call> tags: Qwen, Hermes), "
+                        "llama3_json, mistral ([TOOL_CALLS]); auto: from the chat template (default: %(default)s)")
+    g.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="think: reasoning inside <think>...</think> is returned as reasoning_content; auto: think "
+                        "when the chat template writes </think> (default: %(default)s)")
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
@@ -310,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 host=args.host, port=args.port, api_key=_api_key(args),
                 served_model_name=args.served_model_name,
                 chat_template=_template_text(args.chat_template), max_n=args.max_n,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                 max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
                 log_level=args.log_level, request_read_timeout=args.request_read_timeout,
                 max_connections=args.max_connections)

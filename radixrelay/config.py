@@ -207,6 +207,10 @@ class EngineConfig:
         return min(self.pinned_kv_tokens, kv_cache_tokens)
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")    # radixrelay.text.tool_calls.FORMATS
+REASONING_PARSERS = ("auto", "think", "none")                       # radixrelay.text.reasoning
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -214,6 +218,8 @@ class ServerConfig:
     api_key: str | None = None        # when set, /v1/* and /flush_cache need "Authorization: Bearer <key>"
     served_model_name: str | None = None  # None: the --model value
     chat_template: str | None = None  # Jinja template text overriding the model's
+    tool_call_parser: str = "auto"    # the format of tool calls in outputs (auto: from the chat template)
+    reasoning_parser: str = "auto"    # "think", "none" or auto (think when the template writes </think>)
     max_n: int = 16                   # most choices one request may ask for
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout: float = 30.0       # SIGTERM: seconds in-flight requests get to finish
@@ -233,6 +239,10 @@ class ServerConfig:
             raise bad("api_key", "must be non-empty when set")
         if self.max_n < 1:
             raise bad("max_n", f"must be >= 1, got {self.max_n}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise bad("tool_call_parser", f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise bad("reasoning_parser", f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.max_body_bytes < 1024:
             raise bad("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout < 0:

@@ -50,7 +50,12 @@ class Architecture:
     gguf_rope_permuted: bool = False
     hf_options: HfHook = field(default=_nothing)
     gguf_options: GgufHook = field(default=_nothing)
+    # HF safetensors checkpoints: tensors renamed or split to the decoder's HF names
     checkpoint_tensors: TensorHook = field(default=_as_is)
+    # GGUF: llama.cpp tensor kinds (``blk.N.<kind>``) whose module differs from Llama's, and a hook over the
+    # renamed tensors (as ``checkpoint_tensors``)
+    gguf_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_tensors: TensorHook = field(default=_as_is)
     # config.json keeps the decoder's keys under "text_config" (a multimodal checkpoint served as text)
     text_config: bool = False
 
@@ -83,12 +88,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_options=_bias_from_tensors),
     Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", hf_options=qwen3.hf_options,
                  gguf_options=qwen3.gguf_options),
-    Architecture("phi3", ("Phi3ForCausalLM",), hf_options=phi3.hf_options,
-                 checkpoint_tensors=phi3.checkpoint_tensors),
-    Architecture("gemma2", ("Gemma2ForCausalLM",), hf_options=gemma.gemma2_options,
-                 checkpoint_tensors=gemma.checkpoint_tensors),
-    Architecture("gemma3_text", ("Gemma3ForCausalLM",), hf_options=gemma.gemma3_options,
-                 checkpoint_tensors=gemma.checkpoint_tensors),
+    Architecture("phi3", ("Phi3ForCausalLM",), gguf_name="phi3", hf_options=phi3.hf_options,
+                 gguf_options=phi3.gguf_options, checkpoint_tensors=phi3.checkpoint_tensors,
+                 gguf_names=phi3.GGUF_NAMES, gguf_tensors=phi3.checkpoint_tensors),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), gguf_name="gemma2", hf_options=gemma.gemma2_options,
+                 gguf_options=gemma.gemma2_gguf_options, checkpoint_tensors=gemma.checkpoint_tensors,
+                 gguf_names=gemma.GGUF_NAMES),
+    Architecture("gemma3_text", ("Gemma3ForCausalLM",), gguf_name="gemma3", hf_options=gemma.gemma3_options,
+                 gguf_options=gemma.gemma3_gguf_options, checkpoint_tensors=gemma.checkpoint_tensors,
+                 gguf_names=gemma.GGUF_NAMES),
     Architecture("gemma3", ("Gemma3ForConditionalGeneration",), hf_options=gemma.gemma3_options,
                  checkpoint_tensors=gemma.language_model_tensors, text_config=True),
 )}

@@ -25,6 +25,12 @@ from radixrelay.model.config_hooks import layer_windows
 from radixrelay.model.rope_scaling import RopeScaling
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+# llama.cpp's names for the norms around each half (its ffn_norm is the MLP's own, before it)
+GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"}
+# the 27B models (Gemma 2: 46 layers, Gemma 3: 62) scale queries by hidden / heads, the others by head_dim: a GGUF
+# file does not store query_pre_attn_scalar, llama.cpp decides by the layer count
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 
 
 def gemma2_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,6 +65,32 @@ def _common(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"hidden_act": "gelu_tanh", "sandwich_norms": True, "embedding_scale": True,
             "attn_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+
+
+def gemma2_gguf_options(meta: Mapping[str, Any], _shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """llama.cpp's ``gemma2``: norms stored with the 1 added, NEOX RoPE, windows on every other layer."""
+    return {**_gguf_common(meta, "gemma2", pattern=2),
+            "attn_logit_softcap": meta.get("gemma2.attn_logit_softcapping") or None,
+            "final_logit_softcap": meta.get("gemma2.final_logit_softcapping") or None}
+
+
+def gemma3_gguf_options(meta: Mapping[str, Any], _shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """llama.cpp's ``gemma3``: as Gemma 2's, with q/k norms, five windowed layers to each global one unless
+    the file says otherwise, and the windowed layers' RoPE base fixed at 10000 (as llama.cpp has it)."""
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern", 6))
+    return {**_gguf_common(meta, "gemma3", pattern=pattern), "qk_norm": True, "local_rope_theta": 10000.0,
+            "final_logit_softcap": meta.get("gemma3.final_logit_softcapping") or None}
+
+
+def _gguf_common(meta: Mapping[str, Any], arch: str, *, pattern: int) -> dict[str, Any]:
+    layers = int(meta[f"{arch}.block_count"])
+    hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    query_scalar = hidden // heads if layers == _LAYERS_27B[arch] else head_dim
+    window = meta.get(f"{arch}.attention.sliding_window")
+    windows = tuple(int(window) if layer % pattern < pattern - 1 else 0 for layer in range(layers)) if window else ()
+    return {"hidden_act": "gelu_tanh", "sandwich_norms": True, "embedding_scale": True,
+            "attn_scale": float(query_scalar) ** -0.5, "layer_windows": windows}
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], _config: Any) -> Iterator[tuple[str, Any]]:

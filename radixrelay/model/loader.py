@@ -64,13 +64,13 @@ def load_model(
         if not path.is_dir():
             raise ValueError(f"load_model: safetensors needs a model directory, got {path}")
         config = read_hf_config(path)
-        weights = iter_safetensors_weights(path)
+        weights = architecture(config.architecture).checkpoint_tensors(iter_safetensors_weights(path), config)
     elif fmt == "gguf":
         config, weights = open_gguf(gguf_file(path))
     else:
         raise ValueError(f"load_model: unknown load_format {load_format!r}")
     net = _uninitialised(config, device, dtype, tp, precision)
-    net.load_weights(architecture(config.architecture).checkpoint_tensors(weights, config))
+    net.load_weights(weights)
     return net.eval().requires_grad_(False), config
 
 

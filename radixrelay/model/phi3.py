@@ -16,6 +16,8 @@ from radixrelay.model.config_hooks import every_layer, layer_windows
 
 # fused checkpoint module -> the decoder's modules it holds, in row order
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# llama.cpp's phi3 keeps both fusions: q/k/v as attn_qkv, gate/up as ffn_up (split by checkpoint_tensors)
+GGUF_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -26,6 +28,18 @@ def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} on a Phi-3 model is not supported")
     return layer_windows(cfg, every_layer)
+
+
+def gguf_options(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """llama.cpp's ``phi3``: NEOX RoPE (rows not permuted); a sliding window on every layer where the
+    metadata gives one. LongRoPE is stored as per-frequency factor tensors (``rope_factors_long`` /
+    ``_short``): not read yet, refused."""
+    if "rope_factors_long.weight" in shapes or "rope_factors_short.weight" in shapes:
+        raise ValueError("GGUF: phi3 with LongRoPE factors (rope_factors_long/short) is not supported yet; "
+                         "load the HF directory")
+    window = meta.get("phi3.attention.sliding_window")
+    layers = int(meta.get("phi3.block_count", 0))
+    return {"layer_windows": (int(window),) * layers} if window and layers else {}
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:

@@ -1,5 +1,9 @@
 """GGUF checkpoints (llama.cpp format): the file is opened by ``radixrelay.gguf_file``.
 
+Tensor names: Llama's (``_LAYER_NAMES``) unless the architecture names a kind otherwise
+(``Architecture.gguf_names``: Gemma's norms around each half, Phi-3's fused q/k/v and gate/up), then
+the architecture's ``gguf_tensors`` hook (Phi-3: the fused tensors split).
+
 Every tensor is dequantised to float32 on the host: F32, F16, BF16, Q8_0, Q4_0 and Q4_1 here (in torch,
 bit-identical to the ``gguf`` package's numpy code and a few times faster), every other type by
 ``gguf.quants.dequantize`` (F32, F16, BF16,
@@ -57,9 +61,14 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
 
 
 def _iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    entry = architecture(config.architecture)
+    return entry.gguf_tensors(_renamed_weights(file, config, {**_LAYER_NAMES, **entry.gguf_names}), config)
+
+
+def _renamed_weights(file: GGUFFile, config: ModelConfig, layer_names: dict[str, str]):
     unpermute = architecture(config.architecture).gguf_rope_permuted
     for t in file.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, layer_names)
         weight = dequantize(file.tensor_bytes(t), t.ggml_type, f"{file.path.name}: tensor {t.name}")
         weight = weight.reshape(tensor_shape(t))
         if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -113,13 +122,13 @@ def _dequantize_with_gguf(raw: np.ndarray, ggml_type: int, what: str) -> torch.T
     return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(-1)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         raise ValueError(f"GGUF: unsupported tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -84,7 +84,8 @@ class ServerState:
                       Truncation(ratio, self.client.info.max_context, self.engine_config.page_size))
         return serving.ServingContext(self.client, self.tokenizer, self.chat_template,
                                       self.model_name, self.config.max_n, self.metrics, max_choices,
-                                      self.grammars, truncation, self.schemas, self.prompt_work)
+                                      self.grammars, truncation, self.schemas, self.prompt_work,
+                                      self.config.tool_call_parser, self.config.reasoning_parser)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests, finish in-flight ones, stop the runtime, exit 0."""

@@ -24,8 +24,9 @@ import numpy as np
 from msgspec import Meta
 
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
-from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
+from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput, check_schema
 from radixrelay.text.json_ids import PLACEHOLDER, plain_ids, split_prompt
+from radixrelay.text.tool_calls import MAX_TOOLS, NAME, Function
 
 # -- errors -----------------------------------------------------------------------------------
 
@@ -188,19 +189,15 @@ _COMMON: tuple[Unsupported, ...] = (
     _one_of("spaces_between_special_tokens", True),
 )
 _CHAT_ONLY: tuple[Unsupported, ...] = (
-    _empty("tools", "array", "tool calling is not supported by this server"),
-    _one_of("tool_choice", "none", "auto", why="tool calling is not supported by this server"),
-    Unsupported("parallel_tool_calls", lambda v: v is None or isinstance(v, bool),
-                {"type": ["boolean", "null"]}, "must be a boolean (it has no effect: tools are not supported)"),
-    _empty("functions", "array", "function calling is not supported by this server"),
-    _one_of("function_call", "none", "auto", why="function calling is not supported by this server"),
+    _empty("functions", "array", "the legacy `functions` field is not supported by this server; use `tools`"),
+    _one_of("function_call", "none", "auto",
+            why="the legacy `function_call` field is not supported by this server; use `tool_choice`"),
     _only_null("audio", "audio output is not supported by this server"),
     Unsupported("modalities", lambda v: v is None or v == ["text"],
                 {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
                            _NULL]}, "only [\"text\"] is supported"),
     _only_null("prediction", "predicted outputs are not supported by this server"),
     _only_null("web_search_options", "web search is not supported by this server"),
-    _one_of("reasoning_effort", "none", why="this server runs no reasoning model"),
     _one_of("verbosity", "medium"),
     _one_of("service_tier", "auto", "default", why="this server has one service tier"),
     _one_of("store", False, why="this server does not store completions"),
@@ -209,8 +206,7 @@ _CHAT_ONLY: tuple[Unsupported, ...] = (
     _one_of("add_generation_prompt", True),
     _one_of("continue_final_message", False),
     _one_of("echo", False),
-    *(_only_null(name) for name in ("chat_template", "chat_template_kwargs", "documents",
-                                    "separate_reasoning", "best_of")),
+    *(_only_null(name) for name in ("chat_template", "documents", "best_of")),
 )
 _COMPLETIONS_ONLY: tuple[Unsupported, ...] = (
     _one_of("suffix", "", why="suffix (insertion) is not supported by this server"),
@@ -348,6 +344,48 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         return stops
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(pattern=NAME.pattern.join("^$"))]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None      # a JSON schema (absent: any JSON object)
+    strict: bool | None = None                    # arguments always follow ``parameters`` when forced
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# Variables the server gives every chat template itself: ``chat_template_kwargs`` may not replace them.
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools, checked: ``mode`` is ``none`` (no tools, or calls not wanted: the
+    template still sees the tools), ``auto``, or ``required`` over ``functions`` (a named function:
+    that one)."""
+
+    tools: list[dict[str, Any]]              # as the template sees them
+    functions: list[Function]                # the ones that may be called
+    mode: Literal["none", "auto", "required"]
+    parallel: bool
+
+    @property
+    def forced(self) -> bool:
+        return self.mode == "required"
+
+
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
     endpoint: ClassVar[Endpoint] = "chat"
     # Decoded untyped so that templates see every key a message has (name, tool_calls, ...);
@@ -356,6 +394,59 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None     # extra variables for the chat template
+    reasoning_effort: ReasoningEffort | None = None        # given to the template as ``reasoning_effort``
+    separate_reasoning: bool = True                        # reasoning in ``reasoning_content`` (SGLang's field)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra template variables: ``chat_template_kwargs``, then ``reasoning_effort`` if given."""
+        extra = dict(self.chat_template_kwargs or {})
+        if clash := [k for k in RESERVED_TEMPLATE_VARS if k in extra]:
+            raise invalid(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets "
+                          f"{'it' if len(clash) == 1 else 'them'} from the request", "chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra
+
+    def tool_request(self) -> ToolRequest:
+        """The request's tools, checked (400s naming ``tools`` or ``tool_choice``)."""
+        tools = self.tools or []
+        if len(tools) > MAX_TOOLS:
+            raise invalid(f"at most {MAX_TOOLS} tools per request, got {len(tools)}", "tools")
+        functions: list[Function] = []
+        for i, tool in enumerate(tools):
+            fn = tool.function
+            if not NAME.fullmatch(fn.name):
+                raise invalid(f"tools[{i}].function.name: {fn.name!r} is not a valid function name (1 to 64 "
+                              "letters, digits, '_' or '-')", "tools")
+            if any(f.name == fn.name for f in functions):
+                raise invalid(f"tools[{i}].function.name: {fn.name!r} is defined twice", "tools")
+            if fn.parameters is not None:
+                try:
+                    check_schema(fn.parameters)
+                except InvalidStructuredOutput as exc:
+                    raise invalid(f"tools[{i}].function.parameters: {exc}", "tools") from None
+                except RecursionError:
+                    raise invalid(f"tools[{i}].function.parameters: nested too deeply", "tools") from None
+            functions.append(Function(fn.name, fn.parameters))
+        choice = self.tool_choice
+        parallel = self.parallel_tool_calls is not False
+        dicts = [msgspec.to_builtins(t) for t in tools]
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f.name == choice.function.name]
+            if not named:
+                raise invalid(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                              "tool_choice")
+            return ToolRequest(dicts, named, "required", False)
+        if choice == "required" and not functions:
+            raise invalid('tool_choice "required" needs at least one tool in tools', "tool_choice")
+        mode: Literal["none", "auto", "required"] = choice or ("auto" if functions else "none")
+        if not functions:
+            mode = "none"
+        return ToolRequest(dicts, functions, mode, parallel)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -379,13 +470,22 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall       # arguments: JSON text (other text reaches the template as it is)
+
+
 class MessageParam(msgspec.Struct, kw_only=True):
     """One chat message as published in /openapi.json (requests decode messages as plain objects:
-    other keys pass to the chat template). ``content`` may also be null for an assistant turn."""
+    other keys pass to the chat template). ``content`` may be null only for an assistant turn;
+    a tool turn needs ``tool_call_id``; only an assistant turn has ``tool_calls``."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 def _wire(kind: type[GenerationRequest]) -> type[msgspec.Struct]:
@@ -490,13 +590,16 @@ def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np
 
 
 def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling fields as ``SamplingParams``; out-of-range values -> 400."""
+                    seed: int | None, prompt_logprobs: int | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling fields as ``SamplingParams``; out-of-range values -> 400.
+    ``overrides``: fields the server sets for the request (a tool call's constraint)."""
     fields: dict[str, Any] = {
         "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "stop": req.stop_strings(),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "structured": req.structured_output(),
+        **(overrides or {}),
     }
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "min_p": req.min_p, "presence_penalty": req.presence_penalty,
@@ -515,7 +618,7 @@ def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | 
 
 # -- responses --------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -548,9 +651,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str               # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None                              # null: the message only calls tools
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None             # a reasoning model's thinking, apart from content
 
 
 class ChatChoice(msgspec.Struct):
@@ -569,9 +685,25 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of call ``index``: its first piece has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -102,6 +102,15 @@ def _narrow(components: dict[str, Any], limits: Limits) -> None:
     chat = components["ChatCompletionRequest"]["properties"]
     _narrow_generation(chat, limits, dict(oa.UNSUPPORTED["chat"]))
     chat["messages"] = {"type": "array", "items": _ref(oa.MessageParam), "minItems": 1}
+    chat["chat_template_kwargs"] = {"anyOf": [
+        {"type": "object", "propertyNames": {"not": {"enum": list(oa.RESERVED_TEMPLATE_VARS)}}}, {"type": "null"}],
+        "description": "extra variables for the chat template (e.g. enable_thinking)"}
+    components["MessageParam"]["allOf"] = [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"content": {"not": {"type": "null"}}, "tool_calls": {"type": "null"}}}},
+    ]
     chat["max_completion_tokens"] = chat["max_tokens"]
     components["ChatCompletionRequest"]["if"] = {
         "properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]}

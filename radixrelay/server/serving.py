@@ -62,8 +62,10 @@ from radixrelay.text.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.text.tokenizer import Tokenizer
-from radixrelay.structured.spec import InvalidStructuredOutput
+from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput
 from radixrelay.protocol.step import TokenLogprobs
+from radixrelay.text import reasoning, tool_calls
+from radixrelay.text.chat_output import ChatOutput
 
 T = TypeVar("T")
 INLINE_SIZE = 4096          # prompt work up to this size (characters, ids / IDS_PER_UNIT) runs on the event loop
@@ -102,12 +104,24 @@ class ServingContext:
     truncation: Truncation | None = None    # context overflow drops the oldest tokens (else a 400)
     schemas: SchemaRegistry | None = None   # prompt modules (``prompt_schema``); None: refused
     prompt_work: PromptWork | None = None   # where prompt work runs (None: on the caller's thread)
+    tool_call_parser: str = "auto"          # a ``tool_calls.FORMATS`` name; auto: from the chat template
+    reasoning_parser: str = "auto"          # 'think' | 'none'; auto: 'think' if the template writes </think>
     admission: Admission = field(init=False)   # the runtime's limits, ``truncation``
+    tool_format: tool_calls.CallFormat = field(init=False)
+    marker_is_text: bool = field(init=False)   # the call marker is no special token (a grammar can write it)
+    thinks: bool = field(init=False)           # outputs may start with a reasoning block
 
     def __post_init__(self) -> None:
         info = self.client.info
         self.admission = Admission(self.tokenizer, Limits(info.max_context, info.kv_cache_tokens,
                                                           info.vocab_size, self.truncation))
+        template = self.chat_template.text if self.chat_template is not None else None
+        self.tool_format = (tool_calls.detect_format(template) if self.tool_call_parser == "auto"
+                            else tool_calls.get_format(self.tool_call_parser))
+        marker = self.tool_format.marker
+        self.marker_is_text = not marker or self.tokenizer.token_to_id(marker) not in self.tokenizer.special_token_ids
+        self.thinks = (reasoning.template_thinks(template) if self.reasoning_parser == "auto"
+                       else self.reasoning_parser != "none")
 
     async def run_prompt_work(self, size: int, fn: Callable[[], T]) -> T:
         return fn() if self.prompt_work is None else await self.prompt_work.run(size, fn)
@@ -126,6 +140,7 @@ class Choice:
     shifted_at: int = 0
     composed: ComposedPrompt | None = None   # a ``prompt_schema`` prompt (``prompt_ids`` are its tokens)
     last_token_at: float | None = None
+    chat: ChatOutput | None = None           # chat: reasoning and tool calls taken out of the output text
 
 
 @dataclass(frozen=True)
@@ -271,7 +286,8 @@ async def check_structured(ctx: ServingContext, req: oa.GenerationRequest, choic
         try:
             await ctx.grammars.check(spec)
         except InvalidStructuredOutput as exc:
-            raise oa.invalid(str(exc), req.structured_field) from None
+            field_name = req.structured_field or "tools"     # no constraint of its own: its tools'
+            raise oa.invalid(str(exc), field_name) from None
 
 
 def _check_choices(ctx: ServingContext, num_prompts: int, n: int, param: str) -> None:
@@ -315,19 +331,68 @@ def _wrap_int64(value: int) -> int:
 
 def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Truncated],
              max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
-             echo_only: bool = False, composed: list[ComposedPrompt] | None = None) -> list[Choice]:
+             echo_only: bool = False, composed: list[ComposedPrompt] | None = None,
+             output: OutputPlan | None = None) -> list[Choice]:
     prompt_logprobs = logprobs if echo else None
+    overrides = output.overrides if output is not None else None
     out = []
     for p, prompt in enumerate(prompts):
         ids = prompt.ids
         for j in range(req.n):
             seed = None if req.seed is None else _wrap_int64(req.seed + j)
             sp = oa.sampling_params(req, max_tokens=max_tokens[p], logprobs=logprobs, seed=seed,
-                                    prompt_logprobs=prompt_logprobs)
+                                    prompt_logprobs=prompt_logprobs, overrides=overrides)
             out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),
                               echo, echo_only, shifted_prefix=prompt.shifted_prefix or None,
-                              shifted_at=prompt.shifted_at, composed=composed[p] if composed else None))
+                              shifted_at=prompt.shifted_at, composed=composed[p] if composed else None,
+                              chat=output.chat_output() if output is not None else None))
     return out
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How a chat request's output is read (reasoning, tool calls) and what that asks of sampling."""
+
+    thinks: bool                                  # split off a reasoning block
+    opened: bool                                  # the prompt opened it
+    calls: tool_calls.CallFormat | None           # read calls in this format (None: tool_choice none)
+    forced: bool                                  # the output is calls from its first character
+    overrides: dict[str, Any]                     # SamplingParams fields (the calls' structural tag)
+
+    def chat_output(self) -> ChatOutput | None:
+        if not self.thinks and self.calls is None:
+            return None
+        return ChatOutput(reasoning=self.thinks, opened=self.opened, calls=self.calls, forced=self.forced)
+
+
+def _output_plan(ctx: ServingContext, req: oa.ChatCompletionRequest, tools: oa.ToolRequest,
+                 prompt: str) -> OutputPlan:
+    """Reasoning is split off when the template thinks (and ``separate_reasoning``); calls are read
+    unless ``tool_choice`` is none, and constrained by a structural tag where the format allows (a
+    forced call always; ``auto`` unless ``response_format`` constrains the output instead)."""
+    thinks = ctx.thinks and req.separate_reasoning
+    opened = ctx.thinks and reasoning.prompt_opens_reasoning(prompt)
+    overrides: dict[str, Any] = {}
+    if tools.mode == "none":
+        return OutputPlan(thinks, opened, None, False, overrides)
+    fmt = ctx.tool_format
+    given = req.structured_output()
+    if tools.forced and given is not None:
+        raise oa.invalid(f"{req.structured_field} cannot be combined with a forced tool_choice (the output "
+                         "is the call)", req.structured_field)
+    if given is None:
+        tag = tool_calls.constraint(fmt, tools.functions, tools.mode, parallel=tools.parallel,
+                                    marker_is_text=ctx.marker_is_text,
+                                    open_reasoning=reasoning.CLOSE if opened else None)
+        if tag is not None:
+            try:
+                overrides["structured"] = StructuredOutput.structural_tag(tag)
+            except (ValueError, RecursionError) as exc:
+                raise oa.invalid(f"tools: {exc}", "tools") from None
+    if not ctx.marker_is_text:
+        overrides["skip_special_tokens"] = False      # the call marker is a special token: keep it in the text
+    forced = tools.forced and (thinks or not opened)     # calls from the first character of the content
+    return OutputPlan(thinks, opened, fmt, forced, overrides)
 
 
 def _chat_size(messages: list[Any]) -> int:
@@ -386,14 +451,17 @@ def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: St
             max_tokens = ctx.admission.composed(composed, budget)
         return _choices(ctx, req, [Truncated(composed.token_ids)], [max_tokens], req.num_logprobs,
                         composed=[composed])
+    tools = req.tool_request()
+    kwargs = req.template_kwargs()
     with timed(stages, "render"):
         try:
-            text = ctx.chat_template.render(req.messages)
+            text = ctx.chat_template.render(req.messages, tools=tools.tools or None, **kwargs)
         except ValueError as exc:
             raise oa.invalid(str(exc), "messages") from None
+    plan = _output_plan(ctx, req, tools, text)
     with timed(stages, "tokenize"):
         admitted = ctx.admission.text(text, budget, add_special_tokens=False)   # the template has BOS if any
-    return _choices(ctx, req, [admitted.prompt], [admitted.max_tokens], req.num_logprobs)
+    return _choices(ctx, req, [admitted.prompt], [admitted.max_tokens], req.num_logprobs, output=plan)
 
 
 async def completion_choices(ctx: ServingContext, req: oa.CompletionRequest, stages: Stages) -> list[Choice]:
@@ -498,15 +566,54 @@ async def run_to_end(job: GenerationJob) -> None:
         job.cancel()
 
 
+def _finish_reason(c: Choice, reason: oa.FinishReason | None) -> oa.FinishReason | None:
+    """``tool_calls`` for an output that ended (``stop``) with calls."""
+    if reason == "stop" and c.chat is not None and c.chat.tool_calls:
+        return "tool_calls"
+    return reason
+
+
+def _message(c: Choice) -> oa.ChatMessage:
+    chat = c.chat
+    if chat is None:
+        return oa.ChatMessage("assistant", c.output.text)
+    chat.feed(c.output.text, final=True)
+    calls = [oa.ToolCall(call.id, oa.FunctionCall(call.name, call.arguments)) for call in chat.tool_calls]
+    content: str | None = chat.content_text
+    if calls and not content.strip():
+        content = None
+    return oa.ChatMessage("assistant", content, calls or None,
+                          chat.reasoning_text if chat.separates_reasoning and chat.reasoning_text else None)
+
+
 def chat_response(ctx: ServingContext, job: GenerationJob) -> oa.ChatCompletion:
     choices = []
     for c in job.choices:
         logprobs = None
         if c.sampling.logprobs is not None:
             logprobs = _chat_logprobs(ctx, c.output.logprobs, c.output.token_ids)
-        choices.append(oa.ChatChoice(c.index, oa.ChatMessage("assistant", c.output.text),
-                                     c.output.last.finish_reason, logprobs))
+        message = _message(c)
+        choices.append(oa.ChatChoice(c.index, message, _finish_reason(c, c.output.last.finish_reason), logprobs))
     return oa.ChatCompletion(_id("chatcmpl"), int(time.time()), ctx.model_name, choices, usage(job.choices))
+
+
+def _chat_delta(c: Choice, delta: str, final: bool) -> oa.ChatDelta | None:
+    """The delta a chat choice shows for ``delta`` of its text (None: nothing new to show)."""
+    if c.chat is None:
+        return oa.ChatDelta(content=delta) if delta else None
+    pieces = c.chat.feed(delta, final=final)
+    calls: list[oa.ToolCallDelta] = []
+    for d in pieces.calls:
+        if calls and calls[-1].index == d.index and calls[-1].function is not None:    # the call's start + arguments
+            fn = calls[-1].function
+            fn.arguments = (fn.arguments or "") + d.arguments
+        else:
+            calls.append(oa.ToolCallDelta(d.index, d.id, "function" if d.id is not None else None,
+                                          oa.FunctionCallDelta(d.name, d.arguments)))
+    if not (pieces.reasoning or pieces.content or calls):
+        return None
+    return oa.ChatDelta(content=pieces.content or None, reasoning_content=pieces.reasoning or None,
+                        tool_calls=calls or None)
 
 
 def completion_response(ctx: ServingContext, job: GenerationJob) -> oa.Completion:
@@ -536,10 +643,11 @@ async def chat_stream(ctx: ServingContext, job: GenerationJob, first: Event,
             logprobs = None
             if c.sampling.logprobs is not None and update.token_ids:
                 logprobs = _chat_logprobs(ctx, ev.item.logprobs or [], update.token_ids)
-            if ev.delta or logprobs is not None:
-                yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(content=ev.delta), None, logprobs)])
+            delta = _chat_delta(c, ev.delta, update.finished)
+            if delta is not None or logprobs is not None:
+                yield chunk([oa.ChatChunkChoice(c.index, delta or oa.ChatDelta(content=""), None, logprobs)])
             if update.finished:
-                yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(), update.finish_reason)])
+                yield chunk([oa.ChatChunkChoice(c.index, oa.ChatDelta(), _finish_reason(c, update.finish_reason))])
             ev = await job.next_event()
         if include_usage:
             yield chunk([], usage(job.choices))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 CACHE_ENTRIES = 256
 COMPACT = (",", ":")           # JSON is one line, ``json.dumps(separators=(",", ":"))``: no optional whitespace
+TAG_SEPARATORS = (", ", ": ")  # tool-call arguments: JSON as models write it, ``json.dumps`` defaults
 _ENGINE_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")       # "[01:15:21] /project/cpp/x.cc:83: "
 # Why a constraint that compiled is refused when no output can satisfy it (``emptiness``).
 _EMPTY = {
@@ -76,6 +77,8 @@ class GrammarEngine:
                                                         strict_mode=True)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(self._with_json_grammars(spec.value))
             else:
                 compiled = compiler.compile_grammar(choice_grammar(spec.choices))
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -85,6 +88,28 @@ class GrammarEngine:
             why = _EMPTY.get(spec.kind, "no output can satisfy this constraint")
             raise InvalidStructuredOutput(f"{spec.kind}: {why}")
         return compiled
+
+    def _with_json_grammars(self, tag_json: str) -> str:
+        """A structural tag with each ``json_schema`` format replaced by its grammar with fixed
+        whitespace (``TAG_SEPARATORS``; a tag's own JSON schemas allow any whitespace, which a small
+        model may spend its tokens on), compiled strictly like ``json_schema`` constraints."""
+        tag = json.loads(tag_json)
+        stack = [tag]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, dict):
+                for key, child in node.items():
+                    if isinstance(child, dict) and child.get("type") == "json_schema" and \
+                            child.get("style", "json") == "json":
+                        grammar = self._xgr.Grammar.from_json_schema(
+                            json.dumps(child["json_schema"]), any_whitespace=False, separators=TAG_SEPARATORS,
+                            strict_mode=True)
+                        node[key] = {"type": "grammar", "grammar": str(grammar)}
+                    elif isinstance(child, (dict, list)):
+                        stack.append(child)
+        return json.dumps(tag)
 
     def accepts_nothing(self, compiled: Any) -> bool:
         """Whether no output satisfies ``compiled``: its root derives no finite string

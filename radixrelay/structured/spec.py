@@ -2,7 +2,9 @@
 
 Kinds: ``json_object`` (any JSON object), ``json_schema`` (``value`` is the schema as JSON text,
 compiled strictly: no properties beyond the schema's), ``regex`` (``value`` is the pattern, matched
-in full), ``choice`` (``choices``: the output is exactly one of them). Size limits bound the work a
+in full), ``choice`` (``choices``: the output is exactly one of them), ``structural_tag`` (``value``
+is an xgrammar structural tag as JSON text: tool calls, ``radixrelay.text.tool_calls``; each JSON
+schema in it is held to the limits of ``json_schema``, the tag as a whole to ``MAX_TAG_CHARS``). Size limits bound the work a
 single request can ask of the grammar compiler (hostile schemas are refused, never left to hang).
 """
 
@@ -15,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 MAX_SPEC_CHARS = 32_768          # schema JSON text or regex
+MAX_TAG_CHARS = 8 * MAX_SPEC_CHARS   # a structural tag (the schemas of all of a request's tools)
 MAX_SCHEMA_DEPTH = 24            # nesting of objects/arrays in a JSON schema
 MAX_CHOICES = 1_024
 MAX_CHOICE_CHARS = 4_096
@@ -33,7 +36,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "une
                   "propertyNames", "not", "if", "then", "else", "additionalItems")
 _COUNTED = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "structural_tag"]
 
 
 class InvalidStructuredOutput(ValueError):
@@ -47,23 +50,28 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     choices: tuple[str, ...] = ()         # choice: the allowed outputs
 
     def __post_init__(self) -> None:
-        if self.kind in ("json_schema", "regex"):
+        if self.kind in ("json_schema", "regex", "structural_tag"):
             if not isinstance(self.value, str) or not self.value:
                 raise InvalidStructuredOutput(f"{self.kind}: must be a non-empty string")
-            if len(self.value) > MAX_SPEC_CHARS:
+            limit = MAX_TAG_CHARS if self.kind == "structural_tag" else MAX_SPEC_CHARS
+            if len(self.value) > limit:
                 raise InvalidStructuredOutput(f"{self.kind}: {len(self.value)} characters, at most "
-                                              f"{MAX_SPEC_CHARS} are accepted")
+                                              f"{limit} are accepted")
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.value)
             except (ValueError, RecursionError) as exc:
                 raise InvalidStructuredOutput(f"json_schema: not valid JSON ({exc})") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidStructuredOutput("json_schema: a schema is a JSON object")
-            if _depth(schema) > MAX_SCHEMA_DEPTH:
-                raise InvalidStructuredOutput(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
-            if problem := _schema_problem(schema):
-                raise InvalidStructuredOutput(f"json_schema: {problem}")
+            check_schema(schema)
+        if self.kind == "structural_tag":
+            try:
+                tag = json.loads(self.value)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidStructuredOutput(f"structural_tag: not valid JSON ({exc})") from None
+            if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+                raise InvalidStructuredOutput('structural_tag: a JSON object of type "structural_tag"')
+            for schema in _tag_schemas(tag):
+                check_schema(schema)
         if self.kind == "regex" and (problem := _regex_problem(self.value)):
             raise InvalidStructuredOutput(f"regex: {problem}")
         if self.kind == "choice":
@@ -80,6 +88,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         return cls(kind="json_schema", value=schema if isinstance(schema, str) else json.dumps(schema))
 
     @classmethod
+    def structural_tag(cls, tag: dict[str, Any]) -> StructuredOutput:
+        return cls(kind="structural_tag", value=json.dumps(tag, ensure_ascii=False))
+
+    @classmethod
     def json_object(cls) -> StructuredOutput:
         return cls(kind="json_object")
 
@@ -90,6 +102,32 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def choice(cls, choices: list[str] | tuple[str, ...]) -> StructuredOutput:
         return cls(kind="choice", choices=tuple(choices))
+
+
+def check_schema(schema: Any) -> None:
+    """``InvalidStructuredOutput`` unless ``schema`` (decoded) is within the limits of this module."""
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidStructuredOutput("json_schema: a schema is a JSON object")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidStructuredOutput(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    if problem := _schema_problem(schema):
+        raise InvalidStructuredOutput(f"json_schema: {problem}")
+
+
+def _tag_schemas(tag: dict[str, Any]) -> list[Any]:
+    """The JSON schemas of a structural tag's ``json_schema`` formats (walked without recursion; the
+    tag itself nests a few levels per format, so its depth is not bounded by ``MAX_SCHEMA_DEPTH``)."""
+    schemas, stack = [], [tag.get("format")]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema":
+                schemas.append(node.get("json_schema"))
+            else:
+                stack.extend(v for k, v in node.items() if k in ("content", "elements", "tags"))
+    return schemas
 
 
 def _depth(node: Any) -> int:

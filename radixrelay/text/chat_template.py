@@ -5,7 +5,14 @@ it work unchanged: a sandboxed immutable Jinja environment with ``trim_blocks`` 
 ``lstrip_blocks``, a ``tojson`` filter that keeps non-ASCII characters, a ``raise_exception``
 helper, a ``strftime_now`` helper, ``{% break %}`` / ``{% continue %}``, and the variables
 ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` (plus any extra keyword
-variables the caller passes, e.g. ``tools``).
+variables the caller passes: ``chat_template_kwargs`` such as ``enable_thinking``).
+
+Tools: ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) reach the template as the
+variable ``tools``, and an assistant turn's ``tool_calls`` keep their place in its message with each
+call's ``arguments`` as an object, as Hugging Face's ``apply_chat_template`` callers pass them. A
+template that never reads ``tools`` gets the generic fallback instead
+(``tool_calls.fallback_messages``): the tools described in the system message, calls and results
+written out as ``<tool_call>`` / ``<tool_response>`` blocks in plain turns.
 
 Templates are untrusted code (a model's files may carry one): the sandbox refuses access to Python
 internals (``''.__class__.__mro__`` raises ``SecurityError``), and ``_BoundedSandbox`` also refuses
@@ -29,6 +36,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from radixrelay.text.tokenizer import Tokenizer
+from radixrelay.text.tool_calls import fallback_messages, template_messages, template_supports_tools
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_REPEAT = 1_000_000      # items (characters) a `*` repetition may produce in a template
@@ -111,8 +119,25 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise ValueError(f"messages[{i}].content: required for role {role!r}")
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: expected a string or a list of text parts")
+        if role == "tool" and not (isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
+            raise ValueError(f"messages[{i}]: a tool message needs `tool_call_id`, the id of the call it answers")
+        calls = message.get("tool_calls")
+        if calls is not None and role == "assistant":     # other roles' extra keys pass as they are
+            _check_tool_calls(calls, i)
         out.append({**message, "content": content})
     return out
+
+
+def _check_tool_calls(calls: Any, index: int) -> None:
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: expected a list of calls")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise ValueError(f"{where}[{j}]: expected {{'id': str, 'type': 'function', 'function': "
+                             "{'name': str, 'arguments': str}}")
 
 
 def _join_text_parts(parts: list[Any], index: int) -> str:
@@ -138,6 +163,8 @@ class ChatTemplate:
         self.origin = "the given chat template (--chat-template)" if given else \
             f"the chat template of model {model_name!r}"
         self._compiled = _compile(template, self.origin)
+        self.text = template
+        self.supports_tools = template_supports_tools(template)
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
         self._refuse_unsafe()
@@ -165,13 +192,22 @@ class ChatTemplate:
                    given=override is not None)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **extra: Any
     ) -> str:
-        """The prompt text for ``messages`` (validated first); extra keywords become template
-        variables (``tools``, ``documents``, ...)."""
+        """The prompt text for ``messages`` (validated first); ``tools`` as the template expects them
+        (or the generic fallback); extra keywords become template variables."""
+        checked = validate_messages(messages)
+        if tools or any((m["role"] == "assistant" and m.get("tool_calls")) or m["role"] == "tool" for m in checked):
+            if self.supports_tools:
+                checked = template_messages(checked)
+                if tools:
+                    extra["tools"] = tools
+            else:
+                checked = fallback_messages(checked, tools)
         try:
             return self._compiled.render(
-                messages=validate_messages(messages),
+                messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,

@@ -156,3 +156,77 @@ def test_rope_freqs_tensor_gives_llama3_scaling(tmp_path):
     model, _ = load_model(str(path))
     ours, ref = _logits_both(model, hf)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+# llama.cpp's names for the modules of Gemma's and Phi-3's blocks (beside LAYER_NAMES')
+FAMILY_NAMES = {
+    "gemma": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+              "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+FAMILY_CASES = {   # arch -> (config class, overrides, extra metadata); Gemma's query scalar is head_dim below 27B
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                           "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+               {"attention.sliding_window": 8, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": (transformers.Gemma3TextConfig, {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                               "num_hidden_layers": 3, "sliding_window_pattern": 3,
+                                               "layer_types": ["sliding_attention", "sliding_attention",
+                                                               "full_attention"]},
+               {"attention.sliding_window": 8, "attention.sliding_window_pattern": 3}),
+    "phi3": (transformers.Phi3Config, {"pad_token_id": 0, "sliding_window": 8}, {"attention.sliding_window": 8}),
+}
+
+
+def _write_family_gguf(path, hf, arch: str, metadata: dict) -> None:
+    """As llama.cpp's converter writes these families (F32): Gemma's norms with the 1 added, Phi-3's fused
+    tensors kept fused, NEOX RoPE (no row permutation)."""
+    cfg = hf.config
+    names = {**LAYER_NAMES, **FAMILY_NAMES["phi3" if arch == "phi3" else "gemma"]}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value in metadata.items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
+    for name, p in hf.state_dict().items():
+        w = p.detach().float() + (1.0 if arch != "phi3" and name.endswith("norm.weight") else 0.0)
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        writer.add_tensor(gguf_name, w.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILY_CASES))
+def test_gemma_and_phi3_files(tmp_path, arch):
+    """llama.cpp's gemma2, gemma3 and phi3 files (sliding windows shorter than the 29-token sequence): the logits
+    of the HF model they were written from."""
+    config_cls, overrides, metadata = FAMILY_CASES[arch]
+    hf = _random_hf(config_cls, **overrides)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_family_gguf(path, hf, arch, metadata)
+    model, cfg = load_model(str(path))
+    assert cfg.layer_windows == {"gemma2": (8, 0), "gemma3": (8, 8, 0), "phi3": (8, 8)}[arch]
+    ours, ref = _logits_both(model, hf)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

@@ -3,7 +3,9 @@ once per session on the embedded default model.
 
 Its chat template is the model's ChatML layout plus a hostile branch: a message whose content is
 ``OPEN_SESAME`` makes the template reach for Python internals (the sandbox must refuse it per
-request); anything else renders normally, so the template passes the start-up probe.
+request); anything else renders normally, so the template passes the start-up probe. Like Qwen3's,
+it thinks: ``chat_template_kwargs: {"enable_thinking": true}`` opens a ``<think>`` block at the start
+of the answer, ``false`` writes an empty one (the server reads reasoning apart: ``test_tools_http.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ HOSTILE_TEMPLATE = (
     "{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% elif enable_thinking %}<think>\n{% endif %}"
+    "{% endif %}"
 )
 
 

@@ -257,10 +257,19 @@ def corpus(model: str, *, vocab_size: int = 49152) -> list[Hostile]:
         Hostile("response_format json_object", chat, _json(_chat(model, response_format={"type": "json_object"})),
                 200),
         Hostile("response_format text (no-op)", chat, _json(_chat(model, response_format={"type": "text"})), 200),
-        Hostile("tools", chat, _json(_chat(model, tools=[{"type": "function", "function": {"name": "f"}}])),
-                400, param="tools"),
+        Hostile("tools", chat, _json(_chat(model, tools=[{"type": "function", "function": {"name": "f"}}])), 200),
         Hostile("tools [] (no-op)", chat, _json(_chat(model, tools=[], tool_choice="none")), 200),
-        Hostile("tool_choice required", chat, _json(_chat(model, tool_choice="required")), 400, param="tool_choice"),
+        Hostile("tool_choice required without tools", chat, _json(_chat(model, tool_choice="required")), 400,
+                param="tool_choice"),
+        Hostile("tool named in tool_choice but not in tools", chat, _json(_chat(
+            model, tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}})), 400, param="tool_choice"),
+        Hostile("tool schema nested 30 deep", chat, _json(_chat(model, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": _nested_schema(30)}}])), 400, param="tools"),
+        Hostile("tool message without tool_call_id", chat, _json(_chat(model, messages=[
+            {"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}])), 400, param="messages"),
+        Hostile("chat_template_kwargs setting messages", chat, _json(_chat(
+            model, chat_template_kwargs={"messages": []})), 400, param="chat_template_kwargs"),
         Hostile("functions", chat, _json(_chat(model, functions=[{"name": "f"}])), 400, param="functions"),
         Hostile("audio", chat, _json(_chat(model, audio={"voice": "alloy", "format": "mp3"})), 400, param="audio"),
         Hostile("modalities audio", chat, _json(_chat(model, modalities=["text", "audio"])), 400, param="modalities"),

@@ -80,9 +80,10 @@ def test_valid_generated_requests_are_served(hostile_server, schema_doc):
     assert tally.health_passed == tally.health_checks == 2
     # The schema is accurate: what it calls valid is served. What it cannot express: a prompt plus
     # max_tokens past the context, and structured-output constraints the grammar engine refuses
-    # (random regexes and schemas): those are 400s naming their field, with the engine's message.
+    # (random regexes and schemas, tool schemas included, and a tool_choice naming a function its tools
+    # do not have): those are 400s naming their field, with the engine's message.
     constraints = sum(tally.refused_params[f] for f in ("guided_json", "guided_regex", "guided_choice",
-                                                         "response_format"))
+                                                         "response_format", "tools", "tool_choice"))
     assert tally.by_class["2xx"] + constraints >= 0.95 * tally.tried, (tally.by_status, tally.refused_params)
 
 
@@ -114,6 +115,7 @@ def test_schema_documents_every_endpoint(schema_doc):
         assert props["max_tokens"]["anyOf"][0]["maximum"] == 8191      # the model's context - 1
         assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 0    # only the no-op value
     chat = schemas["ChatCompletionRequest"]["properties"]
-    assert chat["tools"]["anyOf"][0] == {"type": "array", "maxItems": 0}
+    assert chat["tools"]["anyOf"][0] == {"type": "array", "items": {"$ref": "#/components/schemas/Tool"},
+                                         "maxItems": 128}
     assert chat["messages"]["items"] == {"$ref": "#/components/schemas/MessageParam"}
     assert set(schemas["ErrorResponse"]["required"]) == {"error"}

@@ -1,0 +1,159 @@
+"""Tool-call formats on fixed strings: whole outputs, every chunking of them (streams join to the
+whole response and never take text back), structural tags that xgrammar compiles, and the fallback
+rendering for templates without tool support."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixrelay.text.chat_output import ChatOutput
+from radixrelay.text.reasoning import split
+from radixrelay.text.tool_calls import (
+    Function,
+    constraint,
+    detect_format,
+    fallback_messages,
+    get_format,
+    template_messages,
+)
+
+ARGS = '{"city": "Paris", "days": [1, 2], "note": "a } in \\" a string"}'
+CASES = [
+    ("hermes", f'Let me look.\n<tool_call>\n{{"name": "weather", "arguments": {ARGS}}}\n</tool_call>',
+     "Let me look.\n", [("weather", ARGS)]),
+    ("hermes", f'<tool_call>\n{{"name": "a", "arguments": {{}}}}\n</tool_call>\n<tool_call>\n'
+               f'{{"arguments": {ARGS}, "name": "b"}}\n</tool_call>', "", [("a", "{}"), ("b", ARGS)]),
+    ("hermes", "no call here < tool_call >", "no call here < tool_call >", []),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": 1}}', "", [("a", '{"x": 1}')]),   # close left out
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": ', '<tool_call>\n{"name": "a", "arguments": {"x": ',
+     []),                                                                                     # cut: content
+    ("hermes", '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("a", '{"x": 1}')]),
+    ("llama3_json", f'{{"name": "weather", "parameters": {ARGS}}}', "", [("weather", ARGS)]),
+    ("llama3_json", f'<|python_tag|>{{"name": "a", "parameters": {{}}}}; {{"name": "b", "parameters": {ARGS}}}',
+     "", [("a", "{}"), ("b", ARGS)]),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", "The answer is {x}.", "The answer is {x}.", []),
+    ("mistral", f'Sure. [TOOL_CALLS][{{"name": "weather", "arguments": {ARGS}}}, {{"name": "b", "arguments": {{}}}}]',
+     "Sure. ", [("weather", ARGS), ("b", "{}")]),
+    ("mistral", "[TOOL_CALL] is not it", "[TOOL_CALL] is not it", []),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_whole_outputs(name, text, content, calls):
+    got_content, got_calls = get_format(name).parse(text)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    for c in got_calls:
+        json.loads(c.arguments)
+
+
+def _stream(name: str, chunks: list[str]):
+    out = ChatOutput(calls=get_format(name))
+    content, names, args, ids = "", {}, {}, {}
+    for i, chunk in enumerate(chunks):
+        pieces = out.feed(chunk, final=i == len(chunks) - 1)
+        content += pieces.content
+        for d in pieces.calls:
+            if d.id is not None:
+                assert d.index not in ids and d.index == len(ids)     # a call starts once, in order
+                ids[d.index], names[d.index], args[d.index] = d.id, d.name, ""
+            args[d.index] += d.arguments
+    return out, content, [(names[i], args[i]) for i in sorted(names)], ids
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_streams_join_to_the_whole_output(name, text, content, calls, size):
+    chunks = [text[i:i + size] for i in range(0, len(text), size)] + [""]
+    out, streamed, streamed_calls, ids = _stream(name, chunks)
+    whole_content, whole_calls = get_format(name).parse(text)
+    if whole_calls or not streamed_calls:
+        assert streamed == whole_content
+        assert streamed_calls == [(c.name, c.arguments) for c in whole_calls]
+        assert [c.id for c in out.tool_calls] == [ids[i] for i in sorted(ids)]
+
+
+def test_text_that_may_open_a_call_is_held_back():
+    out = ChatOutput(calls=get_format("hermes"))
+    assert out.feed("Hi <tool").content == "Hi "
+    assert out.feed("box>").content == "<toolbox>"
+    pieces = out.feed('<tool_call>\n{"name": "f", "arguments": {"a": ')
+    assert pieces.content == "" and [(d.name, d.arguments) for d in pieces.calls] == [("f", ""), (None, '{"a": ')]
+    assert [d.arguments for d in out.feed("1}}\n</tool_call>", final=True).calls] == ["1}"]
+
+
+def test_forced_calls_without_a_marker():
+    assert get_format("mistral").parse('[{"name": "f", "arguments": {}}]', forced=True)[1][0].name == "f"
+    assert get_format("llama3_json").parse('{"name": "f", "parameters": {}}', forced=True)[1][0].name == "f"
+
+
+@pytest.mark.parametrize("text,opened,reasoning,content", [
+    ("<think>\nHmm, 2.\n</think>\n\nIt is 2.", False, "Hmm, 2.\n", "It is 2."),
+    ("Hmm.</think>Yes.", True, "Hmm.", "Yes."),
+    ("<think>never closed", False, "never closed", ""),
+    ("No thinking <think>here</think>", False, "", "No thinking <think>here</think>"),
+])
+def test_reasoning_split_whole_and_streamed(text, opened, reasoning, content):
+    whole = split(text, opened=opened, final=True)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for size in (1, 2, 5):
+        out = ChatOutput(reasoning=True, opened=opened)
+        chunks = [text[i:i + size] for i in range(0, len(text), size)]
+        r = c = ""
+        for i, chunk in enumerate(chunks):
+            p = out.feed(chunk, final=i == len(chunks) - 1)
+            r, c = r + p.reasoning, c + p.content
+        assert (r, c) == (reasoning, content)
+
+
+def test_reasoning_then_calls():
+    out = ChatOutput(reasoning=True, calls=get_format("hermes"))
+    out.feed('<think>call f</think>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', final=True)
+    assert out.reasoning_text == "call f" and out.content_text == ""
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", "{}")]
+
+
+def test_detection_from_the_template():
+    assert detect_format("{{ '<tool_call>' }}").name == "hermes"
+    assert detect_format("[TOOL_CALLS] {{ x }}").name == "mistral"
+    assert detect_format("<|python_tag|>").name == "llama3_json"
+    assert detect_format("{{ messages }}").name == "hermes"
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("mode,parallel", [("auto", True), ("required", True), ("required", False)])
+def test_structural_tags_compile_and_force_the_format(name, mode, parallel):
+    xgr = pytest.importorskip("xgrammar")
+    fmt = get_format(name)
+    fns = [Function("weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"]}), Function("noop", None)]
+    tag = constraint(fmt, fns, mode, parallel=parallel, marker_is_text=True)
+    if tag is None:
+        assert mode == "auto" and name == "llama3_json"
+        return
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(tag))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(grammar)
+    one = fmt.call_begin("weather", True) + '{"city": "Paris"}' + fmt.call_end(True)
+    prefix = "[TOOL_CALLS][" if name == "mistral" else ""
+    text = prefix + one + ("]" if name == "mistral" else "")
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(text), text
+    assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == [("weather", {"city": "Paris"})]
+    bad = xgr.GrammarMatcher(compiled)
+    assert not bad.accept_string(prefix + fmt.call_begin("weather", True) + '{"town": 1}')
+
+
+def test_fallback_rendering_and_template_arguments():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    out = fallback_messages(msgs, tools)
+    assert out[0]["role"] == "system" and '"name": "f"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    assert template_messages(msgs)[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
