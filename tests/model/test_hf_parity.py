@@ -135,3 +135,21 @@ def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
     model, cfg = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
     assert (cfg.architecture, cfg.vocab_size, cfg.layer_windows, cfg.qk_norm) == ("gemma3", 96, (8, 0), True)
     _compare(model, hf.eval())
+
+
+@torch.no_grad()
+def test_phi3_fused_tensors_split_before_tensor_parallel_slicing(tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj are split at load, so a rank keeps its heads of q, k and v and its
+    columns of gate and up, as from a Llama checkpoint."""
+    from radixrelay.model.parallel import TensorParallel
+
+    _save_random(tmp_path, *CASES["phi3_longrope"])
+    full, cfg = load_model(str(tmp_path))
+    rank, _ = load_model(str(tmp_path), tp=TensorParallel(1, 2))
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    w = full.model.layers[0].self_attn.qkv_proj.weight
+    want = torch.cat([w[q // 2:q], w[q + kv // 2:q + kv], w[q + kv + kv // 2:]])
+    torch.testing.assert_close(rank.model.layers[0].self_attn.qkv_proj.weight, want, rtol=0, atol=0)
+    w = full.model.layers[1].mlp.gate_up_proj.weight
+    want = torch.cat([w[inter // 2:inter], w[inter + inter // 2:]])
+    torch.testing.assert_close(rank.model.layers[1].mlp.gate_up_proj.weight, want, rtol=0, atol=0)
