@@ -1,5 +1,5 @@
 """The decoder of every family in ``radixrelay.model.architectures`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-SmolLM2), switched by ``ModelConfig`` fields, over a flat ragged batch.
+Gemma 2/3, SmolLM2), switched by ``ModelConfig`` fields, over a flat ragged batch.
 
 HOT FILE: only the per-token math of the model belongs here. Batch layout lives in
 ``radixrelay.attention.metadata``, attention math in the backends, checkpoint formats in
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
                                 precision, **factory)
         self.o_proj = _linear(self.q_size, config.hidden_size, False, precision, **factory)
-        # Qwen3: RMSNorm over each head of q and of k (one [D] weight each), before RoPE
+        # Qwen3, Gemma 3: RMSNorm over each head of q and of k (one [D] weight each), before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
 
@@ -170,7 +170,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.quantize_output = on and _takes_quantized(attn.qkv_proj)
         mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
         mlp_norm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
-        mlp.quantized_down = on and _takes_quantized(mlp.down_proj)
+        mlp.quantized_down = on and mlp.silu and _takes_quantized(mlp.down_proj)     # (GELU: down quantizes)
 
     # A layer is two halves around attention (piecewise CUDA graphs capture the halves and launch
     # attention between them): the layer's output is after_attention(x, attention(before_attention(x))).
