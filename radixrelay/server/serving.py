@@ -389,7 +389,7 @@ def _output_plan(ctx: ServingContext, req: oa.ChatCompletionRequest, tools: oa.T
                 overrides["structured"] = StructuredOutput.structural_tag(tag)
             except (ValueError, RecursionError) as exc:
                 raise oa.invalid(f"tools: {exc}", "tools") from None
-    if not ctx.marker_is_text:
+    if not ctx.marker_is_text and fmt.marker_needed:
         overrides["skip_special_tokens"] = False      # the call marker is a special token: keep it in the text
     forced = tools.forced and (thinks or not opened)     # calls from the first character of the content
     return OutputPlan(thinks, opened, fmt, forced, overrides)

@@ -150,6 +150,7 @@ class CallFormat:
 
     name: ClassVar[str]
     marker: ClassVar[str]                            # opens the call region ('' for none)
+    marker_needed: ClassVar[bool] = True             # calls are only found after the marker (unforced)
     template_signs: ClassVar[tuple[str, ...]]        # text whose presence in a template names this format
 
     @classmethod
@@ -273,6 +274,7 @@ class _CallList(CallFormat):
 class Llama3Json(_CallList):
     name = "llama3_json"
     marker = "<|python_tag|>"
+    marker_needed = False
     template_signs = ("<|python_tag|>", '"parameters": ')
     list_sep = ";"
     separator = "; "
