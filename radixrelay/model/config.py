@@ -178,7 +178,7 @@ class ModelConfig:
         scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type == "linear":
             scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
-        elif scaling_type not in ("none", None):
+        elif scaling_type not in ("none", None) and not (scaling_type in ("longrope", "su") and arch == "phi3"):
             raise ValueError(f"GGUF: unsupported {arch}.rope.scaling.type {scaling_type!r}")
         eos = metadata.get("tokenizer.ggml.eos_token_id")
         fields = {

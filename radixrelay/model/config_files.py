@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from radixrelay.gguf_file import GGUFFile, TensorInfo
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.registry import resolve_model_path
@@ -41,8 +43,18 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(cfg, generation)
 
 
+# tensors a config is made of (Phi-3's LongRoPE factors): passed with the metadata, under their tensor names
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_F32 = 0
+
+
 def gguf_config(file: GGUFFile) -> ModelConfig:
     scalars = {k: v for k, v in file.metadata.items() if not isinstance(v, list)}  # not the vocabulary
+    for t in file.tensors:
+        if t.name in CONFIG_TENSORS:
+            if t.ggml_type != _F32:
+                raise ValueError(f"GGUF: {t.name} must be F32, got ggml type {t.ggml_type}")
+            scalars[t.name] = tuple(float(f) for f in file.tensor_bytes(t).view(np.float32))
     return ModelConfig.from_gguf(scalars, {t.name: tensor_shape(t) for t in file.tensors})
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from radixrelay.model.config_hooks import every_layer, layer_windows
+from radixrelay.model.rope_scaling import RopeScaling
 
 # fused checkpoint module -> the decoder's modules it holds, in row order
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -30,16 +31,28 @@ def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return layer_windows(cfg, every_layer)
 
 
-def gguf_options(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+def gguf_options(meta: Mapping[str, Any], _shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """llama.cpp's ``phi3``: NEOX RoPE (rows not permuted); a sliding window on every layer where the
-    metadata gives one. LongRoPE is stored as per-frequency factor tensors (``rope_factors_long`` /
-    ``_short``): not read yet, refused."""
-    if "rope_factors_long.weight" in shapes or "rope_factors_short.weight" in shapes:
-        raise ValueError("GGUF: phi3 with LongRoPE factors (rope_factors_long/short) is not supported yet; "
-                         "load the HF directory")
+    metadata gives one; LongRoPE as per-frequency factor tensors (``rope_factors_long`` / ``_short``, handed
+    over with the metadata by ``config_files.gguf_config``) with the original context and the attention
+    factor in the metadata."""
+    options: dict[str, Any] = {}
     window = meta.get("phi3.attention.sliding_window")
     layers = int(meta.get("phi3.block_count", 0))
-    return {"layer_windows": (int(window),) * layers} if window and layers else {}
+    if window and layers:
+        options["layer_windows"] = (int(window),) * layers
+    long, short = meta.get("rope_factors_long.weight"), meta.get("rope_factors_short.weight")
+    if long is not None or short is not None:
+        original = meta.get("phi3.rope.scaling.original_context_length")
+        if long is None or short is None or original is None:
+            raise ValueError("GGUF: phi3 LongRoPE needs rope_factors_long, rope_factors_short and "
+                             "phi3.rope.scaling.original_context_length")
+        params = {"rope_type": "longrope", "short_factor": list(short), "long_factor": list(long),
+                  "original_max_position_embeddings": int(original)}
+        if meta.get("phi3.rope.scaling.attn_factor") is not None:
+            params["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+        options["rope_scaling"] = RopeScaling.from_hf(params, {"max_position_embeddings": meta.get("phi3.context_length")})
+    return options
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:

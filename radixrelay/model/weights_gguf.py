@@ -28,7 +28,7 @@ import torch
 from radixrelay.gguf_file import GGUFFile
 from radixrelay.model.architectures import architecture
 from radixrelay.model.config import ModelConfig
-from radixrelay.model.config_files import gguf_config, tensor_shape
+from radixrelay.model.config_files import CONFIG_TENSORS, gguf_config, tensor_shape
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -68,6 +68,8 @@ def _iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, to
 def _renamed_weights(file: GGUFFile, config: ModelConfig, layer_names: dict[str, str]):
     unpermute = architecture(config.architecture).gguf_rope_permuted
     for t in file.tensors:
+        if t.name in CONFIG_TENSORS:                 # read into the config already
+            continue
         name = _hf_name(t.name, layer_names)
         weight = dequantize(file.tensor_bytes(t), t.ggml_type, f"{file.path.name}: tensor {t.name}")
         weight = weight.reshape(tensor_shape(t))

@@ -177,7 +177,7 @@ FAMILY_CASES = {   # arch -> (config class, overrides, extra metadata); Gemma's 
 }
 
 
-def _write_family_gguf(path, hf, arch: str, metadata: dict) -> None:
+def _write_family_gguf(path, hf, arch: str, metadata: dict, tensors: dict | None = None) -> None:
     """As llama.cpp's converter writes these families (F32): Gemma's norms with the 1 added, Phi-3's fused
     tensors kept fused, NEOX RoPE (no row permutation)."""
     cfg = hf.config
@@ -212,6 +212,8 @@ def _write_family_gguf(path, hf, arch: str, metadata: dict) -> None:
             module, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
         writer.add_tensor(gguf_name, w.numpy())
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -229,4 +231,27 @@ def test_gemma_and_phi3_files(tmp_path, arch):
     model, cfg = load_model(str(path))
     assert cfg.layer_windows == {"gemma2": (8, 0), "gemma3": (8, 8, 0), "phi3": (8, 8)}[arch]
     ours, ref = _logits_both(model, hf)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_phi3_longrope_factors(tmp_path):
+    """llama.cpp's Phi-3 128k layout: LongRoPE's factors as F32 tensors, the original context and the attention
+    factor in the metadata: the RoPE of the HF directory, and its logits below the original context."""
+    factors = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.3 * i for i in range(8)]}
+    hf = _random_hf(transformers.Phi3Config, pad_token_id=0, sliding_window=None, original_max_position_embeddings=32,
+                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **factors})
+    hf.save_pretrained(tmp_path / "hf")
+    from_dir, cfg = load_model(str(tmp_path / "hf"))
+    path = tmp_path / "tiny-phi3-128k.gguf"
+    _write_family_gguf(path, hf, "phi3", {"rope.scaling.original_context_length": 32,
+                                          "rope.scaling.attn_factor": cfg.rope_scaling.attention_factor},
+                       {f"rope_factors_{kind}.weight": np.array(factors[f"{kind}_factor"], dtype=np.float32)
+                        for kind in ("long", "short")})
+    model, gguf_cfg = load_model(str(path))
+    ours_s, theirs = gguf_cfg.rope_scaling, cfg.rope_scaling           # (the file holds float32 factors)
+    assert (ours_s.rope_type, ours_s.original_max_position_embeddings, ours_s.factor) == ("longrope", 32, 4.0)
+    assert ours_s.attention_factor == pytest.approx(theirs.attention_factor, rel=1e-6)
+    for name in ("inv_freq", "long_inv_freq"):
+        torch.testing.assert_close(getattr(model.rotary, name), getattr(from_dir.rotary, name), rtol=0, atol=0)
+    ours, ref = _logits_both(model, hf, seq_len=29)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
