@@ -103,14 +103,14 @@ class IdPrefixCache:
 
 def _longest_shared(inner: bytes, candidates: list[_Parsed]) -> tuple[_Parsed | None, int]:
     """The candidate sharing the most whole ids with ``inner``, and how many: ids before a comma at
-    which both texts are still identical."""
-    best, best_shared = None, 0
-    new = np.frombuffer(inner, dtype=np.uint8)
+    which both texts are still identical. Byte comparisons are memcmp's (``startswith`` on views): a
+    candidate is looked at only if it agrees with ``inner`` past the best one's first difference."""
+    best, best_shared, best_same = None, 0, -1
     for entry in candidates:
         n = min(len(entry.text), len(inner))
-        old = np.frombuffer(entry.text, dtype=np.uint8, count=n)
-        differs = old != new[:n]
-        same = int(differs.argmax()) if differs.any() else n
+        if n <= best_same or not inner.startswith(memoryview(entry.text)[:best_same + 1]):
+            continue                     # differs where the best one does (or before): shares no more
+        same = _first_difference(inner, entry.text, n, best_same + 1)
         # whole ids end at a comma before the first difference (or the shorter text's end, when one
         # text is a prefix of the other and the longer one has a comma right there)
         shared = int(np.searchsorted(entry.commas, same, side="left"))
@@ -118,7 +118,33 @@ def _longest_shared(inner: bytes, candidates: list[_Parsed]) -> tuple[_Parsed | 
             shared = len(entry.ids)
         if shared > best_shared:
             best, best_shared = entry, shared
+        best_same = max(best_same, same)
     return best, best_shared
+
+
+_CHUNK = 1 << 14
+
+
+def _first_difference(a: bytes, b: bytes, n: int, known: int) -> int:
+    """The first index < ``n`` where ``a`` and ``b`` differ (``n`` if none), given that their first
+    ``known`` bytes agree: memcmp's of ``_CHUNK`` bytes from there on, then a binary search inside the
+    chunk that differs (one pass over the shared bytes, no copies)."""
+    view = memoryview(b)
+    lo = known
+    while lo < n:
+        hi = min(lo + _CHUNK, n)
+        if not a.startswith(view[lo:hi], lo):
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:                   # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a.startswith(view[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _parse_plain(inner: bytes) -> tuple[np.ndarray, np.ndarray] | None:
