@@ -1,4 +1,5 @@
-"""The worker's model: config, Llama-family implementation, checkpoint loading.
+"""The worker's model: config, the architecture registry (``architectures``: Llama, Mistral, Qwen2/3, Phi-3,
+Gemma 2/3), the decoder they share (``llama``), checkpoint loading.
 
 One step, end to end::
 
