@@ -281,7 +281,7 @@ def build_app(state: ServerState) -> FastAPI:
             limits = openapi_schema.Limits(
                 model_name=state.model_name, max_n=state.config.max_n,
                 max_context=info.max_context if info else 1, vocab_size=info.vocab_size if info else 1,
-                api_key=state.config.api_key is not None)
+                api_key=state.config.api_key is not None, priority=state.engine_config.enable_priority)
             app.openapi_schema = openapi_schema.build(app.routes, app.version, limits)
         return app.openapi_schema
 

@@ -201,8 +201,6 @@ _CHAT_ONLY: tuple[Unsupported, ...] = (
     _one_of("verbosity", "medium"),
     _one_of("service_tier", "auto", "default", why="this server has one service tier"),
     _one_of("store", False, why="this server does not store completions"),
-    _one_of("prompt_cache_retention", "in_memory",
-            why="the prompt cache lives in memory only (the radix cache)"),
     _one_of("add_generation_prompt", True),
     _one_of("continue_final_message", False),
     _one_of("echo", False),
@@ -297,6 +295,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
+    # Pinned prefixes: "24h" pins the whole prompt (``prompt_pins``); "in_memory" (the default) is the
+    # radix cache as always. ``priority``: smaller first (vLLM's field), only on a server started with
+    # --enable-priority (the scheduler refuses it otherwise).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    priority: Int64 = 0
 
     @property
     def include_usage(self) -> bool:
@@ -366,21 +369,8 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-# Variables the server gives every chat template itself (and ``self``, which Jinja reserves):
-# ``chat_template_kwargs`` may not set them.
-RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "self")
-
-
-def template_kwargs(given: dict[str, Any] | None, reasoning_effort: str | None = None) -> dict[str, Any]:
-    """Extra chat template variables: ``chat_template_kwargs`` (a 400 for a reserved name), then
-    ``reasoning_effort`` if given."""
-    extra = dict(given or {})
-    if clash := [k for k in RESERVED_TEMPLATE_VARS if k in extra]:
-        raise invalid(f"chat_template_kwargs may not set {', '.join(clash)} (reserved: "
-                      f"{', '.join(RESERVED_TEMPLATE_VARS)})", "chat_template_kwargs")
-    if reasoning_effort is not None:
-        extra.setdefault("reasoning_effort", reasoning_effort)
-    return extra
+# Variables the server gives every chat template itself: ``chat_template_kwargs`` may not replace them.
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 @dataclass(frozen=True)
@@ -416,7 +406,13 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra template variables: ``chat_template_kwargs``, then ``reasoning_effort`` if given."""
-        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+        extra = dict(self.chat_template_kwargs or {})
+        if clash := [k for k in RESERVED_TEMPLATE_VARS if k in extra]:
+            raise invalid(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets "
+                          f"{'it' if len(clash) == 1 else 'them'} from the request", "chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra
 
     def tool_request(self) -> ToolRequest:
         """The request's tools, checked (400s naming ``tools`` or ``tool_choice``)."""

@@ -38,6 +38,7 @@ class Limits:
     max_context: int      # tokens: prompt + max_tokens must fit
     vocab_size: int
     api_key: bool         # /v1/*, /flush_cache, /tokenize and /detokenize need a bearer token
+    priority: bool = False    # --enable-priority: any integer priority (else only 0)
 
 
 def _ref(cls: type) -> dict[str, str]:
@@ -89,6 +90,8 @@ def _narrow_generation(props: dict[str, Any], limits: Limits, table: dict[str, o
     # cannot list: published as null only, like the no-op values of unsupported fields.
     props["prompt_schema"] = {"type": "null", "description": "extension: the name of a schema "
                               "registered with POST /v1/schemas (modular prompt reuse; see the README)"}
+    if not limits.priority:
+        props["priority"] = {"const": 0, "description": "smaller runs first; only 0 without --enable-priority"}
     for name, unsupported in table.items():
         props[name] = {**unsupported.schema, "description": f"unsupported: {unsupported.why}; "
                                                             "only the values that change nothing"}
@@ -123,7 +126,6 @@ def _narrow(components: dict[str, Any], limits: Limits) -> None:
     tokenize["oneOf"] = [   # a prompt (text) or messages, not both
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]
-    tokenize["properties"]["chat_template_kwargs"] = chat["chat_template_kwargs"]
     detokenize = components["DetokenizeRequest"]["properties"]
     detokenize["model"] = tokenize["properties"]["model"]
     detokenize["tokens"] = {"type": "array", "items": _token(limits)}

@@ -53,9 +53,11 @@ from radixrelay.modules.registry import SchemaRegistry, UnknownSchemaError
 from radixrelay.radix.truncation import Truncated, Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError
-from radixrelay.protocol.messages import TokenUpdate
+from radixrelay.protocol.messages import PinSpec, TokenUpdate
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.server import openai_protocol as oa
+from radixrelay.server import prompt_pins
+from radixrelay.server.prompt_pins import retention_pins
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.server.metrics import ServerMetrics
 from radixrelay.text.output_text import OutputAssembler
@@ -141,6 +143,8 @@ class Choice:
     composed: ComposedPrompt | None = None   # a ``prompt_schema`` prompt (``prompt_ids`` are its tokens)
     last_token_at: float | None = None
     chat: ChatOutput | None = None           # chat: reasoning and tool calls taken out of the output text
+    pins: list[PinSpec] = field(default_factory=list)   # pinned prefixes of the prompt (``prompt_pins``)
+    priority: int = 0                        # the request's (smaller first; the scheduler checks it is allowed)
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,7 @@ class GenerationJob:
                                                        cache_salt=self.cache_salt,
                                                        shifted_prefix=choice.shifted_prefix,
                                                        shifted_at=choice.shifted_at, on_sent=self._sent,
-                                                       **modular):
+                                                       pins=choice.pins, priority=choice.priority, **modular):
                 self._queue.put_nowait((choice, item))
         except Exception as exc:  # noqa: BLE001 - re-raised by next_event in the handler
             self._queue.put_nowait((choice, exc))
@@ -332,7 +336,8 @@ def _wrap_int64(value: int) -> int:
 def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Truncated],
              max_tokens: list[int], logprobs: int | None, *, echo: bool = False,
              echo_only: bool = False, composed: list[ComposedPrompt] | None = None,
-             output: OutputPlan | None = None) -> list[Choice]:
+             output: OutputPlan | None = None, pins: list[list[PinSpec]] | None = None) -> list[Choice]:
+    """``pins``: each prompt's ``cache_control`` pins (``prompt_pins``); ``prompt_cache_retention`` adds its own."""
     prompt_logprobs = logprobs if echo else None
     overrides = output.overrides if output is not None else None
     out = []
@@ -345,7 +350,9 @@ def _choices(ctx: ServingContext, req: oa.GenerationRequest, prompts: list[Trunc
             out.append(Choice(p * req.n + j, p, ids, sp, OutputAssembler(ctx.tokenizer, ids, sp),
                               echo, echo_only, shifted_prefix=prompt.shifted_prefix or None,
                               shifted_at=prompt.shifted_at, composed=composed[p] if composed else None,
-                              chat=output.chat_output() if output is not None else None))
+                              chat=output.chat_output() if output is not None else None,
+                              pins=(pins[p] if pins else []) + retention_pins(req.prompt_cache_retention, len(ids)),
+                              priority=req.priority))
     return out
 
 
@@ -449,6 +456,8 @@ def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: St
             with _schema_errors("messages"):
                 composed = registry.compose_chat(req.prompt_schema, req.messages, salt=req.cache_salt)
             max_tokens = ctx.admission.composed(composed, budget)
+        if prompt_pins.cache_marks(req.messages):
+            raise oa.invalid("cache_control marks are not supported with prompt_schema", "messages")
         return _choices(ctx, req, [Truncated(composed.token_ids)], [max_tokens], req.num_logprobs,
                         composed=[composed])
     tools = req.tool_request()
@@ -461,7 +470,15 @@ def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: St
     plan = _output_plan(ctx, req, tools, text)
     with timed(stages, "tokenize"):
         admitted = ctx.admission.text(text, budget, add_special_tokens=False)   # the template has BOS if any
-    return _choices(ctx, req, [admitted.prompt], [admitted.max_tokens], req.num_logprobs, output=plan)
+    pins: list[PinSpec] = []
+    if marks := prompt_pins.cache_marks(req.messages):
+        with timed(stages, "render"):
+            pins = prompt_pins.chat_pins(
+                marks, admitted.prompt.ids,
+                lambda m: ctx.chat_template.render(m, False, tools=tools.tools or None, **kwargs),
+                lambda t: ctx.tokenizer.encode_array(t, False))
+    return _choices(ctx, req, [admitted.prompt], [admitted.max_tokens], req.num_logprobs, output=plan,
+                    pins=[pins])
 
 
 async def completion_choices(ctx: ServingContext, req: oa.CompletionRequest, stages: Stages) -> list[Choice]:

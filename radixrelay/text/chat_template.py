@@ -205,10 +205,14 @@ class ChatTemplate:
                     extra["tools"] = tools
             else:
                 checked = fallback_messages(checked, tools)
-        variables = {**extra, "messages": checked, "add_generation_prompt": add_generation_prompt,
-                     "bos_token": self._bos_token, "eos_token": self._eos_token}
         try:
-            return self._compiled.render(variables)      # one mapping: any variable name passes
+            return self._compiled.render(
+                messages=checked,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+                **extra,
+            )
         except ChatTemplateError:
             raise
         except (ValueError, MemoryError):

@@ -252,6 +252,35 @@ def test_flush_cache(client, http):
     assert out.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_pinned_prefixes_and_priority(client, http):
+    # the default pinned budget: a quarter of the 4,096-token cache
+    system = " ".join(f"pinned{i}" for i in range(45))
+    mark = {"type": "ephemeral", "ttl": "1h"}
+    messages = [{"role": "system", "content": system, "cache_control": mark},
+                {"role": "user", "content": "Hello there, how are you today?"}]
+    first = client.chat.completions.create(model="relay", messages=messages, max_tokens=1)
+    m = metrics(http)
+    pinned = m["radixrelay_radix_pinned_tokens"]
+    assert m["radixrelay_pinned_prefixes"] == 1 and pinned % 16 == 0
+    assert 128 <= pinned <= first.usage.prompt_tokens - 10        # up to the system message, not the user's
+    again = client.chat.completions.create(model="relay", max_tokens=1,
+                                           messages=[messages[0], {"role": "user", "content": "Bye"}])
+    assert again.usage.prompt_tokens_details.cached_tokens >= pinned
+    assert metrics(http)["radixrelay_pin_hits_total"] >= 1
+    long_prompt = " ".join(f"long{i}" for i in range(700))          # > 1,024 tokens: past the budget
+    with pytest.raises(openai.BadRequestError, match="pinned KV budget"):
+        client.completions.create(model="relay", prompt=long_prompt, max_tokens=1,
+                                  extra_body={"prompt_cache_retention": "24h"})
+    with pytest.raises(openai.BadRequestError, match="--enable-priority"):
+        client.completions.create(model="relay", prompt="Hi", max_tokens=1, extra_body={"priority": -1})
+    bad = [{"role": "user", "content": "Hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]
+    with pytest.raises(openai.BadRequestError, match="ttl"):
+        client.chat.completions.create(model="relay", messages=bad, max_tokens=1)
+    assert http.post("/flush_cache").json() == {"flushed": True}          # drops the pins too
+    m = metrics(http)
+    assert m["radixrelay_pinned_prefixes"] == 0 == m["radixrelay_radix_cached_tokens"]
+
+
 def _assert_kv_freed(http: httpx.Client) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
