@@ -369,8 +369,21 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-# Variables the server gives every chat template itself: ``chat_template_kwargs`` may not replace them.
-RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+# Variables the server gives every chat template itself (and ``self``, which Jinja reserves):
+# ``chat_template_kwargs`` may not set them.
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "self")
+
+
+def template_kwargs(given: dict[str, Any] | None, reasoning_effort: str | None = None) -> dict[str, Any]:
+    """Extra chat template variables: ``chat_template_kwargs`` (a 400 for a reserved name), then
+    ``reasoning_effort`` if given."""
+    extra = dict(given or {})
+    if clash := [k for k in RESERVED_TEMPLATE_VARS if k in extra]:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(clash)} (reserved: "
+                      f"{', '.join(RESERVED_TEMPLATE_VARS)})", "chat_template_kwargs")
+    if reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", reasoning_effort)
+    return extra
 
 
 @dataclass(frozen=True)
@@ -406,13 +419,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra template variables: ``chat_template_kwargs``, then ``reasoning_effort`` if given."""
-        extra = dict(self.chat_template_kwargs or {})
-        if clash := [k for k in RESERVED_TEMPLATE_VARS if k in extra]:
-            raise invalid(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets "
-                          f"{'it' if len(clash) == 1 else 'them'} from the request", "chat_template_kwargs")
-        if self.reasoning_effort is not None:
-            extra.setdefault("reasoning_effort", self.reasoning_effort)
-        return extra
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def tool_request(self) -> ToolRequest:
         """The request's tools, checked (400s naming ``tools`` or ``tool_choice``)."""

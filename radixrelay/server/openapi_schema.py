@@ -126,6 +126,7 @@ def _narrow(components: dict[str, Any], limits: Limits) -> None:
     tokenize["oneOf"] = [   # a prompt (text) or messages, not both
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]
+    tokenize["properties"]["chat_template_kwargs"] = chat["chat_template_kwargs"]
     detokenize = components["DetokenizeRequest"]["properties"]
     detokenize["model"] = tokenize["properties"]["model"]
     detokenize["tokens"] = {"type": "array", "items": _token(limits)}

@@ -6,6 +6,7 @@ template, as ``/v1/chat/completions`` renders them) and answers the ids the serv
     {"prompt": "Hello"}                      -> {"count": 2, "max_model_len": 8192, "tokens": [1, 19556],
                                                  "token_strs": null}
     {"messages": [...], "add_generation_prompt": true, "return_token_strs": true}
+    {"messages": [...], "tools": [...], "chat_template_kwargs": {...}}     # as a chat request renders them
 
 ``add_special_tokens`` defaults to what serving does: true for a prompt (BOS where the model adds one),
 false for messages (the template writes its own). ``/detokenize`` answers ``{"prompt": text}`` for
@@ -27,6 +28,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[oa.Tool] | None = None               # rendered with messages, as chat requests render them
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None       # None: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -65,7 +68,9 @@ def tokenize(ctx: ServingContext, body: bytes) -> TokenizeResponse:
             raise oa.invalid(f"model {ctx.model_name!r} has no chat template; tokenize a prompt instead",
                              "messages")
         try:
-            text = template.render(req.messages, add_generation_prompt=req.add_generation_prompt)
+            tools = [msgspec.to_builtins(t) for t in req.tools or ()]
+            text = template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                   tools=tools or None, **oa.template_kwargs(req.chat_template_kwargs))
         except ValueError as exc:
             raise oa.invalid(str(exc), "messages") from None
         special = False if req.add_special_tokens is None else req.add_special_tokens

@@ -205,14 +205,10 @@ class ChatTemplate:
                     extra["tools"] = tools
             else:
                 checked = fallback_messages(checked, tools)
+        variables = {**extra, "messages": checked, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self._bos_token, "eos_token": self._eos_token}
         try:
-            return self._compiled.render(
-                messages=checked,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token,
-                eos_token=self._eos_token,
-                **extra,
-            )
+            return self._compiled.render(variables)      # one mapping: any variable name passes
         except ChatTemplateError:
             raise
         except (ValueError, MemoryError):

@@ -85,7 +85,7 @@ def test_forced_calls_parse_and_match_their_schema(client, tool_choice, names):
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
-def test_auto_and_none(client):
+def test_auto_and_none(client, http):
     auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=6, temperature=0)
     choice = auto.choices[0]
     if choice.message.tool_calls:                   # the model chose to call: constrained from the trigger
@@ -97,6 +97,8 @@ def test_auto_and_none(client):
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
     assert none.usage.prompt_tokens > plain.usage.prompt_tokens + 50     # the tools are in the prompt
+    counted = http.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["count"]
+    assert counted == none.usage.prompt_tokens                           # /tokenize renders them alike
 
 
 def test_tool_result_round_trip(client):
@@ -152,6 +154,7 @@ def _error(http: httpx.Client, **fields) -> dict:
     ({"messages": [*ASK, {"role": "tool", "content": "42"}]}, "messages", "tool_call_id"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]}, "messages", "tool_calls"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "messages"),
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs", "self"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", None),
     ({"functions": [{"name": "f"}]}, "functions", "tools"),
 ])
