@@ -101,16 +101,20 @@ def test_auto_and_none(client, http):
     assert counted == none.usage.prompt_tokens                           # /tokenize renders them alike
 
 
-def test_tool_result_round_trip(client):
-    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    call = first.choices[0].message.tool_calls[0]
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
-    second = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4,
-                                            temperature=0)
-    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens     # the call and its result were rendered
+def test_tool_result_round_trip(client, http):
+    """A call sent back (as the client got it: ``arguments`` a JSON string, ``content`` null) with its
+    result: rendered (the generic fallback: a <tool_call> block, a <tool_response> block) and answered."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    ids = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+    assert len(ids) == out.usage.prompt_tokens
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
 
 
 def test_reasoning_is_separated(client):
