@@ -18,6 +18,7 @@ import numpy as np
 from radixrelay.radix.page_hash import chain_hashes, seed_of
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import Tokenizer
+from radixrelay.text.tool_calls import template_tools
 
 # The router's own page size for its index (the replicas' pages may differ: a match is a guess anyway).
 PAGE_TOKENS = 64
@@ -74,12 +75,24 @@ class PromptKeys:
             if endpoint == "chat":
                 if self.template is None or not isinstance(body.get("messages"), list):
                     return None
-                return self.tokenizer.encode_array(self.template.render(body["messages"]), False)
+                return self.tokenizer.encode_array(self._render_chat(body), False)
             if isinstance(prompt, str):
                 return self.tokenizer.encode_array(prompt, True)
         except (ValueError, TypeError, KeyError):
             return None
         return None
+
+    def _render_chat(self, body: dict[str, Any]) -> str:
+        """The chat prompt as a replica renders it: with the request's tools, ``chat_template_kwargs`` and
+        ``reasoning_effort`` (``ValueError``/``TypeError`` for what a replica would refuse)."""
+        assert self.template is not None
+        extra = body.get("chat_template_kwargs") or {}
+        if not isinstance(extra, dict):
+            raise TypeError("chat_template_kwargs is not an object")
+        extra = dict(extra)
+        if isinstance(body.get("reasoning_effort"), str):
+            extra.setdefault("reasoning_effort", body["reasoning_effort"])
+        return self.template.render(body["messages"], tools=template_tools(body.get("tools")), **extra)
 
     def prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt | None:
         """The request's prompt tokens and salt, or None when its tokens cannot be known here."""

@@ -26,7 +26,7 @@ from msgspec import Meta
 from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput, check_schema
 from radixrelay.text.json_ids import PLACEHOLDER, plain_ids, split_prompt
-from radixrelay.text.tool_calls import MAX_TOOLS, NAME, Function
+from radixrelay.text.tool_calls import MAX_TOOLS, NAME, Function, template_tools
 
 # -- errors -----------------------------------------------------------------------------------
 
@@ -444,7 +444,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
             functions.append(Function(fn.name, fn.parameters))
         choice = self.tool_choice
         parallel = self.parallel_tool_calls is not False
-        dicts = [msgspec.to_builtins(t) for t in tools]
+        dicts = template_tools(msgspec.to_builtins(tools)) or []
         if isinstance(choice, NamedToolChoice):
             named = [f for f in functions if f.name == choice.function.name]
             if not named:

@@ -22,6 +22,7 @@ import msgspec
 from radixrelay.admission import AdmissionError, checked_ids
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server.serving import ServingContext
+from radixrelay.text.tool_calls import template_tools
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,9 +69,9 @@ def tokenize(ctx: ServingContext, body: bytes) -> TokenizeResponse:
             raise oa.invalid(f"model {ctx.model_name!r} has no chat template; tokenize a prompt instead",
                              "messages")
         try:
-            tools = [msgspec.to_builtins(t) for t in req.tools or ()]
             text = template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                   tools=tools or None, **oa.template_kwargs(req.chat_template_kwargs))
+                                   tools=template_tools(msgspec.to_builtins(req.tools)),
+                                   **oa.template_kwargs(req.chat_template_kwargs))
         except ValueError as exc:
             raise oa.invalid(str(exc), "messages") from None
         special = False if req.add_special_tokens is None else req.add_special_tokens

@@ -409,6 +409,27 @@ def constraint(fmt: CallFormat, functions: Sequence[Function], mode: str, *, par
     return {"type": "structural_tag", "format": body}
 
 
+# -- what templates see ----------------------------------------------------------------------------
+
+_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+
+
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A request's ``tools`` as every frontend gives them to the template (the server and the router
+    must render the same tokens): ``{"type", "function": {name, description, parameters, strict}}``
+    in that order, null fields left out; None for no tools or anything that is no list of them."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping):
+            return None
+        out.append({"type": tool.get("type"),
+                    "function": {k: fn[k] for k in _FUNCTION_FIELDS if fn.get(k) is not None}})
+    return out
+
+
 # -- rendering calls for templates without tool support ------------------------------------------
 
 

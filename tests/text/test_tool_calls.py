@@ -157,3 +157,19 @@ def test_fallback_rendering_and_template_arguments():
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     assert template_messages(msgs)[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_the_router_renders_tools_as_the_server_does():
+    from radixrelay.router.prompt import PromptKeys
+    from radixrelay.server import openai_protocol as oa
+    from radixrelay.text.chat_template import ChatTemplate
+
+    template = ChatTemplate("{{ tools | tojson }}|{{ x }}|{{ reasoning_effort }}|"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}", model_name="m")
+    raw = [{"function": {"parameters": {"type": "object"}, "description": None, "name": "f"}, "type": "function"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": raw,
+            "chat_template_kwargs": {"x": 1}, "reasoning_effort": "low"}
+    req = oa.decode_request(json.dumps(body).encode(), oa.ChatCompletionRequest)
+    served = template.render(req.messages, tools=req.tool_request().tools, **req.template_kwargs())
+    assert served == '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]|1|low|hi'
+    assert PromptKeys(None, template)._render_chat(body) == served
