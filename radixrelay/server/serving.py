@@ -376,7 +376,8 @@ def _output_plan(ctx: ServingContext, req: oa.ChatCompletionRequest, tools: oa.T
                  prompt: str) -> OutputPlan:
     """Reasoning is split off when the template thinks (and ``separate_reasoning``); calls are read
     unless ``tool_choice`` is none, and constrained by a structural tag where the format allows (a
-    forced call always; ``auto`` unless ``response_format`` constrains the output instead)."""
+    forced call always; ``auto`` unless ``response_format`` constrains the output instead, or
+    ``ignore_eos`` asks for an output no grammar may end)."""
     thinks = ctx.thinks and req.separate_reasoning
     opened = ctx.thinks and reasoning.prompt_opens_reasoning(prompt)
     overrides: dict[str, Any] = {}
@@ -387,7 +388,7 @@ def _output_plan(ctx: ServingContext, req: oa.ChatCompletionRequest, tools: oa.T
     if tools.forced and given is not None:
         raise oa.invalid(f"{req.structured_field} cannot be combined with a forced tool_choice (the output "
                          "is the call)", req.structured_field)
-    if given is None:
+    if given is None and not (req.ignore_eos and not tools.forced):     # (a grammar ends the output)
         tag = tool_calls.constraint(fmt, tools.functions, tools.mode, parallel=tools.parallel,
                                     marker_is_text=ctx.marker_is_text,
                                     open_reasoning=reasoning.CLOSE if opened else None)

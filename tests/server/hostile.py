@@ -259,6 +259,11 @@ def corpus(model: str, *, vocab_size: int = 49152) -> list[Hostile]:
         Hostile("response_format text (no-op)", chat, _json(_chat(model, response_format={"type": "text"})), 200),
         Hostile("tools", chat, _json(_chat(model, tools=[{"type": "function", "function": {"name": "f"}}])), 200),
         Hostile("tools [] (no-op)", chat, _json(_chat(model, tools=[], tool_choice="none")), 200),
+        Hostile("tools with ignore_eos (auto: unconstrained)", chat, _json(_chat(
+            model, tools=[{"type": "function", "function": {"name": "f"}}], ignore_eos=True)), 200),
+        Hostile("a forced call with ignore_eos", chat, _json(_chat(
+            model, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+            ignore_eos=True)), 400, param="ignore_eos"),
         Hostile("tool_choice required without tools", chat, _json(_chat(model, tool_choice="required")), 400,
                 param="tool_choice"),
         Hostile("tool named in tool_choice but not in tools", chat, _json(_chat(
