@@ -181,7 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     _chat_template_arg(g)
     g.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                    help="the format of tool calls in the model's output: hermes (<tool_call> tags: Qwen, Hermes), "
-                        "llama3_json, mistral ([TOOL_CALLS]); auto: from the chat template (default: %(default)s)")
+                        "llama3_json, mistral ([TOOL_CALLS][...]), mistral_args ([TOOL_CALLS]name[ARGS]...); auto: from the "
+                        "chat template (default: %(default)s)")
     g.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="think: reasoning inside <think>...</think> is returned as reasoning_content; auto: think "
                         "when the chat template writes </think> (default: %(default)s)")

@@ -207,7 +207,7 @@ class EngineConfig:
         return min(self.pinned_kv_tokens, kv_cache_tokens)
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")    # radixrelay.text.tool_calls.FORMATS
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "mistral_args")    # radixrelay.text.tool_calls.FORMATS
 REASONING_PARSERS = ("auto", "think", "none")                       # radixrelay.text.reasoning
 
 

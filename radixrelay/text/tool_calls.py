@@ -10,6 +10,8 @@ its family's chat template (``detects``). Formats:
 - ``llama3_json`` (Llama 3.1-3.3 JSON tool calling): the output is ``{"name": ..., "parameters":
   {...}}`` objects separated by ``;``, optionally after ``<|python_tag|>``; no text around them.
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional text.
+- ``mistral_args`` (Mistral's tokenizers from v11 on): ``[TOOL_CALLS]name[ARGS]{...}``, one call after
+  another, after optional text.
 
 Arguments are returned as the model wrote them (the raw JSON text of the value: a streamed call's
 argument fragments join to exactly the unstreamed ``arguments``); a value written as a JSON string
@@ -332,7 +334,64 @@ class Mistral(_CallList):
         return "}"
 
 
-FORMATS: Mapping[str, type[CallFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral)}
+class MistralArgs(CallFormat):
+    """Mistral's later tokenizers (v11 on: Mistral Small 3.2, Magistral, Devstral): each call is
+    ``[TOOL_CALLS]name[ARGS]{...}``, calls one after another, after optional text."""
+
+    name = "mistral_args"
+    marker = "[TOOL_CALLS]"
+    args_marker = "[ARGS]"
+    template_signs = ("[ARGS]",)
+    separator = ""
+
+    def scan(self, text: str, *, final: bool, forced: bool = False) -> Scan:
+        at = text.find(self.marker)
+        if at < 0 and not forced:
+            keep = len(text) if final else len(text) - _held(text, (self.marker,))
+            return Scan(text[:keep], [])
+        content, pos = ("", 0) if at < 0 or (forced and at > 0) else (text[:at], at + len(self.marker))
+        calls: list[PartialCall] = []
+        while True:
+            name_end = text.find(self.args_marker, pos)
+            if name_end < 0:
+                name = text[pos:].strip()
+                if final or (name and not NAME.fullmatch(name.split("[", 1)[0])):
+                    return Scan(content, calls, malformed=bool(name) or not calls)
+                return Scan(content, calls)
+            name = text[pos:name_end].strip()
+            if not NAME.fullmatch(name):
+                return Scan(content, calls, malformed=True)
+            call = PartialCall(name)
+            calls.append(call)
+            start = _skip_ws(text, name_end + len(self.args_marker))
+            if start == len(text):
+                return Scan(content, calls)
+            try:
+                value, end = _DECODER.raw_decode(text, start)
+            except ValueError:
+                if text[start] in "{[":
+                    call.arguments = text[start:]
+                return Scan(content, calls, malformed=final)
+            call.arguments = value if isinstance(value, str) else text[start:end]
+            call.done = True
+            i = _skip_ws(text, end)
+            if text.startswith(self.marker, i):
+                pos = i + len(self.marker)
+            elif i == len(text) or (not final and self.marker.startswith(text[i:])):
+                return Scan(content, calls)                # the end, or the next marker being written
+            elif forced:
+                pos = i                                  # the next call, its marker left out
+            else:
+                return Scan(content, calls, malformed=True)
+
+    def call_begin(self, name: str, marker: bool) -> str:
+        return (self.marker if marker else "") + name + self.args_marker
+
+    def call_end(self, marker: bool) -> str:
+        return ""
+
+
+FORMATS: Mapping[str, type[CallFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, MistralArgs)}
 ALIASES = {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json"}
 DEFAULT_FORMAT = "hermes"
 
@@ -349,7 +408,7 @@ def detect_format(template: str | None) -> CallFormat:
     """The format a chat template writes calls in (by the text it contains); ``hermes`` when none is
     recognised, which is also the format of the generic fallback (``fallback_messages``)."""
     if template is not None:
-        for fmt in (Mistral, Hermes, Llama3Json):
+        for fmt in (MistralArgs, Mistral, Hermes, Llama3Json):
             if fmt.detects(template):
                 return fmt()
     return FORMATS[DEFAULT_FORMAT]()

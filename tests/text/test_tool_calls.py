@@ -23,8 +23,8 @@ ARGS = '{"city": "Paris", "days": [1, 2], "note": "a } in \\" a string"}'
 CASES = [
     ("hermes", f'Let me look.\n<tool_call>\n{{"name": "weather", "arguments": {ARGS}}}\n</tool_call>',
      "Let me look.\n", [("weather", ARGS)]),
-    ("hermes", f'<tool_call>\n{{"name": "a", "arguments": {{}}}}\n</tool_call>\n<tool_call>\n'
-               f'{{"arguments": {ARGS}, "name": "b"}}\n</tool_call>', "", [("a", "{}"), ("b", ARGS)]),
+    ("hermes", (f'<tool_call>\n{{"name": "a", "arguments": {{}}}}\n</tool_call>\n<tool_call>\n'
+                f'{{"arguments": {ARGS}, "name": "b"}}\n</tool_call>'), "", [("a", "{}"), ("b", ARGS)]),
     ("hermes", "no call here < tool_call >", "no call here < tool_call >", []),
     ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": 1}}', "", [("a", '{"x": 1}')]),   # close left out
     ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": ', '<tool_call>\n{"name": "a", "arguments": {"x": ',
@@ -38,6 +38,9 @@ CASES = [
     ("mistral", f'Sure. [TOOL_CALLS][{{"name": "weather", "arguments": {ARGS}}}, {{"name": "b", "arguments": {{}}}}]',
      "Sure. ", [("weather", ARGS), ("b", "{}")]),
     ("mistral", "[TOOL_CALL] is not it", "[TOOL_CALL] is not it", []),
+    ("mistral_args", f"Sure. [TOOL_CALLS]weather[ARGS]{ARGS}[TOOL_CALLS]b[ARGS]{{}}", "Sure. ",
+     [("weather", ARGS), ("b", "{}")]),
+    ("mistral_args", "[TOOL_CALLS]bad name[ARGS]{}", "[TOOL_CALLS]bad name[ARGS]{}", []),
 ]
 
 
@@ -88,6 +91,8 @@ def test_text_that_may_open_a_call_is_held_back():
 def test_forced_calls_without_a_marker():
     assert get_format("mistral").parse('[{"name": "f", "arguments": {}}]', forced=True)[1][0].name == "f"
     assert get_format("llama3_json").parse('{"name": "f", "parameters": {}}', forced=True)[1][0].name == "f"
+    calls = get_format("mistral_args").parse('f[ARGS]{"a": 1}g[ARGS]{}', forced=True)[1]
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", "{}")]
 
 
 @pytest.mark.parametrize("text,opened,reasoning,content", [
@@ -119,11 +124,12 @@ def test_reasoning_then_calls():
 def test_detection_from_the_template():
     assert detect_format("{{ '<tool_call>' }}").name == "hermes"
     assert detect_format("[TOOL_CALLS] {{ x }}").name == "mistral"
+    assert detect_format("[TOOL_CALLS]{{ name }}[ARGS]{{ args }}").name == "mistral_args"
     assert detect_format("<|python_tag|>").name == "llama3_json"
     assert detect_format("{{ messages }}").name == "hermes"
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "mistral_args"])
 @pytest.mark.parametrize("mode,parallel", [("auto", True), ("required", True), ("required", False)])
 def test_structural_tags_compile_and_force_the_format(name, mode, parallel):
     xgr = pytest.importorskip("xgrammar")
