@@ -179,3 +179,37 @@ def test_the_router_renders_tools_as_the_server_does():
     served = template.render(req.messages, tools=req.tool_request().tools, **req.template_kwargs())
     assert served == '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]|1|low|hi'
     assert PromptKeys(None, template)._render_chat(body) == served
+
+
+def test_a_template_with_tool_support_gets_tools_and_argument_objects():
+    from radixrelay.text.chat_template import ChatTemplate
+
+    template = ChatTemplate(
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }};{% endfor %}</tools>\n{% endif %}"
+        "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+        "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+        "{% endfor %}{% elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+        "{% else %}{{ m.role }}: {{ m.content }}{% endif %}\n{% endfor %}", model_name="m")
+    assert template.supports_tools and detect_format(template.text).name == "hermes"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert template.render(msgs, add_generation_prompt=False, tools=tools) == (
+        '<tools>{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}};</tools>\n'
+        'user: hi<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_response>42</tool_response>')
+
+
+def test_a_forced_call_after_an_open_reasoning_block():
+    xgr = pytest.importorskip("xgrammar")
+    fmt = get_format("hermes")
+    tag = constraint(fmt, [Function("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "required": ["a"]})], "required", parallel=False, marker_is_text=True,
+                     open_reasoning="</think>")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_structural_tag(json.dumps(tag))
+    text = 'Let me see.</think><tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert xgr.GrammarMatcher(compiled).accept_string(text)
+    out = ChatOutput(reasoning=True, opened=True, calls=fmt, forced=True)
+    out.feed(text, final=True)
+    assert out.reasoning_text == "Let me see." and [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": 1}')]
