@@ -149,6 +149,13 @@ def test_admission_by_priority_then_prefix_under_a_full_pool():
     assert admission_order(sched, worker) == [4, 5, 2, 3, 1]
 
 
+def test_admission_by_priority_when_the_kv_pool_holds_one_request_at_a_time():
+    sched, worker, _ = make(kv_tokens=48, enable_priority=True)       # 12 pages; each request needs 7
+    for rid, prio in ((1, 2), (2, 1), (3, 2), (4, 0)):
+        sched.add_request(rid, [rid] * 24, SamplingParams(max_tokens=5), priority=prio)
+    assert admission_order(sched, worker) == [4, 2, 1, 3]
+
+
 def test_ageing_lifts_a_long_queued_request():
     sched, worker, clock = make(enable_priority=True, max_running_requests=1, priority_ageing_s=1.0)
     sched.add_request(1, [1] * 8, SamplingParams(max_tokens=2), priority=3)
