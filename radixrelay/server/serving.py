@@ -443,7 +443,8 @@ async def chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stage
     if ctx.chat_template is None:
         raise oa.invalid(f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                          "messages")
-    return await ctx.run_prompt_work(_chat_size(req.messages), partial(_chat_choices, ctx, req, stages))
+    size = _chat_size(req.messages) + (INLINE_SIZE if req.tools else 0)   # tools: schemas to render, check, join
+    return await ctx.run_prompt_work(size, partial(_chat_choices, ctx, req, stages))
 
 
 def _chat_choices(ctx: ServingContext, req: oa.ChatCompletionRequest, stages: Stages) -> list[Choice]:
