@@ -17,7 +17,7 @@ instead of being refused.
 
 Every refusal is an ``AdmissionError``, a ``ValueError`` naming the request field at fault: the server
 answers it as a 400 with that ``param``, the Engine raises it as it is, with the same message. Prompts
-come out as int32 [n] arrays, sent to the scheduler packed (``radixrelay.runtime.token_ids``).
+come out as int32 [n] arrays, sent to the scheduler packed (``radixrelay.protocol.token_ids``).
 """
 
 from __future__ import annotations

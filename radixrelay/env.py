@@ -14,7 +14,7 @@
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
 - ``RADIXRELAY_STEP_LOG``: a file path; the scheduler writes its timeline there (request arrivals,
-  each step sent with its rows, each step's output with its device time; ``radixrelay.runtime.step_log``).
+  each step sent with its rows, each step's output with its device time; ``radixrelay.scheduler.step_log``).
   For seeing which step served a request of a burst.
 - ``RADIXRELAY_OVERLAP_DEPTH``: steps the scheduler keeps in flight with overlap on (2 when unset: step
   N+1 is planned while N computes). For measuring deeper pipelines; a finished request may then compute
@@ -26,7 +26,7 @@
   products run on the CPU (``radixrelay.model.cpu_gemm``: oneDNN's matmul, or torch's ``F.linear``
   for comparisons). Read when the model module is imported; the runtime's children inherit it.
 - ``RADIXRELAY_GC``: ``managed`` (default) or ``python``: how the runtime's processes run Python's
-  garbage collector (``radixrelay.runtime.gc_control``: start-up heap frozen, full collections when
+  garbage collector (``radixrelay.proc.gc_control``: start-up heap frozen, full collections when
   idle; or the interpreter's own policy, for comparison).
 - ``RADIXRELAY_TP_ALLREDUCE``: ``auto`` (default), ``peer``, ``symm`` or ``nccl``: with tensor parallelism
   on CUDA, how all-reduces of up to 8 MiB run (``radixrelay.model.parallel``): ``peer``, our one-shot

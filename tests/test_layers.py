@@ -31,11 +31,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("radixrelay.kernels",)),
     ("base", ("radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.radix", "radixrelay.config", "radixrelay.env", "radixrelay.kv_events",
               "radixrelay.kv_schema", "radixrelay.kv_auth", "radixrelay.kv_store", "radixrelay.net",
-              "radixrelay.sampling_params", "radixrelay.outputs", "radixrelay.structured.spec")),
+              "radixrelay.proc", "radixrelay.sampling_params", "radixrelay.outputs", "radixrelay.structured.spec")),
 ]
 APART = [("radixrelay.scheduler", "radixrelay.worker")]
 # Packages that import no torch (every process and every CPU test uses them).
-TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.gguf_file", "radixrelay.router",
+TORCH_FREE = ["radixrelay.protocol", "radixrelay.text", "radixrelay.proc", "radixrelay.gguf_file", "radixrelay.router",
               "radixrelay.kv_events", "radixrelay.kv_schema", "radixrelay.kv_auth", "radixrelay.kv_store",
               "radixrelay.net"]
 

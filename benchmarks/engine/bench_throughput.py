@@ -290,7 +290,7 @@ def _rank_main(rank: int, args: argparse.Namespace, init: str) -> None:
     import torch.distributed as dist
 
     from radixrelay.model.parallel import PeerAllReduce, TensorParallel
-    from radixrelay.runtime.worker_process import SYMMETRIC_ALL_REDUCE_BYTES
+    from radixrelay.worker.worker_process import SYMMETRIC_ALL_REDUCE_BYTES
 
     torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}")

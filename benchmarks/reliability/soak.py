@@ -266,7 +266,7 @@ def process_tree(pid: int) -> dict[str, int]:
         except OSError:
             continue
         for role in ("scheduler", "worker"):
-            if f"radixrelay.runtime.{role}_process" in cmd:
+            if f"radixrelay.{role}.{role}_process" in cmd:
                 out[role] = int(child)
     return out
 

@@ -206,11 +206,11 @@ def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_g
     from radixrelay.protocol.messages import GenerateRequest, FrontendMessage, decoder, encoder
     from radixrelay.protocol.step import StepOutput
     from radixrelay.radix.tiers import KVTiers
-    from radixrelay.runtime.token_ids import pack_token_ids
+    from radixrelay.protocol.token_ids import pack_token_ids
     try:
-        from radixrelay.runtime.token_ids import unpack_token_ids
+        from radixrelay.protocol.token_ids import unpack_token_ids
     except ImportError:                          # before 2026-11-29: a table of shared int objects
-        from radixrelay.runtime.token_ids import TokenTable
+        from radixrelay.protocol.token_ids import TokenTable
         unpack_token_ids = TokenTable(VOCAB).unpack
     from radixrelay.sampling_params import SamplingParams
     from radixrelay.scheduler import Scheduler

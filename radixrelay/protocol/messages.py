@@ -8,7 +8,7 @@ Channels (one ZMQ PUSH -> PULL socket pair each, see ``Endpoints``):
 Nothing is pickled: each receiver decodes with a ``msgspec.msgpack.Decoder`` typed to its channel's
 union, so a malformed or unexpected message fails to decode instead of executing anything. Such a
 frame (garbage bytes, a truncated message, another channel's message) is logged and dropped by the
-receiver (``radixrelay.runtime.child.FrameDecoder``), which keeps serving; each process's counters
+receiver (``radixrelay.proc.child.FrameDecoder``), which keeps serving; each process's counters
 count them (``malformed_frames``, summed in ``/metrics``).
 """
 
@@ -210,7 +210,7 @@ class ChildArgs(msgspec.Struct, frozen=True):
     config: EngineConfig
     endpoints: Endpoints
     parent_pid: int                   # the child exits once this process is gone
-    ipc_dir: str                      # the socket directory (``radixrelay.runtime.child.leave_socket_dir``)
+    ipc_dir: str                      # the socket directory (``radixrelay.proc.child.leave_socket_dir``)
     log_level: str = "INFO"
     rank: int = 0                     # a worker's tensor-parallel rank
 

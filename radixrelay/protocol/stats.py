@@ -168,7 +168,7 @@ class KVAudit(msgspec.Struct, frozen=True):
 
 
 class GcStats(msgspec.Struct, frozen=True):
-    """One process's collections since start (``radixrelay.runtime.gc_control``)."""
+    """One process's collections since start (``radixrelay.proc.gc_control``)."""
 
     seconds: Annotated[float, counter("Time paused in Python's garbage collector.")] = 0.0
     collections: Annotated[int, counter("Garbage collections of any generation.")] = 0
@@ -186,7 +186,7 @@ _MALFORMED_FRAMES = counter("Runtime messages dropped because they did not decod
 
 
 class LoopCounters(msgspec.Struct):
-    """The scheduler loop's (``radixrelay.runtime.scheduler_process``), cumulative. The worker's seconds
+    """The scheduler loop's (``radixrelay.scheduler.scheduler_process``), cumulative. The worker's seconds
     are its step outputs' per-step values, summed here; with overlap the worker's host work, the
     scheduler's and the device's run at the same time."""
 

@@ -31,10 +31,10 @@ from radixrelay.protocol.messages import (
 )
 from radixrelay.protocol.stats import RuntimeStats
 from radixrelay.protocol.step import ModuleSpan
-from radixrelay.runtime.child import FrameDecoder
+from radixrelay.proc.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
-from radixrelay.runtime.token_ids import pack_token_ids
+from radixrelay.protocol.token_ids import pack_token_ids
 from radixrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger("radixrelay.runtime")

@@ -1,6 +1,6 @@
 """Start, watch and stop the runtime's child processes (one scheduler, one worker).
 
-Children are started with ``subprocess`` as ``python -m radixrelay.runtime.<kind>_process`` and get
+Children are started with ``subprocess`` as ``python -m radixrelay.<kind>.<kind>_process`` and get
 their arguments as msgspec JSON on the command line. (Not ``multiprocessing``: its spawn start
 pickles the process object and re-imports the parent's ``__main__``, which would break scripts
 that use ``Engine`` without an ``if __name__ == "__main__"`` guard.)
@@ -8,7 +8,7 @@ that use ``Engine`` without an ``if __name__ == "__main__"`` guard.)
 Sockets are ``ipc://`` files in a private directory (mode 0700, from ``mkdtemp``; ``socket_dir``) that
 ``stop`` removes. Invariant: after ``stop`` returns, no child process and no socket file is left. Every child
 also gets a marker file in that directory, so that when this process dies without ``stop`` the
-children exit on their own and the last one out removes the directory (``runtime.child``).
+children exit on their own and the last one out removes the directory (``radixrelay.proc.child``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import msgspec
 
 from radixrelay.config import EngineConfig
 from radixrelay.protocol.messages import ChildArgs, Endpoints
-from radixrelay.runtime.child import last_beat, marker
+from radixrelay.proc.child import last_beat, marker
 from radixrelay.runtime.preflight import check_startup
 
 logger = logging.getLogger("radixrelay.runtime")
@@ -35,7 +35,7 @@ CHILD_KINDS = ("worker", "scheduler")          # the worker is tensor-parallel r
 # Every process of a tensor-parallel runtime: no NVLink multicast (NVLS), which can take a shared
 # host's GPUs out of service.
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# A ready runtime's child whose heartbeat (``runtime.child``) is older than this has stopped running.
+# A ready runtime's child whose heartbeat (``radixrelay.proc.child``) is older than this has stopped running.
 HUNG_S = 1.2
 # An ipc:// socket's path must fit ``sockaddr_un.sun_path``: 107 bytes and a NUL on Linux.
 IPC_PATH_MAX = 107
@@ -86,7 +86,7 @@ class RuntimeProcesses:
         for name, kind, rank in children:
             args = msgspec.json.encode(ChildArgs(self.config, self.endpoints, os.getpid(), str(self.ipc_dir),
                                                  level, rank)).decode()
-            proc = subprocess.Popen([sys.executable, "-m", f"radixrelay.runtime.{kind}_process", args],
+            proc = subprocess.Popen([sys.executable, "-m", f"radixrelay.{kind}.{kind}_process", args],
                                     stdin=subprocess.DEVNULL, env=env)
             self.children[name] = proc
             marker(self.ipc_dir, proc.pid).touch()

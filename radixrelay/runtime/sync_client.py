@@ -24,7 +24,7 @@ from radixrelay.protocol.step import ModuleSpan
 from radixrelay.runtime.async_client import WATCH_INTERVAL
 from radixrelay.runtime.client import RuntimeDiedError, ready_info
 from radixrelay.runtime.launcher import RuntimeProcesses
-from radixrelay.runtime.token_ids import pack_token_ids
+from radixrelay.protocol.token_ids import pack_token_ids
 from radixrelay.sampling_params import SamplingParams
 
 _POLL_MS = int(WATCH_INTERVAL * 1000)

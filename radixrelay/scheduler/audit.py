@@ -3,7 +3,7 @@
 The holder counts are cheap enough to run on every /metrics scrape: O(tree nodes + running requests).
 ``check_integrity`` walks every page and every host-tier entry (memory-bound: O(pages)),
 so while requests are live a caller runs it at most every so often and reports the last verdict with
-its age (``integrity_age_s``); at idle it runs on every call (``radixrelay.runtime.audit``).
+its age (``integrity_age_s``); at idle it runs on every call (``radixrelay.scheduler.paced_audit``).
 
 Idle baseline: once no request is live (none running, none waiting), every page is either free or
 cached in the radix tree and nothing is locked:

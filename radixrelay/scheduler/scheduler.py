@@ -112,7 +112,7 @@ class Scheduler:
         ``token_ids``, re-positioned. ``modules``/``rope_runs``: a modular prompt
         (``radixrelay.modules.compose``; ``token_ids`` begins with the spans' tokens): the spans' KV
         comes from their own cache entries, computed first where missing. ``token_ids``: any sequence of
-        ids; an int32 array (``radixrelay.runtime.token_ids.unpack_token_ids``) is taken without a Python
+        ids; an int32 array (``radixrelay.protocol.token_ids.unpack_token_ids``) is taken without a Python
         object per token. ``pins``: prefixes of the prompt to pin (``scheduler/pins.py``; each rounded
         down to whole pages, one shorter than a page pins nothing); refused past the pinned KV budget.
         ``priority``: smaller is admitted first (``policy.by_priority``); only with ``enable_priority``."""

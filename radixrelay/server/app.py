@@ -32,7 +32,7 @@ from radixrelay.modules.registry import SchemaRegistry
 from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
-from radixrelay.runtime.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S, GcControl
+from radixrelay.proc.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S, GcControl
 from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, schemas, serving, tokenize_api

@@ -94,7 +94,7 @@ class ServerProcess:
         raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.read_log()}")
 
     def child(self, kind: str) -> int:
-        [pid] = [p for p in self.child_pids if f"radixrelay.runtime.{kind}_process" in cmdline(p)]
+        [pid] = [p for p in self.child_pids if f"radixrelay.{kind}.{kind}_process" in cmdline(p)]
         return pid
 
     def read_log(self) -> str:

@@ -1,6 +1,6 @@
 """What the scheduler and worker processes share: start-up from the command line, parent watching,
 socket set-up and a bounded exit. A child is started as
-``python -m radixrelay.runtime.<kind>_process '<ChildArgs JSON>'``.
+``python -m radixrelay.<kind>.<kind>_process '<ChildArgs JSON>'``.
 
 Children ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent decides
 what happens). Invariants, for every process the launcher starts (``run_child``):

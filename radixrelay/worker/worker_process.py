@@ -39,9 +39,9 @@ from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )
 from radixrelay.protocol.stats import WorkerCounters
-from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
-from radixrelay.runtime.gc_control import GcControl
-from radixrelay.runtime.rank_link import RankLink
+from radixrelay.proc.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.proc.gc_control import GcControl
+from radixrelay.worker.rank_link import RankLink
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.text.tokenizer import load_tokenizer
 from radixrelay.worker.constraints import Constraints, MaskBudget

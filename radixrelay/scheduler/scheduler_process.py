@@ -51,11 +51,11 @@ from radixrelay.protocol.stats import CascadeCounters, GcStats, LoopCounters, Ru
 from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
 from radixrelay.radix.disk_store import DiskKVStore, rank_namespace
 from radixrelay.radix.tiers import KVTiers
-from radixrelay.runtime.audit import PacedAudit
-from radixrelay.runtime.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
-from radixrelay.runtime.gc_control import GcControl
-from radixrelay.runtime.step_log import StepLog
-from radixrelay.runtime.token_ids import unpack_token_ids
+from radixrelay.scheduler.paced_audit import PacedAudit
+from radixrelay.proc.child import POLL_MS, FrameDecoder, bind_pull, connect_push, parent_gone, run_child
+from radixrelay.proc.gc_control import GcControl
+from radixrelay.scheduler.step_log import StepLog
+from radixrelay.protocol.token_ids import unpack_token_ids
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.text.tokenizer import load_tokenizer

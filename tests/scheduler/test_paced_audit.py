@@ -1,8 +1,8 @@
-"""The paced KV audit of the scheduler process (``radixrelay.runtime.audit``)."""
+"""The paced KV audit of the scheduler process (``radixrelay.scheduler.paced_audit``)."""
 
 from __future__ import annotations
 
-from radixrelay.runtime.audit import PacedAudit
+from radixrelay.scheduler.paced_audit import PacedAudit
 from radixrelay.sampling_params import SamplingParams
 from tests.scheduler.test_audit import make
 

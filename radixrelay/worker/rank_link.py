@@ -15,7 +15,7 @@ import zmq
 
 from radixrelay.protocol.kv import KVAcks
 from radixrelay.protocol.messages import ChildArgs, RankReport, encoder
-from radixrelay.runtime.child import FrameDecoder, parent_gone
+from radixrelay.proc.child import FrameDecoder, parent_gone
 from radixrelay.worker.rank_acks import RankAcks
 
 logger = logging.getLogger("radixrelay.worker")

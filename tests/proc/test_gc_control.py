@@ -9,8 +9,8 @@ import weakref
 
 import pytest
 
-from radixrelay.runtime import gc_control
-from radixrelay.runtime.gc_control import GcControl
+from radixrelay.proc import gc_control
+from radixrelay.proc.gc_control import GcControl
 
 logger = logging.getLogger("test.gc")
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from radixrelay.protocol.messages import FrontendMessage, GenerateRequest, decoder, encoder
-from radixrelay.runtime.token_ids import pack_token_ids, unpack_token_ids
+from radixrelay.protocol.token_ids import pack_token_ids, unpack_token_ids
 from radixrelay.sampling_params import SamplingParams
 
 
