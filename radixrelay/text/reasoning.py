@@ -68,15 +68,39 @@ def split(text: str, *, opened: bool, final: bool) -> Split:
 
 
 class ReasoningStream:
+    """``split`` fed piece by piece, in time linear in the output: only undecided text is kept (the
+    output's start until it is clear whether it opens a block; a tail that may begin ``</think>``)."""
+
     def __init__(self, *, opened: bool) -> None:
-        self.opened = opened
-        self.text = ""
-        self._sent = Split("", "")
+        self._state = "reasoning" if opened else "start"      # start | reasoning | content
+        self._strip = opened          # whitespace at the start of the reasoning or the content is dropped
+        self._pending = ""
 
     def feed(self, delta: str, *, final: bool = False) -> Split:
         """The reasoning and content text new since the last call."""
-        self.text += delta
-        now = split(self.text, opened=self.opened, final=final)
-        new = Split(now.reasoning[len(self._sent.reasoning):], now.content[len(self._sent.content):])
-        self._sent = Split(self._sent.reasoning + new.reasoning, self._sent.content + new.content)
-        return new
+        text, self._pending = self._pending + delta, ""
+        if self._state == "start":
+            rest = text.lstrip()
+            if rest.startswith(OPEN):
+                self._state, self._strip, text = "reasoning", True, rest[len(OPEN):]
+            elif not final and OPEN.startswith(rest):
+                self._pending = text                           # may still become '<think>'
+                return Split("", "")
+            else:
+                self._state = "content"
+        reasoning = ""
+        if self._state == "reasoning":
+            if self._strip:
+                text = text.lstrip()
+                self._strip = not text
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = len(text) if final else len(text) - _held(text, CLOSE)
+                self._pending = text[keep:]
+                return Split(text[:keep], "")
+            reasoning, text = text[:end], text[end + len(CLOSE):]
+            self._state, self._strip = "content", True
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        return Split(reasoning, text)

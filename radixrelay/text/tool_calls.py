@@ -153,6 +153,7 @@ class CallFormat:
     name: ClassVar[str]
     marker: ClassVar[str]                            # opens the call region ('' for none)
     marker_needed: ClassVar[bool] = True             # calls are only found after the marker (unforced)
+    calls_lead: ClassVar[bool] = False               # calls only at the output's start (else after any text)
     template_signs: ClassVar[tuple[str, ...]]        # text whose presence in a template names this format
 
     @classmethod
@@ -277,6 +278,7 @@ class Llama3Json(_CallList):
     name = "llama3_json"
     marker = "<|python_tag|>"
     marker_needed = False
+    calls_lead = True
     template_signs = ("<|python_tag|>", '"parameters": ')
     list_sep = ";"
     separator = "; "
@@ -570,18 +572,33 @@ class CallDelta:
 
 class CallStream:
     """Feeds an output's text deltas through ``fmt.scan``; returns the content and call pieces that
-    are new. ``calls`` ends as the response's calls (ids as streamed)."""
+    are new. ``calls`` ends as the response's calls (ids as streamed). Content before the first call
+    is dropped from the text kept once sent (a format whose calls lead the output passes the rest of
+    an output found to be no call straight through), so a long answer costs time linear in its length;
+    from the first call on, each piece rescans the calls' text."""
 
     def __init__(self, fmt: CallFormat, *, forced: bool = False) -> None:
         self.fmt = fmt
         self.forced = forced
-        self.text = ""
+        self.text = ""                       # the output from the first character not yet sent as content
         self._content = 0
+        self._through = False                # the output is no call: content as it comes
         self._ids: list[str] = []
         self._args: list[int] = []           # argument characters sent, per call
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str, *, final: bool = False) -> tuple[str, list[CallDelta]]:
+        if self._through:
+            return delta, []
+        content, out = self._feed(delta, final)
+        if not self._ids and not self.forced and not final:
+            if self.fmt.calls_lead:
+                self._through = bool(self._content)
+            else:
+                self.text, self._content = self.text[self._content:], 0
+        return content, out
+
+    def _feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
         self.text += delta
         scan = self.fmt.scan(self.text, final=final, forced=self.forced)
         if final and scan.malformed and not self._ids:

@@ -213,3 +213,18 @@ def test_a_forced_call_after_an_open_reasoning_block():
     out = ChatOutput(reasoning=True, opened=True, calls=fmt, forced=True)
     out.feed(text, final=True)
     assert out.reasoning_text == "Let me see." and [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": 1}')]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "mistral_args"])
+def test_long_streams_cost_linear_time(name):
+    """100K characters of reasoning, then of answer, in 4-character pieces: each piece is decided
+    without rescanning what was sent (quadratic work would take a minute here)."""
+    import time
+
+    out = ChatOutput(reasoning=True, opened=True, calls=get_format(name))
+    text = "a thought < " * 8_000 + "</think>" + "an answer <tool_cal " * 5_000
+    started = time.monotonic()
+    pieces = [out.feed(text[i:i + 4]) for i in range(0, len(text), 4)] + [out.feed("", final=True)]
+    assert time.monotonic() - started < 5
+    assert "".join(p.reasoning for p in pieces) == "a thought < " * 8_000
+    assert "".join(p.content for p in pieces) == "an answer <tool_cal " * 5_000
