@@ -112,6 +112,7 @@ class KVTiers:
         self._num_fetching = 0
         self._num_writing = 0
         self._protected: set[bytes] = frozenset()    # look-ahead window (policy "scheduler")
+        self._pinned: dict[bytes, int] = {}          # keys of pinned prefixes -> pins holding them (any policy)
         self.counters = TierCounters()
 
     # -- lookups -----------------------------------------------------------------------------
@@ -258,6 +259,25 @@ class KVTiers:
         """Disk reads in flight."""
         return self._num_fetching
 
+    def pin(self, keys: list[bytes]) -> None:
+        """Keep ``keys``' host entries (a pinned prefix's pages, ``radixrelay.scheduler.pins``) out of
+        eviction until ``unpin``; counted per pin."""
+        for key in keys:
+            self._pinned[key] = self._pinned.get(key, 0) + 1
+
+    def unpin(self, keys: list[bytes]) -> None:
+        for key in keys:
+            left = self._pinned[key] - 1
+            if left:
+                self._pinned[key] = left
+            else:
+                del self._pinned[key]
+
+    @property
+    def num_pinned(self) -> int:
+        """Keys pinned (their host entries, once saved, are not evicted)."""
+        return len(self._pinned)
+
     def protect(self, keys: set[bytes]) -> None:
         """Keys of the waiting queue's look-ahead window: the ``scheduler`` policy never evicts them."""
         self._protected = keys
@@ -346,7 +366,7 @@ class KVTiers:
 
     def _alloc(self, n: int, spare: set[bytes] = frozenset(), chain: list[bytes] = ()) -> list[int]:
         """Up to ``n`` free host slots, evicting LRU entries that are neither in flight, nor in
-        ``spare`` or ``chain``, nor (policy ``scheduler``) protected.
+        ``spare`` or ``chain``, nor pinned, nor (policy ``scheduler``) protected.
 
         A save whose slots are consecutive moves as one block per layer (``TierStore``), and a piece
         costs the worker a copy per layer and K/V: so once host memory is full, eviction goes on past
@@ -366,7 +386,7 @@ class KVTiers:
                     break
                 if entry.state != "ready" or entry.writing:
                     continue
-                if key in spare or (self.policy == "scheduler" and key in self._protected):
+                if key in spare or key in self._pinned or (self.policy == "scheduler" and key in self._protected):
                     continue
                 victims.append(key)
             evicted = 0

@@ -64,6 +64,8 @@ class CacheManager:
         # the lower tiers' coordinator (None: no tiers): saves, promotion's host side, prefetch, acks
         self.tiers = (TierCoordinator(config, tiers, self.tree, self.keys)
                       if tiers is not None and not config.disable_radix_cache else None)
+        if self.tiers is not None:                 # pinned prefixes stay in host memory too
+            self.pins.on_pin, self.pins.on_unpin = self.tiers.pin, self.tiers.unpin
         # KV events: what enters and leaves the tree, for precise routers (None: not published)
         self.events = (KVEventHook(events, self.tree, self.keys)
                        if events is not None and not config.disable_radix_cache else None)

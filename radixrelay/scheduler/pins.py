@@ -15,6 +15,10 @@ Life of a pin asked by a request (``PinSpec``: tokens, TTL):
   yield (``yield_one``: a request that cannot fit with nothing running takes pinned pages back, soonest
   expiry first) or cleared (``clear``: cache flush).
 
+With KV tiers, a pinned prefix's pages, saved to host memory as every cached page is when they enter the
+tree, are pinned there too (``TierCoordinator.pin``: host eviction passes them over) for the pin's life, so
+a pin that yields or expires is still a host-memory hit for a while.
+
 Budget: ``pinned_kv_tokens`` counts the tokens the tree holds pinned (``RadixTree.pinned_tokens``, each
 once however many pins overlap it) plus the reservations of pins not yet established (each counted in
 full less what is already pinned on its path at arrival). A new pin past it is refused (ValueError: a
@@ -41,6 +45,7 @@ class Pin:
     num_tokens: int
     ttl_s: float               # seconds after the last use (already scaled by ``ttl_scale``)
     expires: float             # clock time
+    tier_keys: object = None   # what ``PinTable.on_pin`` returned (the host tier's pinned keys)
 
 
 @dataclass(eq=False)
@@ -74,6 +79,9 @@ class PinTable:
     ttl_scale: float = 1.0
     clock: Callable[[], float] = field(default=lambda: 0.0)
     counters: PinCounters = field(default_factory=PinCounters)
+    # the lower tiers' side (``TierCoordinator.pin`` / ``unpin``), None without tiers
+    on_pin: Callable[[RadixNode, str | None], object] | None = None
+    on_unpin: Callable[[object], None] | None = None
 
     def __post_init__(self) -> None:
         self._pins: dict[PinKey, Pin] = {}
@@ -166,6 +174,8 @@ class PinTable:
             return
         self.tree.pin(node)
         pin = Pin(p.key, node, p.num_tokens, p.ttl_s, now + p.ttl_s)
+        if self.on_pin is not None:
+            pin.tier_keys = self.on_pin(node, p.key[0])
         self._pins[p.key] = pin
         self._by_node[node] = pin
         heapq.heappush(self._expiry, (pin.expires, next(self._seq), p.key))
@@ -227,6 +237,8 @@ class PinTable:
         del self._pins[pin.key]
         del self._by_node[pin.node]
         self.tree.unpin(pin.node)
+        if self.on_unpin is not None:
+            self.on_unpin(pin.tier_keys)
 
     def check_integrity(self) -> None:
         for pin in self._pins.values():

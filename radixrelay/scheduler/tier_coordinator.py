@@ -194,6 +194,18 @@ class TierCoordinator:
                     continue
                 store.prefetch(keys, first, limit, spare=window_keys)
 
+    # -- pinned prefixes (``pins.py``): their pages stay in host memory too ---------------------------------
+
+    def pin(self, node: RadixNode, salt: str | None) -> list[bytes]:
+        """Host memory keeps the pages of the path root -> ``node`` (saved when they entered the tree)
+        until ``unpin`` of the keys returned."""
+        keys = self.keys.of_node(node, salt)
+        self.store.pin(keys)
+        return keys
+
+    def unpin(self, keys: list[bytes]) -> None:
+        self.store.unpin(keys)
+
     # -- saves and the worker's acknowledgements ----------------------------------------------------------
 
     def save(self, req: Request, node: RadixNode, pages: list[int]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixrelay.protocol.messages import PinSpec
+from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixTree
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
@@ -106,6 +107,24 @@ def test_pins_yield_to_a_request_that_cannot_fit_beside_them():
     assert final.completion_tokens == 4
     stats = sched.stats()
     assert (stats.num_pins, stats.pin_yields) == (0, 1)
+
+
+def test_a_pinned_prefix_stays_in_host_memory_too():
+    clock = Clock()
+    cfg = SchedulerConfig(kv_cache_tokens=128, page_size=4, kv_namespace="ns", pinned_kv_tokens=64,
+                          pin_ttl_scale=0.01)
+    tiers = KVTiers(host_pages=16)                    # 16 pages: the churn alone would evict the system prompt
+    sched, worker = Scheduler(cfg, tiers=tiers, clock=clock), FakeWorker(4, cfg.num_pages)
+    one(sched, worker, 1, SYSTEM + [1], pins=[PinSpec(32, 300.0)])
+    pinned = list(tiers._pinned)
+    assert len(pinned) == 8 == tiers.num_pinned
+    churn(sched, worker, 100)
+    assert all(tiers.host_state(key) == "ready" for key in pinned)
+    clock.now = 10.0
+    assert sched.stats().pin_expiries == 1 and tiers.num_pinned == 0
+    churn(sched, worker, 200)
+    assert not any(tiers.host_state(key) == "ready" for key in pinned)
+    sched.check_integrity()
 
 
 def test_abort_ends_a_pending_pin_reservation():
