@@ -3,13 +3,16 @@
 Requests are decoded strictly typed (a wrong type or an out-of-range value is a 400 naming the
 field). No silent ignores: every OpenAI request field this server does not implement is listed in
 ``UNSUPPORTED`` and refused with a 400 naming it, unless it holds a value that changes nothing
-(``tools: []``, ``response_format: {"type": "text"}``, ...); the same holds for the well-known
+(``functions: []``, ``store: false``, ...); the same holds for the well-known
 extension fields of other servers (vLLM, SGLang) that change the output (``guided_json``,
 ``min_tokens``, ...). Any other unknown field is ignored, as OpenAI's own clients send fields a
 server may have no use for. ``APIError`` carries the HTTP status and OpenAI's error JSON.
 Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``, ``prompt_schema`` (the prompt is written
-against a schema registered with POST /v1/schemas: modular prompt reuse, ``radixrelay.modules``).
+against a schema registered with POST /v1/schemas: modular prompt reuse, ``radixrelay.modules``),
+and for chat the vLLM/SGLang fields ``chat_template_kwargs`` and ``separate_reasoning``. Tools
+(``ToolRequest``) are checked here; reading calls and reasoning out of outputs is
+``radixrelay.text.chat_output``'s.
 """
 
 from __future__ import annotations
