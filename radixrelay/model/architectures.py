@@ -6,7 +6,8 @@ turn the family's own config keys into ``ModelConfig`` fields (the feature switc
 q/k norms, biases, RoPE variants). Keys every family shares (sizes, heads, RoPE base, eos) are read
 once by ``ModelConfig.from_hf`` / ``from_gguf``; a hook returns only what differs.
 
-Every family here runs on the one decoder in ``radixrelay.model.llama``, switched by those fields;
+Every family here runs on the one decoder in ``radixrelay.model.llama``, switched by those fields (routed
+experts: its MLP swapped for ``radixrelay.model.moe.SparseMoE`` on the layers that have them);
 checkpoint tensors a family stores differently (Phi-3's fused q/k/v) are renamed or split to the
 decoder's HF names at load (``Architecture.checkpoint_tensors``). Torch-free: the scheduler and the
 HTTP server read configs without importing torch.
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrelay.model import gemma, phi3, qwen3
+from radixrelay.model import gemma, mixtral, phi3, qwen3, qwen3_moe
 from radixrelay.model.config_hooks import every_layer, layer_windows, qwen_windows
 
 # config.json (dict) -> ModelConfig fields that differ from the common reading
@@ -88,6 +89,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_options=_bias_from_tensors),
     Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", hf_options=qwen3.hf_options,
                  gguf_options=qwen3.gguf_options),
+    Architecture("mixtral", ("MixtralForCausalLM",), hf_options=mixtral.hf_options,
+                 checkpoint_tensors=mixtral.checkpoint_tensors),
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), hf_options=qwen3_moe.hf_options,
+                 checkpoint_tensors=qwen3_moe.checkpoint_tensors),
     Architecture("phi3", ("Phi3ForCausalLM",), gguf_name="phi3", hf_options=phi3.hf_options,
                  gguf_options=phi3.gguf_options, checkpoint_tensors=phi3.checkpoint_tensors,
                  gguf_names=phi3.GGUF_NAMES, gguf_tensors=phi3.checkpoint_tensors),

@@ -49,6 +49,14 @@ class ModelConfig:
     attn_logit_softcap: float | None = None    # attention scores s -> cap * tanh(s / cap) (Gemma 2)
     final_logit_softcap: float | None = None   # logits likewise (Gemma 2)
     attn_scale: float | None = None     # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    # routed experts (Mixtral, Qwen3-MoE; radixrelay.model.moe): the MLP of each layer in ``moe_layers`` is
+    # ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, each token sent to ``num_experts_per_tok``
+    # of them; the other layers keep the dense MLP of ``intermediate_size``. 0 experts: every MLP dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0        # top-k
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()    # ascending layer indices
+    moe_renormalize: bool = True        # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -75,6 +83,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise bad(name, f"must be > 0 or None, got {value}")
+        self._check_experts(bad)
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
             raise bad("rope_scaling", f"longrope needs head_dim / 2 = {self.head_dim // 2} factors, got "
@@ -85,6 +94,25 @@ class ModelConfig:
             raise bad("rope_theta", f"must be > 0, got {self.rope_theta}")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise bad("eos_token_ids", f"{self.eos_token_ids} outside [0, {self.vocab_size})")
+
+    def _check_experts(self, bad) -> None:
+        if not self.num_experts:
+            if self.moe_layers or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise bad("num_experts", "0 (dense), but moe_layers / num_experts_per_tok / moe_intermediate_size set")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, f"must be an integer >= 1 with routed experts, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise bad("num_experts_per_tok", f"{self.num_experts_per_tok} > num_experts={self.num_experts}")
+        layers = self.moe_layers
+        if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < self.num_layers:
+            raise bad("moe_layers", f"ascending distinct layers in [0, {self.num_layers}), got {layers}")
+
+    def routed(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts."""
+        return layer in self.moe_layers
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window in tokens, None for full attention."""
@@ -105,8 +133,8 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
-        """What ``tp`` ranks cannot split (``radixrelay.model.parallel``: query heads and the MLP width
-        split evenly, KV heads split or replicated), or None. The vocabulary is padded to a multiple
+        """What ``tp`` ranks cannot split (``radixrelay.model.parallel``: query heads, the MLP width and each
+        expert's width split evenly, KV heads split or replicated), or None. The vocabulary is padded to a multiple
         of ``tp``, so it always splits."""
         problems = []
         if self.num_heads % tp:
@@ -115,6 +143,8 @@ class ModelConfig:
             problems.append(f"{self.num_kv_heads} KV heads (neither divides the other)")
         if self.intermediate_size % tp:
             problems.append(f"an MLP width of {self.intermediate_size}")
+        if self.num_experts and self.moe_intermediate_size % tp:
+            problems.append(f"an expert width of {self.moe_intermediate_size}")
         return f"tensor parallel size {tp} does not split {' and '.join(problems)}" if problems else None
 
     def tensor_parallel_sizes(self, at_most: int = 64) -> list[int]:

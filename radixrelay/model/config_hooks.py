@@ -35,3 +35,25 @@ def qwen_windows(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     first = cfg.get("max_window_layers", 0)
     return layer_windows(cfg, lambda layer: layer >= first)
+
+
+def per_expert_tensors(name: str, tensor: Any) -> list[tuple[str, Any]] | None:
+    """A checkpoint's experts stacked in one tensor (transformers 5's layout: ``mlp.experts.gate_up_proj``
+    [E, 2 * I, hidden], gate rows first, and ``mlp.experts.down_proj`` [E, hidden, I]) as the per-expert tensors
+    the decoder loads (``mlp.experts.<e>.gate_proj.weight`` ...; views, no copies); None for any other tensor."""
+    prefix, dot, leaf = name.rpartition(".")
+    if not dot or not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+        return None
+    if leaf == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    gate, up = tensor.chunk(2, dim=1)
+    return [(f"{prefix}.{e}.{proj}.weight", part[e]) for e in range(tensor.shape[0])
+            for proj, part in (("gate_proj", gate), ("up_proj", up))]
+
+
+def routed_layers(num_layers: int, dense: Any = (), step: int = 1) -> tuple[int, ...]:
+    """The layers whose MLP is routed experts: every ``step``-th (1-based, as Qwen-MoE's ``decoder_sparse_step``)
+    outside ``dense`` (``mlp_only_layers``)."""
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}")
+    return tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)

@@ -1,5 +1,6 @@
 """The decoder of every family in ``radixrelay.model.architectures`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2/3, SmolLM2), switched by ``ModelConfig`` fields, over a flat ragged batch.
+Gemma 2/3, SmolLM2; Mixtral and Qwen3-MoE with ``radixrelay.model.moe``'s routed experts as the MLP of their
+sparse layers), switched by ``ModelConfig`` fields, over a flat ragged batch.
 
 HOT FILE: only the per-token math of the model belongs here. Batch layout lives in
 ``radixrelay.attention.metadata``, attention math in the backends, checkpoint formats in
@@ -27,6 +28,7 @@ from radixrelay.kernels.fp8 import E4M3, QuantizedRows
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
+from radixrelay.model.moe import Experts, SparseMoE, expert_shard
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Fp8Linear, Precision, dequantize_checkpoint, per_channel_scale
 
@@ -150,7 +152,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.self_attn = Attention(config, layer_id, tp, precision, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, tp, precision, **factory)
+        # routed experts (Mixtral, Qwen3-MoE) on the layers that have them: the same ``partial`` contract
+        self.mlp = (SparseMoE if config.routed(layer_id) else MLP)(config, tp, precision, **factory)
         # Gemma: attention's output normed before the residual add (post_attention_layernorm), and the MLP
         # between a norm of its own and another on its output
         self.sandwich = config.sandwich_norms
@@ -169,8 +172,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         self.input_layernorm.quantize_output = on and _takes_quantized(attn.qkv_proj)
         mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
-        mlp_norm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
-        mlp.quantized_down = on and mlp.silu and _takes_quantized(mlp.down_proj)     # (GELU: down quantizes)
+        if isinstance(mlp, MLP):                           # (routed experts: no FP8)
+            mlp_norm.quantize_output = on and _takes_quantized(mlp.gate_up_proj)
+            mlp.quantized_down = on and mlp.silu and _takes_quantized(mlp.down_proj)  # (GELU: down quantizes)
 
     # A layer is two halves around attention (piecewise CUDA graphs capture the halves and launch
     # attention between them): the layer's output is after_attention(x, attention(before_attention(x))).
@@ -364,7 +368,10 @@ class LlamaForCausalLM(nn.Module):
         """(our parameter, shard index or -1) of the HF tensor ``name``."""
         target, shard = name, -1
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+        expert = expert_shard(name)                # an expert's projection: a shard of the stacked [E, ...] weight
+        if expert is not None:
+            target, shard = expert
+        elif len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
             fused, shard = _FUSED_SHARDS[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
         if target not in params:
@@ -374,8 +381,16 @@ class LlamaForCausalLM(nn.Module):
     def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict, loaded: set) -> None:
         target, shard = self._target(name, params)
         tensor = self.tp.weight_slice(name, tensor, self.config)           # this rank's part
+        module_name, leaf = target.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if shard >= 0 and isinstance(module, Experts):
+            dst = module.shard(leaf, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add((target, shard))
+            return
         start, size = self._shard_range(target, shard) if shard >= 0 else (0, params[target].shape[0])
-        module = self.get_submodule(target.rsplit(".", 1)[0])
         if isinstance(module, Fp8Linear) and target.endswith(".weight"):
             if tensor.shape != (size, module.in_features):
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected "
@@ -431,6 +446,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _shards_of(self, param_name: str) -> tuple[int, ...]:
         leaf = param_name.split(".")[-2] if "." in param_name else param_name
+        if leaf == "experts":
+            module_name, param = param_name.rsplit(".", 1)
+            return self.get_submodule(module_name).shards(param)
         if leaf == "qkv_proj":
             return (0, 1, 2)
         if leaf == "gate_up_proj":

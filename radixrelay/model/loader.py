@@ -114,12 +114,28 @@ def dummy_weights(config: ModelConfig, device: torch.device | str, dtype: torch.
         full = torch.empty(shape, dtype=dtype, device=device)
         _fill_dummy(name, full, gen)
         parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] == "experts":          # stacked [E, ...]: per-expert tensors
+            yield from _per_expert(name, full)
+            continue
         if len(parts) < 3 or parts[1] not in _UNFUSED:
             yield name, full
             continue
         prefix, leaf, kind = parts
         for part, piece in zip(_UNFUSED[leaf], full.split(split[leaf])):
             yield f"{prefix}.{part}.{kind}", piece
+
+
+def _per_expert(name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``<layer>.mlp.experts.gate_up_proj`` [E, 2 * I, hidden] / ``down_proj`` [E, hidden, I] as the checkpoint's
+    per-expert tensors (``mlp.experts.<e>.gate_proj.weight`` ...)."""
+    prefix, param = name.rsplit(".", 1)
+    for e, rows in enumerate(stacked):
+        if param == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", rows
+        else:
+            gate, up = rows.chunk(2)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
 
 
 def _uninitialised(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,

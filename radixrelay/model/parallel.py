@@ -9,6 +9,11 @@ Each rank holds a slice of every large matrix and the model's output is the same
 - o_proj and down_proj: row-parallel (input features split); each rank's partial product is summed
   by an all-reduce.
 - gate/up (fused ``gate_up_proj``): column-parallel, each half split alike.
+- Routed experts (``radixrelay.model.moe``): every rank holds every expert, each expert's width split as
+  the dense MLP's is (gate/up column-parallel, down row-parallel); the router is replicated, so every rank
+  picks the same experts for a token, and the weighted sum of a rank's expert outputs is its share of the
+  layer's output: one all-reduce after down, as for the dense MLP. (Expert parallelism, whole experts per
+  rank, would trade that for an all-to-all of the tokens and an uneven load per rank.)
 - The embedding and the LM head: vocab-parallel, ``ceil(V/tp)`` rows per rank (the last rank's
   padded with zeros). A lookup masks tokens outside the rank's rows and all-reduces; logits are
   gathered across ranks and cut back to V columns.
@@ -149,11 +154,12 @@ class TensorParallel:
             raise ValueError(problem)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The shapes one rank computes: its query and KV heads and its MLP width (vocab unchanged)."""
+        """The shapes one rank computes: its query and KV heads, its MLP width and each expert's (vocab unchanged)."""
         self.check(config)
         return dataclasses.replace(config, num_heads=config.num_heads // self.size,
                                    num_kv_heads=self.kv_heads(config)[1],
-                                   intermediate_size=config.intermediate_size // self.size)
+                                   intermediate_size=config.intermediate_size // self.size,
+                                   moe_intermediate_size=config.moe_intermediate_size // self.size)
 
     def kv_heads(self, config: ModelConfig) -> tuple[int, int]:
         """(first KV head, KV heads) of this rank."""
@@ -181,17 +187,19 @@ class TensorParallel:
         if leaf in ("k_proj", "v_proj"):
             first, count = self.kv_heads(config)
             return _narrow(hf_name, tensor, 0, config.kv_size, first * d, count * d)
+        # an expert's projections (``mlp.experts.<e>.<proj>``) split along its own width
+        inter = config.moe_intermediate_size if ".experts." in hf_name else config.intermediate_size
         if leaf in ("gate_proj", "up_proj"):
-            width = config.intermediate_size // self.size
-            return _narrow(hf_name, tensor, 0, config.intermediate_size, self.rank * width, width)
+            width = inter // self.size
+            return _narrow(hf_name, tensor, 0, inter, self.rank * width, width)
         if leaf == "o_proj":
             if hf_name.endswith(".bias"):
                 raise ValueError(f"{hf_name}: an o_proj bias is not supported with tensor parallelism")
             heads = config.num_heads // self.size
             return _narrow(hf_name, tensor, 1, config.q_size, self.rank * heads * d, heads * d)
         if leaf == "down_proj":
-            width = config.intermediate_size // self.size
-            return _narrow(hf_name, tensor, 1, config.intermediate_size, self.rank * width, width)
+            width = inter // self.size
+            return _narrow(hf_name, tensor, 1, inter, self.rank * width, width)
         if leaf in ("embed_tokens", "lm_head"):
             start, rows, real = self.vocab_rows(config.vocab_size)
             part = _narrow(hf_name, tensor, 0, config.vocab_size, start, real)
@@ -200,7 +208,7 @@ class TensorParallel:
             padded = tensor.new_zeros((rows, *tensor.shape[1:]))
             padded[:real] = part
             return padded
-        return tensor                                   # norms, rope_freqs: replicated
+        return tensor                                   # norms, rope_freqs, the experts' router: replicated
 
 
 def _narrow(name: str, tensor: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:

@@ -32,6 +32,10 @@ FAMILIES = {
                             "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.5 + 0.4 * i for i in range(8)]}}),
+    # routed experts: 4 experts, top-2 (Mixtral: renormalized; Qwen3-MoE here: not, norm_topk_prob false)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "norm_topk_prob": False}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", {
