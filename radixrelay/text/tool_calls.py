@@ -601,7 +601,7 @@ class CallStream:
     def _feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
         self.text += delta
         scan = self.fmt.scan(self.text, final=final, forced=self.forced)
-        if final and scan.malformed and not self._ids:
+        if final and not self._ids and (scan.malformed or any(not c.done for c in scan.calls)):
             scan = Scan(self.text, [])               # nothing sent as a call: all of it is content
         content = scan.content[self._content:]
         self._content = max(self._content, len(scan.content))

@@ -88,6 +88,15 @@ def test_text_that_may_open_a_call_is_held_back():
     assert [d.arguments for d in out.feed("1}}\n</tool_call>", final=True).calls] == ["1}"]
 
 
+def test_a_call_cut_short_is_content_unless_it_was_streamed():
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": '
+    whole = ChatOutput(calls=get_format("hermes"))
+    assert whole.feed(text, final=True).content == text and whole.tool_calls == []
+    streamed = ChatOutput(calls=get_format("hermes"))
+    assert [d.name for d in streamed.feed(text).calls] == ["f", None]
+    assert streamed.feed("", final=True).content == "" and streamed.tool_calls[0].name == "f"
+
+
 def test_forced_calls_without_a_marker():
     assert get_format("mistral").parse('[{"name": "f", "arguments": {}}]', forced=True)[1][0].name == "f"
     assert get_format("llama3_json").parse('{"name": "f", "parameters": {}}', forced=True)[1][0].name == "f"
