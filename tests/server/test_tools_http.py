@@ -92,8 +92,15 @@ def test_auto_and_none(client, http):
         _check_calls(choice.message.tool_calls, set(SCHEMAS))
     else:
         assert choice.message.content and choice.finish_reason in ("stop", "length")
+    content, calls, finish, _ = _streamed(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=6, temperature=0, stream=True))
+    assert (content, finish) == (choice.message.content or "", choice.finish_reason)
+    assert [c["name"] for c in calls] == [c.function.name for c in choice.message.tool_calls or []]
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
                                           max_tokens=6, temperature=0)
+    content, calls, finish, _ = _streamed(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=6, temperature=0, stream=True))
+    assert (content, calls, finish) == (none.choices[0].message.content, [], none.choices[0].finish_reason)
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
     assert none.usage.prompt_tokens > plain.usage.prompt_tokens + 50     # the tools are in the prompt
