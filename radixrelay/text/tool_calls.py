@@ -27,6 +27,10 @@ format's trigger (``<tool_call>``, ``[TOOL_CALLS]``), and from the trigger on th
 A marker that is a special token of the vocabulary cannot be forced as text: ``auto`` then stays
 unconstrained for that format, and forced calls are written without it (``scan(forced=True)`` reads a
 call region from the first character).
+
+Also here: the tools and calls as templates see them (``template_tools``, ``template_messages``, and
+``fallback_messages`` for templates without tool support), and ``CallStream``, which turns scans of a
+growing output into the pieces a stream sends.
 """
 
 from __future__ import annotations
@@ -178,8 +182,7 @@ class CallFormat:
     def call_end(self, marker: bool) -> str:
         raise NotImplementedError
 
-    separator: ClassVar[str] = "\n"
-    region_end: ClassVar[str] = ""                   # closes a region of several calls (mistral: ']')
+    separator: ClassVar[str] = "\n"                  # between forced calls
 
 
 class Hermes(CallFormat):
@@ -318,7 +321,6 @@ class Mistral(_CallList):
     list_open = "["
     list_close = "]"
     separator = ", "
-    region_end = "]"
 
     def _region(self, text: str, *, final: bool, forced: bool) -> tuple[str, int | None]:
         at = text.find(self.marker)
