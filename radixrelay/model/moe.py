@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixrelay.kernels.grouped_experts import combine, grouped_experts
 from radixrelay.model.config import ModelConfig
 from radixrelay.model.cpu_gemm import linear
-from radixrelay.model.layers import Linear
+from radixrelay.model.layers import Linear, fused
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Precision
 
@@ -42,14 +43,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
-
-
-def combine(expert_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """expert_out: [T * k, hidden] in (token, choice) order; weights: float32 [T, k] -> [T, hidden] in ``dtype``:
-    each token's choices weighted and summed in float32 (a fixed order: no atomics, the same on every device)."""
-    tokens, k = weights.shape
-    out = expert_out.view(tokens, k, -1).float() * weights[:, :, None]
-    return out.sum(dim=1).to(dtype)
 
 
 def grouped_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -140,4 +133,7 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> this rank's share of the experts' weighted sum [T, hidden]."""
         ids, weights = route(self.gate(x), self.top_k, self.renormalize)
-        return grouped_experts_torch(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if fused(x):                        # CUDA: the grouped GEMM kernels (two launches, capturable)
+            return grouped_experts(x, ids, weights, gate_up, down)
+        return grouped_experts_torch(x, ids, weights, gate_up, down)
