@@ -230,7 +230,7 @@ class Hermes(CallFormat):
 
 
 class _CallList(CallFormat):
-    """Calls as JSON objects one after another (``separator``), from the region's start to the end."""
+    """Calls as JSON objects one after another (``list_sep``), from the region's start to the end."""
 
     list_open: ClassVar[str] = ""
     list_sep: ClassVar[str] = ","
