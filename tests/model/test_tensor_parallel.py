@@ -1,8 +1,8 @@
 """Tensor parallelism in the model (radixrelay.model.parallel): two ranks in two processes (gloo on the
 CPU) give the single-rank model's greedy tokens (64 per prompt, fp32, paged KV) and its logits within
 float rounding, with KV heads split or replicated, an untied or tied LM head, a vocabulary that does
-not divide (padded rows), q/k/v biases and Gemma's switches; what a rank holds and what cannot be split is checked
-without processes."""
+not divide (padded rows), q/k/v biases, Gemma's switches and routed experts; what a rank holds and what
+cannot be split is checked without processes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ CASES = {
                                      "hidden_act": "gelu_tanh", "embedding_scale": True, "attn_logit_softcap": 5.0,
                                      "final_logit_softcap": 3.0, "layer_windows": (8, 0), "rope_theta": 1e6,
                                      "local_rope_theta": 1e4, "attn_scale": 0.2}),
+    # routed experts (Qwen3-MoE): every expert on each rank, each expert's width split; a sparse layer beside a
+    # dense one, top-k weights not renormalized
+    "experts": ModelConfig(**{**BASE, "architecture": "qwen3_moe", "qk_norm": True, "num_experts": 4,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 48, "moe_layers": (0,),
+                              "moe_renormalize": False}),
 }
 
 
