@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixrelay.model import gemma, mixtral, phi3, qwen3, qwen3_moe
-from radixrelay.model.config_hooks import every_layer, layer_windows, qwen_windows
+from radixrelay.model.config_hooks import (
+    every_layer,
+    gguf_experts,
+    layer_windows,
+    qwen_windows,
+)
 
 # config.json (dict) -> ModelConfig fields that differ from the common reading
 HfHook = Callable[[Mapping[str, Any]], dict[str, Any]]
@@ -81,9 +86,14 @@ def _bias_from_tensors(_meta: Mapping[str, Any], shapes: Mapping[str, tuple[int,
     return {"attention_bias": "blk.0.attn_q.bias" in shapes}
 
 
+def _llama_gguf_options(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """llama.cpp writes Mixtral as ``llama`` with routed experts."""
+    return {**_bias_from_tensors(meta, shapes), **gguf_experts(meta, shapes, "llama")}
+
+
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM",), gguf_name="llama", gguf_rope_permuted=True,
-                 hf_options=_llama_options, gguf_options=_bias_from_tensors),
+                 hf_options=_llama_options, gguf_options=_llama_gguf_options),
     Architecture("mistral", ("MistralForCausalLM",), hf_options=_mistral_options),
     Architecture("qwen2", ("Qwen2ForCausalLM",), gguf_name="qwen2", hf_options=_qwen2_options,
                  gguf_options=_bias_from_tensors),
@@ -91,8 +101,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_options=qwen3.gguf_options),
     Architecture("mixtral", ("MixtralForCausalLM",), hf_options=mixtral.hf_options,
                  checkpoint_tensors=mixtral.checkpoint_tensors),
-    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), hf_options=qwen3_moe.hf_options,
-                 checkpoint_tensors=qwen3_moe.checkpoint_tensors),
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), gguf_name="qwen3moe", hf_options=qwen3_moe.hf_options,
+                 gguf_options=qwen3_moe.gguf_options, checkpoint_tensors=qwen3_moe.checkpoint_tensors),
     Architecture("phi3", ("Phi3ForCausalLM",), gguf_name="phi3", hf_options=phi3.hf_options,
                  gguf_options=phi3.gguf_options, checkpoint_tensors=phi3.checkpoint_tensors,
                  gguf_names=phi3.GGUF_NAMES, gguf_tensors=phi3.checkpoint_tensors),

@@ -57,3 +57,24 @@ def routed_layers(num_layers: int, dense: Any = (), step: int = 1) -> tuple[int,
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}")
     return tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)
+
+
+def gguf_experts(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], arch: str) -> dict[str, Any]:
+    """Routed experts of a GGUF file as llama.cpp writes them (``<arch>.expert_count`` / ``expert_used_count``,
+    ``expert_feed_forward_length`` where it differs from ``feed_forward_length``; per layer ``ffn_gate_inp`` and
+    the stacked ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``): the sparse layers are those with a
+    router. llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE alike. No experts: ``{}``."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    layers = tuple(i for i in range(int(meta[f"{arch}.block_count"])) if f"blk.{i}.ffn_gate_inp.weight" in shapes)
+    if not layers:
+        raise ValueError(f"GGUF: {arch}.expert_count is {experts} but no layer has an ffn_gate_inp tensor")
+    if f"blk.{layers[0]}.ffn_gate_exps.weight" not in shapes:
+        raise ValueError("GGUF: experts stored one tensor each (blk.N.ffn_gate.E, an older llama.cpp layout) are "
+                         "not supported; convert the model again")
+    if any(name.startswith(f"blk.{layers[0]}.ffn_") and "shexp" in name for name in shapes):
+        raise ValueError("GGUF: a shared expert (ffn_*_shexp) is not supported")
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta[f"{arch}.feed_forward_length"]
+    return {"num_experts": experts, "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+            "moe_intermediate_size": int(width), "moe_layers": layers, "moe_renormalize": True}

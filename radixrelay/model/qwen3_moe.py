@@ -5,7 +5,9 @@
 every expert as weights, divided by the chosen ones' sum where ``norm_topk_prob``. No shared expert.
 
 Checkpoint names are the decoder's (``mlp.gate``, ``mlp.experts.<e>.gate_proj`` ...); experts stacked in one
-tensor (transformers 5) are split per expert. Torch-free at import.
+tensor (transformers 5) are split per expert. GGUF (llama.cpp ``qwen3moe``): NEOX RoPE, the q/k norms as
+Qwen3's, the experts as ``config_hooks.gguf_experts`` reads them (top-k weights always renormalized, as
+llama.cpp computes them). Torch-free at import.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from radixrelay.model.config_hooks import per_expert_tensors, qwen_windows, routed_layers
+from radixrelay.model.config_hooks import (
+    gguf_experts,
+    per_expert_tensors,
+    qwen_windows,
+    routed_layers,
+)
 
 
 def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,3 +44,9 @@ def hf_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], _config: Any) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
         yield from per_expert_tensors(name, tensor) or ((name, tensor),)
+
+
+def gguf_options(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    if "blk.0.attn_q_norm.weight" not in shapes:
+        raise ValueError("GGUF: a qwen3moe file without blk.0.attn_q_norm.weight")
+    return {"qk_norm": True, **gguf_experts(meta, shapes, "qwen3moe")}

@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp format): the file is opened by ``radixrelay.gguf_file``.
 
-Tensor names: Llama's (``_LAYER_NAMES``) unless the architecture names a kind otherwise
+Tensor names: Llama's (``_LAYER_NAMES``, with the routed experts' stacked tensors split per expert) unless the architecture names a kind otherwise
 (``Architecture.gguf_names``: Gemma's norms around each half, Phi-3's fused q/k/v and gate/up), then
 the architecture's ``gguf_tensors`` hook (Phi-3: the fused tensors split).
 
@@ -42,6 +42,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # routed experts (Mixtral as ``llama``, ``qwen3moe``): the router, and each projection of every expert
+    # stacked in one tensor, split per expert at load (``_per_expert``)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -77,7 +83,19 @@ def _renamed_weights(file: GGUFFile, config: ModelConfig, layer_names: dict[str,
             weight = _unpermute_rope(weight, config.num_heads)
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute_rope(weight, config.num_kv_heads)
-        yield name, weight
+        if ".mlp.experts." in name:
+            yield from _per_expert(name, weight)
+        else:
+            yield name, weight
+
+
+def _per_expert(name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``<layer>.mlp.experts.<proj>.weight`` [E, rows, cols] -> ``<layer>.mlp.experts.<e>.<proj>.weight`` each."""
+    if stacked.dim() != 3:
+        raise ValueError(f"GGUF: {name!r} has shape {tuple(stacked.shape)}, expected [experts, rows, columns]")
+    prefix, proj, kind = name.rsplit(".", 2)
+    for e, rows in enumerate(stacked):
+        yield f"{prefix}.{e}.{proj}.{kind}", rows
 
 
 # ggml type -> bytes per block of 32 values (the block-quantised types done here)

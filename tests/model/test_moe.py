@@ -163,3 +163,68 @@ def test_e4m3_expert_weights_dequantized():
     weights[name] = e4m3
     model.load_weights([*weights.items(), (name.removesuffix("weight") + "weight_scale", scale)])
     torch.testing.assert_close(model.model.layers[1].mlp.experts.shard("gate_up_proj", 5), e4m3.float() * scale)
+
+
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _write_moe_gguf(path, hf, arch: str) -> None:
+    """As llama.cpp's converter writes Mixtral (``llama``: q/k rows interleaved per head) and ``qwen3moe``
+    (F32): each layer's experts stacked per projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps)."""
+    gguf = pytest.importorskip("gguf")
+    cfg = hf.config
+    writer = gguf.GGUFWriter(path, arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    for key, value in (("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", head_dim),
+                       ("expert_count", experts), ("expert_used_count", cfg.num_experts_per_tok)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    if arch == "qwen3moe":
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+
+    def interleaved(w, heads):       # llama.cpp's llama: each head's rows from rotate-half to interleaved pairs
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    for name, p in hf.state_dict().items():
+        w = p.detach().float()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+            writer.add_tensor(gguf_name, w.numpy())
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if module == "mlp.experts":                    # kind: gate_up_proj [E, 2I, H] or down_proj [E, H, I]
+            parts = dict(zip(("gate", "up"), w.chunk(2, dim=1))) if kind == "gate_up_proj" else {"down": w}
+            for proj, part in parts.items():
+                writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", part.contiguous().numpy())
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            w = interleaved(w, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}", w.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case, arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+@torch.no_grad()
+def test_gguf_files(case, arch, tmp_path):
+    """llama.cpp's layouts: Mixtral as ``llama`` (q/k rows interleaved), Qwen3-MoE as ``qwen3moe`` with a dense
+    layer (no router) beside a sparse one: transformers' logits."""
+    hf = _random(*CASES[case])
+    path = tmp_path / f"tiny-{case}.gguf"
+    _write_moe_gguf(path, hf, arch)
+    model, cfg = load_model(str(path))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_renormalize) == (4, 2, True)
+    assert cfg.moe_layers == ((0,) if case == "qwen3_moe" else (0, 1))
+    _compare(model, hf)
