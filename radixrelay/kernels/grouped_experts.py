@@ -31,7 +31,8 @@ Then each pair's row ``dest[j]`` is weighted and the k choices of a token summed
 fixed order, no atomics). fp32 products use IEEE fp32 (no TF32); under the interpreter (CPU tensors) the
 bf16 / fp16 tiles are multiplied in fp32, which is exact per product as the tensor cores are.
 
-``grouped_experts_reference`` computes the same in torch ops (float64-capable), expert by expert.
+``grouped_experts_reference`` computes the same in torch ops (float64-capable), expert by expert;
+``warm_up_variants`` launches every variant a model's steps can need (one per block size).
 """
 
 from __future__ import annotations
@@ -198,6 +199,22 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     act = grouped_gemm(x, gate_up, plan, top_k, gather=True, swiglu=True)           # [P, I]
     out = grouped_gemm(act, down, plan, top_k, gather=False, swiglu=False)          # [P, hidden]
     return combine(out[plan.dest], weights, x.dtype)
+
+
+def warm_up_variants(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> list[int]:
+    """Launch both kernels once per block size (the variants a model's steps can need: the rest of a variant's key
+    is fixed by the weights' shapes and dtype), on enough rows to pick each; returns the block sizes launched.
+    For start-up warm-up, so that no step waits on the JIT."""
+    experts, hidden = gate_up.shape[0], gate_up.shape[2]
+    blocks = []
+    for per_expert in (1, 32, 128):                   # pairs per expert that pick 16, 32 and 64 rows
+        tokens = triton.cdiv(per_expert * experts, top_k)
+        x = torch.zeros(tokens, hidden, dtype=gate_up.dtype, device=gate_up.device)
+        ids = torch.arange(tokens * top_k, device=gate_up.device).remainder(experts).view(tokens, top_k)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, device=gate_up.device)
+        grouped_experts(x, ids, weights, gate_up, down)
+        blocks.append(block_m(tokens * top_k, experts))
+    return blocks
 
 
 def grouped_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -1,5 +1,6 @@
 """The worker's model: config, the architecture registry (``architectures``: Llama, Mistral, Qwen2/3, Phi-3,
-Gemma 2/3), the decoder they share (``llama``), checkpoint loading.
+Gemma 2/3, Mixtral, Qwen3-MoE), the decoder they share (``llama``; routed experts in ``moe``), checkpoint
+loading.
 
 One step, end to end::
 

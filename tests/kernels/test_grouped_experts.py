@@ -13,6 +13,7 @@ from radixrelay.kernels.grouped_experts import (
     grouped_experts_reference,
     padded_rows,
     plan_experts,
+    warm_up_variants,
 )
 from tests.kernels.helpers import DEVICE, tolerance
 
@@ -58,6 +59,11 @@ def test_grouped_experts_equal_float64(tokens, k, experts, hidden, inter, unused
 def test_no_tokens():
     x, ids, weights, gate_up, down = _operands(0, 2, 4, 32, 16, torch.float32, seed=0)
     assert grouped_experts(x, ids, weights, gate_up, down).shape == (0, 32)
+
+
+def test_warm_up_launches_every_block_size():
+    _, _, _, gate_up, down = _operands(1, 2, 4, 32, 16, torch.float32, seed=0)
+    assert warm_up_variants(gate_up, down, top_k=2) == [16, 32, 64]
 
 
 def test_refuses_mismatched_shapes():
