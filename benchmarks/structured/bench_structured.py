@@ -6,7 +6,8 @@ Every request generates ``--max-tokens`` tokens (the unconstrained ones ignore E
 practically cannot end sooner: see ``ENDLESS``; any that do are counted), so both batches run the same
 steps. Per round and mode: the batch
 with ``--max-tokens`` and again with half of them (fresh prompts each time, so no prefix is cached):
-the difference is decode steps alone. Reported: median decode step (TPOT) per mode over
+the difference is decode steps alone. With ``--tools`` the constraints are forced tool calls (xgrammar
+structural tags, as the server builds them). Reported: median decode step (TPOT) per mode over
 ``--repeats`` rounds, and the overhead of the constrained batch.
 
     python -m benchmarks.structured.bench_structured --device cpu --batch 64 --max-tokens 64
@@ -46,6 +47,19 @@ def constraints() -> list[StructuredOutput]:
     return [StructuredOutput.json_schema(schema), StructuredOutput.regex(ENDLESS)]
 
 
+def tool_constraints() -> list[StructuredOutput]:
+    """Forced tool calls as the server builds them (the hermes format): a named function, and
+    ``required`` over 8 functions; arguments with a free-text field like ``constraints``'s."""
+    from radixrelay.text.tool_calls import Function, constraint, get_format
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "story": {"type": "string", "pattern": f"^{ENDLESS}$"}},
+              "required": ["city", "story"]}
+    fmt, functions = get_format("hermes"), [Function(f"tool_{i}", params) for i in range(8)]
+    return [StructuredOutput.structural_tag(constraint(fmt, fns, "required", parallel=False, marker_is_text=True))
+            for fns in (functions[:1], functions)]
+
+
 def prompts(tag: str, n: int) -> list[str]:
     return [f"Request {tag}-{i}: write about the {WORDS[i % len(WORDS)]} and the {WORDS[(i * 7) % len(WORDS)]}."
             for i in range(n)]
@@ -80,6 +94,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", type=Path, help="append the markdown result here")
+    ap.add_argument("--tools", action="store_true", help="constrain with forced tool calls (structural tags) "
+                    "instead of a JSON schema and a regex")
     args = ap.parse_args()
 
     options: dict = {"device": args.device, "kv_cache_tokens": args.batch * (args.max_tokens + 64) * 2}
@@ -89,7 +105,7 @@ def main() -> int:
 
         model = str(llama3_8b_dir(Path(tempfile.mkdtemp()) / "llama3-8b-shapes", 32, 49152))
         options.update(load_format="dummy", tokenizer=args.tokenizer, dtype="bfloat16")
-    specs = constraints()
+    specs = tool_constraints() if args.tools else constraints()
     early: list[int] = []
     half = args.max_tokens // 2
     steps: dict[str, list[float]] = {"none": [], "constrained": []}
@@ -111,7 +127,8 @@ def main() -> int:
 
         device = torch.cuda.get_device_name()
     model_name = "Llama-3-8B shapes, dummy bf16 weights" if args.llama3_8b else "SmolLM2-135M-Instruct (fp32)"
-    report = (f"## {device}: {model_name}, batch {args.batch}, {args.share:.0%} constrained\n\n"
+    what = "forced tool calls" if args.tools else "constrained"
+    report = (f"## {device}: {model_name}, batch {args.batch}, {args.share:.0%} {what}\n\n"
               f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; `python -m benchmarks.structured.bench_structured "
               f"{' '.join(sys.argv[1:])}`; {os.cpu_count()} CPU cores ({platform.machine()})\n\n"
               f"| batch | decode step, no constraint (ms) | decode step, {args.share:.0%} constrained (ms) | overhead |\n"
