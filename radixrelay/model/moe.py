@@ -16,7 +16,9 @@ rows) and ``down_proj`` [E, hidden, I], ``I`` this rank's share of each expert's
 by expert id and each expert multiplies its contiguous run of rows, on the CPU by a loop of per-expert
 products (``grouped_experts_torch``), on CUDA by the Triton grouped GEMM of
 ``radixrelay.kernels.grouped_experts`` (one launch per projection for all experts, no host sync: CUDA graphs
-capture it). The weighted sum over a token's choices is taken in float32.
+capture it). The weighted sum over a token's choices is taken in float32, the weights kept in float32
+(transformers' Qwen3-MoE rounds them to the model dtype first: the same numbers in float32, within a
+rounding of the model dtype otherwise).
 
 FP8 weights (``--quantization fp8``) are refused for a model with routed experts: the experts' products have
 no FP8 path yet.
