@@ -15,13 +15,13 @@ rows) and ``down_proj`` [E, hidden, I], ``I`` this rank's share of each expert's
 ``radixrelay.model.parallel``). The products group the tokens by expert: the (token, choice) pairs are sorted
 by expert id and each expert multiplies its contiguous run of rows, on the CPU by a loop of per-expert
 products (``grouped_experts_torch``), on CUDA by the Triton grouped GEMM of
-``radixrelay.kernels.grouped_experts`` (one launch per projection for all experts, no host sync: CUDA graphs
-capture it). The weighted sum over a token's choices is taken in float32, the weights kept in float32
+``radixrelay.kernels.grouped_experts`` (two launches per layer for all experts, gate/up then down, planned
+without a host sync so that CUDA graphs can capture it; not yet run inside a captured graph). The weighted sum over a token's choices is taken in float32, the weights kept in float32
 (transformers' Qwen3-MoE rounds them to the model dtype first: the same numbers in float32, within a
 rounding of the model dtype otherwise).
 
-FP8 weights (``--quantization fp8``) are refused for a model with routed experts: the experts' products have
-no FP8 path yet.
+FP8 weights (``--quantization fp8``) are refused at load for a layer with routed experts (unless
+``--fp8-keep-layers`` keeps it in the model dtype): the experts' products have no FP8 path yet.
 """
 
 from __future__ import annotations
