@@ -1,7 +1,6 @@
 """Worker side of a step: the request table, the model, the KV memory and the sampler.
 
-HOT FILE: only what runs every step belongs here (apply the plan diff, pack the batch, forward,
-sample). Loading lives in ``radixrelay.model.loader``, batch packing in
+HOT FILE: only what runs every step belongs here (pack the batch, forward, sample). Loading lives in ``radixrelay.model.loader``, batch packing in
 ``radixrelay.attention.metadata``, sampling in ``radixrelay.worker.sampling``, prompt logprobs in
 ``radixrelay.worker.prompt_logprobs``, device-resident token state in ``radixrelay.worker.step_state``,
 the decode graphs' rows in ``radixrelay.worker.device_batch``, the choice of forward path in
@@ -13,7 +12,8 @@ sampling on the device and starts copying the results to the host, without waiti
 launches step N+1 before finishing step N: a decode feeds its request's newest token from the device
 (``ResidentTokens``), so the host never needs step N's tokens to launch N+1. ``step(plan)`` does both.
 
-The request table mirrors the scheduler's view (``radixrelay.protocol.step`` states the invariants): for every
+The request table (``radixrelay.worker.request_table``: one entry per resident request, the only writer of
+residency) mirrors the scheduler's view (``radixrelay.protocol.step`` states the invariants): for every
 resident request, its tokens known at admission (extend inputs), how many it has sampled since (on
 the device), and its page list. A decode computes the request's newest token, whose position is
 ``num_tokens - 1``.
@@ -45,7 +45,6 @@ import time
 from itertools import repeat
 from operator import attrgetter, gt, mul
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -62,11 +61,11 @@ from radixrelay.cascade.batch import (
 from radixrelay.cascade.cost import CostModel
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.protocol.stats import WorkerCounters
-from radixrelay.protocol.step import AdmittedRequest, ExtendItem, StepOutput, StepPlan, positions_of
-from radixrelay.sampling_params import SamplingParams
+from radixrelay.protocol.step import ExtendItem, StepOutput, StepPlan, positions_of
 from radixrelay.worker.device_batch import DeviceBatch, GraphRun
 from radixrelay.worker.graph_step import GraphStep, RowPatch
 from radixrelay.worker.prompt_logprobs import PendingPromptLogprobs, num_logits_rows
+from radixrelay.worker.request_table import RequestTable, Resident
 from radixrelay.worker.sampling import LogprobsTensors, Sampler, SamplingTensorsCache, to_host
 from radixrelay.worker.step_path import Path, StepFacts, StepPath, choose_path
 from radixrelay.worker.step_state import ResidentTokens
@@ -85,18 +84,6 @@ if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worke
     from radixrelay.worker.cuda_graphs import DecodeGraphs
     from radixrelay.worker.kv_tiers import TierStore
     from radixrelay.worker.piecewise_graphs import PiecewiseGraphs
-
-
-@dataclass
-class _Resident:
-    token_ids: list[int]       # tokens [token_offset, ...) known at admission (prompt, then outputs)
-    token_offset: int          # leading tokens not sent (cached; never computed here)
-    num_prompt_tokens: int
-    num_tokens: int            # len(token_ids) + tokens sampled since (their values on the device)
-    pages: list[int]
-    sampling: SamplingParams
-    rope_runs: list[tuple[int, int]]    # RoPE position deltas (``AdmittedRequest.rope_runs``)
-    min_tokens_ban: list[int] = dataclasses.field(default_factory=list)   # ``AdmittedRequest.min_tokens_ban``
 
 
 class LaunchedStep:
@@ -167,16 +154,12 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(generator)
-        self._table: dict[int, _Resident] = {}
-        self._pages: dict[int, list[int]] = {}   # rid -> its resident's page list (the same object)
-        self._pages_of = self._pages.__getitem__             # C-level: mapped over a cascade group's members
-        self._num_rope = 0                      # residents with RoPE position deltas (modular prompts)
-        self._page_table = DevicePageTable(self.device)      # the same page lists, on the device
+        self._page_table = DevicePageTable(self.device)      # the residents' page lists, on the device
         self._tokens = ResidentTokens(self.device, self.vocab_size)
         self._sampling = SamplingTensorsCache()              # the sampling rows' tensors while they repeat
-        self._banned: dict[int, _Resident] = {}              # residents whose min_tokens still bans ids
         self.prefill_cost = prefill_cost
         self._decode_runs = DecodeRunsCache(self.page_size, self.device, backend.splits_shared_pages(self.device))
+        self.table = RequestTable(self._page_table, self._tokens, self._decode_runs, constraints)
         self.graphs = graphs
         self.piecewise = piecewise
         self.device_batch = DeviceBatch()    # the decode graphs' rows from step to step (told by ``_forward``)
@@ -189,7 +172,6 @@ class ModelRunner:
         self._cuda = self.device.type == "cuda"
         self.counters = (counters if counters is not None else graphs.counters if graphs is not None
                          else WorkerCounters())
-        self._appends: list[tuple[int, int, list[int]]] = []   # this step's (rid, first column, pages)
         self.constraints = constraints
 
     @property
@@ -200,7 +182,7 @@ class ModelRunner:
 
     @property
     def num_resident(self) -> int:
-        return len(self._table)
+        return len(self.table)
 
     def step(self, plan: StepPlan) -> StepOutput:
         """Launch and finish one step (no overlap)."""
@@ -212,7 +194,7 @@ class ModelRunner:
         made it)."""
         start = time.perf_counter()
         try:
-            self._apply_diff(plan)
+            self.table.apply(plan)
             if plan.transfers is not None and self.tiers is None:
                 raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
             if self.tiers is None:
@@ -230,65 +212,13 @@ class ModelRunner:
             self.device_batch.ran_other()          # what the graph buffers hold is not known
             return LaunchedStep(plan.step_id, error=f"{type(exc).__name__}: {exc}")
 
-    def _apply_diff(self, plan: StepPlan) -> None:
-        for rid in plan.released:
-            if (gone := self._table.pop(rid, None)) is not None:
-                del self._pages[rid]
-                self._num_rope -= bool(gone.rope_runs)
-                self._page_table.release(rid)
-                self._tokens.release(rid)
-                self._decode_runs.release(rid)
-                self._banned.pop(rid, None)
-                if self.constraints is not None:
-                    self.constraints.release(rid)
-        for req in plan.admitted:
-            self._decode_runs.release(req.rid)        # a new page list: nothing checked of the old one holds
-            if (old := self._table.get(req.rid)) is not None:      # admitted again without a release
-                self._num_rope -= bool(old.rope_runs)
-            self._num_rope += bool(req.rope_runs)
-            res = self._table[req.rid] = _Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
-                                                   req.token_offset + len(req.token_ids), list(req.pages),
-                                                   req.sampling, req.rope_runs, req.min_tokens_ban)
-            if req.min_tokens_ban:
-                self._banned[req.rid] = res
-            else:
-                self._banned.pop(req.rid, None)
-            self._pages[req.rid] = res.pages
-            self._page_table.admit(req.rid, req.pages)
-            self._tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
-            if req.sampling.structured is not None:
-                self._admit_constrained(req)
-        self._appends = []
-        for append in plan.page_appends:           # page lists only grow while resident (DecodeRunsCache)
-            pages = self._table[append.rid].pages
-            self._appends.append((append.rid, len(pages), append.pages))
-            pages.extend(append.pages)
-            self._page_table.append(append.rid, append.pages)
-
-    def _ban_before_min_tokens(self, residents: list[_Resident], logits: torch.Tensor) -> torch.Tensor:
+    def _ban_before_min_tokens(self, residents: list[Resident], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [len(residents), V] with EOS and stop ids at -inf on rows below their ``min_tokens``."""
-        rows: list[int] = []
-        ids: list[int] = []
-        for row, res in enumerate(residents):
-            if res.min_tokens_ban:
-                if _outputs_of(res) < res.sampling.min_tokens:
-                    rows.extend([row] * len(res.min_tokens_ban))
-                    ids.extend(res.min_tokens_ban)
-                else:
-                    res.min_tokens_ban = []              # this row's bans are over
-        self._banned = {rid: res for rid, res in self._banned.items() if res.min_tokens_ban}
+        rows, ids = self.table.min_tokens_bans(residents)
         if not rows:
             return logits
         index = (to_device(rows, torch.int64, self.device), to_device(ids, torch.int64, self.device))
         return logits.index_put(index, torch.tensor(float("-inf"), device=self.device))
-
-    def _admit_constrained(self, req: AdmittedRequest) -> None:
-        """Its grammar replays the outputs it has (a re-admission): they must have been sent."""
-        if self.constraints is None:
-            raise ValueError(f"request {req.rid}: structured outputs need a worker built with a grammar engine")
-        if req.token_offset > req.num_prompt_tokens:
-            raise ValueError(f"request {req.rid}: admitted without its output tokens (offset past the prompt)")
-        self.constraints.admit(req.rid, req.sampling.structured, req.token_ids[req.num_prompt_tokens - req.token_offset:])
 
     def _launch(self, plan: StepPlan, start: float) -> LaunchedStep:
         changed = None
@@ -306,7 +236,7 @@ class ModelRunner:
         owed: list[tuple[ExtendItem, int]] = []           # (extend, its first logits row)
         num_rows = most_logits = 0
         for item in plan.extends:
-            res = self._table[item.rid]
+            res = self.table[item.rid]
             lo = item.start - res.token_offset
             if lo < 0 or lo + item.num_tokens > len(res.token_ids):
                 raise ValueError(f"request {item.rid}: extend [{item.start}, {item.start + item.num_tokens}) outside "
@@ -321,7 +251,7 @@ class ModelRunner:
             if item.sample:
                 samplers.append(item.rid)
                 sample_rows.append(num_rows - 1)
-        decoding = list(map(self._table.__getitem__, plan.decodes))
+        decoding = list(map(self.table.__getitem__, plan.decodes))
         if not extends and not decoding:
             return LaunchedStep(plan.step_id)
         samplers.extend(plan.decodes)           # decodes sample too; their logits rows follow the extends'
@@ -340,20 +270,20 @@ class ModelRunner:
             logits = logits.index_select(0, to_device(sample_rows, torch.int64, self.device))
         return self._sample(plan.step_id, samplers, decoding, logits, prompt, launch_s, events)
 
-    def _sample(self, step_id: int, samplers: list[int], decoding: list[_Resident], logits: torch.Tensor,
+    def _sample(self, step_id: int, samplers: list[int], decoding: list[Resident], logits: torch.Tensor,
                 prompt: list[PendingPromptLogprobs], launch_s: float, events) -> LaunchedStep:
         """Queue the sampling of ``samplers`` (extends that sample, then every decode; ``logits``: one row
         each) and the copies of the results to the host."""
         tokens = logprobs = None
         num_logprobs: tuple[int | None, ...] = ()
         if samplers:
-            residents = [self._table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
+            residents = [self.table[rid] for rid in samplers[:len(samplers) - len(decoding)]] + decoding
             tensors = self._sampling.get(residents, _PARAMS_OF, _outputs_of, self._tokens.penalties(samplers),
                                          vocab_size=logits.shape[-1], device=self.device)
             logits = logits.float()
             if self.constraints:                  # constrained rows resident: mask what their grammars forbid
                 logits = self.constraints.mask(samplers, logits)
-            if self._banned:
+            if self.table.banned:
                 logits = self._ban_before_min_tokens(residents, logits)
             out = self.sampler(logits, tensors)
             # rows of the newest-token table: the decode graph's own (kept by row) when it gathered them
@@ -376,20 +306,20 @@ class ModelRunner:
         return launched
 
     def _facts(self, plan: StepPlan, extend_tokens: int, most_logits: int, changed: list[int] | None,
-               decoding: list[_Resident]) -> StepFacts:
+               decoding: list[Resident]) -> StepFacts:
         """What ``choose_path`` reads of the step, the request table, the persistent batch and the graphs."""
         graphs, piecewise = self.graphs, self.piecewise
         return StepFacts(
             decodes=len(plan.decodes), extends=len(plan.extends), extend_tokens=extend_tokens,
             extend_logits=most_logits, tier_loads=self.kv_cache.layer_ready is not None,
-            changed=None if changed is None else len(changed), modular=self._num_rope > 0,
+            changed=None if changed is None else len(changed), modular=self.table.num_rope > 0,
             # (num_tokens - 1) // ps < len(pages) <=> num_tokens <= len(pages) * ps; C-level over the batch
             pages_hold=changed is not None and not any(map(gt, map(_NUM_TOKENS, decoding), map(
                 mul, map(len, map(_PAGES, decoding)), repeat(self.page_size)))),
             graph_rows=graphs.max_batch if graphs is not None else 0, small_extend_rows=self.small_extend_rows,
             piecewise_tokens=piecewise.max_tokens if piecewise is not None else 0)
 
-    def _forward(self, path: StepPath, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+    def _forward(self, path: StepPath, plan: StepPlan, extends: list[BatchRequest], decoding: list[Resident],
                  input_ids: list[int], changed: list[int] | None, events) -> torch.Tensor:
         """logits of the step's rows, from the first of ``path``'s candidates that takes the step. The
         persistent batch is told here, and only here, what ran: a graph step (the next step may advance
@@ -410,12 +340,12 @@ class ModelRunner:
                 return run.logits
         raise AssertionError(f"{path}: the last path never declines")
 
-    def _advance(self, plan: StepPlan, decoding: list[_Resident], changed: list[int],
+    def _advance(self, plan: StepPlan, decoding: list[Resident], changed: list[int],
                  events) -> GraphRun | None:
         """ADVANCE / PATCH_ROWS: the last graph step's rows one token further (``DecodeGraphs.advance``: no
         batch packing on the host), its ``changed`` rows (``DeviceBatch.arrange``) patched from host values
         computed for them alone; None when the graph declines."""
-        runs = (self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of) if plan.cascade is not None
+        runs = (self._decode_runs.get(plan.cascade, plan.decodes, self.table.pages_of) if plan.cascade is not None
                 else None)
         patch = None
         if changed:
@@ -429,9 +359,9 @@ class ModelRunner:
         tokens = self._tokens.table()
         if events is not None:
             events[0].record()
-        return self.graphs.advance(self.device_batch, plan.decodes, runs, tokens, self._appends, patch)
+        return self.graphs.advance(self.device_batch, plan.decodes, runs, tokens, self.table.appends, patch)
 
-    def _decode_graph(self, plan: StepPlan, decoding: list[_Resident], defer: bool, events) -> GraphRun | None:
+    def _decode_graph(self, plan: StepPlan, decoding: list[Resident], defer: bool, events) -> GraphRun | None:
         """DECODE_GRAPH: a decode-only step filled into a decode graph (None when its page lists are wider
         than the graphs, or an uncaptured size class is deferred). Host work is O(rows): positions, slots and
         page-table rows as flat lists, one upload (``DecodeGraphs.run``)."""
@@ -441,7 +371,7 @@ class ModelRunner:
         rows = self._decode_rows(plan.decodes, decoding)
         runs = kv_start = None
         if plan.cascade is not None:
-            runs = self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of)
+            runs = self._decode_runs.get(plan.cascade, plan.decodes, self.table.pages_of)
             kv_start = self._decode_runs.own_start
         tokens, token_rows = self._tokens.rows(plan.decodes)
         step = GraphStep(None, rows.positions, rows.slots, table, page_rows, width, kv_start=kv_start, runs=runs,
@@ -450,7 +380,7 @@ class ModelRunner:
             events[0].record()
         return self.graphs.run(step, rids=plan.decodes, defer=defer)    # its logits: [num_rows, V]
 
-    def _extend_rows(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+    def _extend_rows(self, plan: StepPlan, extends: list[BatchRequest], decoding: list[Resident],
                      input_ids: list[int], defer: bool, events) -> GraphRun | None:
         """EXTEND_ROWS: a step of small extends run on the decode graphs (None when no graph fits it), in
         ``_launch``'s row order: each sampling extend's row, then the decodes.
@@ -486,7 +416,7 @@ class ModelRunner:
         decodes = self._decode_rows(plan.decodes, decoding)
         own = [0] * len(plan.decodes)
         if plan.cascade is not None and plan.decodes:
-            runs.extend(shifted_runs(self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of), len(positions)))
+            runs.extend(shifted_runs(self._decode_runs.get(plan.cascade, plan.decodes, self.table.pages_of), len(positions)))
             own = self._decode_runs.own_start
         picks.extend(range(len(positions), len(positions) + len(plan.decodes)))
         table, page_rows, width = self._page_table.rows(keys + plan.decodes)
@@ -507,7 +437,7 @@ class ModelRunner:
         self.counters.extend_row_steps += 1
         return run._replace(logits=run.logits.index_select(0, to_device(picks, torch.int64, self.device)))
 
-    def _packed(self, piecewise: bool, plan: StepPlan, extends: list[BatchRequest], decoding: list[_Resident],
+    def _packed(self, piecewise: bool, plan: StepPlan, extends: list[BatchRequest], decoding: list[Resident],
                 input_ids: list[int], events) -> torch.Tensor:
         """PIECEWISE / EAGER: logits of the step's rows packed on the host (``build_forward_batch``), run on
         the piecewise graphs or by the eager model."""
@@ -530,7 +460,7 @@ class ModelRunner:
         self.counters.eager_steps += 1
         return self.model(ids, batch, self.kv_cache, self.backend)
 
-    def _decode_rows(self, rids: list[int], residents: list[_Resident]) -> DecodeRows:
+    def _decode_rows(self, rids: list[int], residents: list[Resident]) -> DecodeRows:
         """Each decode computes its newest token, at position ``num_tokens - 1``, into its page list's slot."""
         ps = self.page_size
         positions = [r.num_tokens - 1 for r in residents]
@@ -542,11 +472,11 @@ class ModelRunner:
                              f"position {positions[bad]}") from None
         return DecodeRows(positions, slots)
 
-    def _rope_delta(self, plan: StepPlan, decoding: list[_Resident]) -> list[int] | None:
+    def _rope_delta(self, plan: StepPlan, decoding: list[Resident]) -> list[int] | None:
         """Per token of the step, RoPE position - KV index; None when all are 0 (no modular rows)."""
-        if not self._num_rope:                    # no resident has modular rows: O(1), not O(batch)
+        if not self.table.num_rope:                    # no resident has modular rows: O(1), not O(batch)
             return None
-        extending = [self._table[item.rid] for item in plan.extends]
+        extending = [self.table[item.rid] for item in plan.extends]
         if not any(r.rope_runs for r in extending) and not any(r.rope_runs for r in decoding):
             return None
         deltas: list[int] = []
@@ -559,7 +489,7 @@ class ModelRunner:
         return deltas if any(deltas) else None
 
     def _prompt_logprobs(self, item: ExtendItem, logits: torch.Tensor) -> PendingPromptLogprobs:
-        res = self._table[item.rid]
+        res = self.table[item.rid]
         k = res.sampling.prompt_logprobs
         if k is None:
             raise ValueError(f"request {item.rid}: prompt logprobs owed but not requested")
@@ -569,7 +499,7 @@ class ModelRunner:
         num_extends = len(extends)
         decode_shared = prefill_shared = None
         if plan.cascade is not None and plan.decodes:
-            decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, self._pages_of)
+            decode_shared = self._decode_runs.get(plan.cascade, plan.decodes, self.table.pages_of)
         extend_start = [0] * num_extends
         runs = []
         if self.prefill_cost is not None and num_extends > 1:
@@ -595,10 +525,9 @@ class ModelRunner:
                                    decodes=decodes)
 
 
-_PARAMS_OF = attrgetter("sampling")         # _Resident -> its SamplingParams (a C callable: mapped over the batch)
+_PARAMS_OF = attrgetter("sampling")         # Resident -> its SamplingParams (a C callable: mapped over the batch)
 _NUM_TOKENS = attrgetter("num_tokens")
 _PAGES = attrgetter("pages")
 
 
-def _outputs_of(res: _Resident) -> int:
-    return res.num_tokens - res.num_prompt_tokens
+_outputs_of = attrgetter("num_outputs")       # Resident -> tokens sampled before this step

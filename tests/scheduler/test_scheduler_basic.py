@@ -162,9 +162,11 @@ def test_worker_error_aborts_the_batch():
 
 
 def test_no_gpu_imports():
-    """The radix tree, allocator and scheduler import nothing outside this allow-list."""
+    """The radix tree, allocator and scheduler import nothing outside this allow-list; the scheduler's
+    process loop (its sockets, tokenizer, cascade planner) imports neither torch nor triton."""
     import ast
     import pathlib
+    import subprocess
     import sys
 
     import radixrelay.radix
@@ -172,8 +174,14 @@ def test_no_gpu_imports():
 
     allowed = ("radixrelay.radix", "radixrelay.scheduler", "radixrelay.sampling_params",
                "radixrelay.protocol", "msgspec", "numpy", "__future__")    # numpy: CPU arrays of token ids
+    loaded = subprocess.run([sys.executable, "-c", "import sys, radixrelay.scheduler.scheduler_process; "
+                             "print(sorted({'torch', 'triton'} & set(sys.modules)))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
     for pkg in (radixrelay.radix, radixrelay.scheduler):
         for path in pathlib.Path(pkg.__path__[0]).glob("*.py"):
+            if path.name == "scheduler_process.py":
+                continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module:
                     names = [node.module]
