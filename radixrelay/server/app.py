@@ -157,15 +157,17 @@ async def read_body(request: Request, cap: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > cap:
         raise too_big
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > cap:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
                 raise too_big
     except ClientDisconnect:      # the client left mid-body (or its read deadline closed it): not a 500
         raise ClientGone from None
-    return bytes(body)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)      # one copy of the body
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

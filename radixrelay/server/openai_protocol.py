@@ -5,9 +5,9 @@ field). No silent ignores: every OpenAI request field this server does not imple
 ``UNSUPPORTED`` and refused with a 400 naming it, unless it holds a value that changes nothing
 (``functions: []``, ``store: false``, ...); the same holds for the well-known
 extension fields of other servers (vLLM, SGLang) that change the output (``guided_json``,
-``min_tokens``, ...). Any other unknown field is ignored, as OpenAI's own clients send fields a
+``min_new_tokens``, ...). Any other unknown field is ignored, as OpenAI's own clients send fields a
 server may have no use for. ``APIError`` carries the HTTP status and OpenAI's error JSON.
-Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``, ``prompt_schema`` (the prompt is written
 against a schema registered with POST /v1/schemas: modular prompt reuse, ``radixrelay.modules``),
 and for chat the vLLM/SGLang fields ``chat_template_kwargs`` and ``separate_reasoning``. Tools
@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
+from radixrelay.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, stop_strings_problem
 from radixrelay.structured.spec import InvalidStructuredOutput, StructuredOutput, check_schema
 from radixrelay.text.json_ids import PLACEHOLDER, plain_ids, split_prompt
 from radixrelay.text.tool_calls import MAX_TOOLS, NAME, Function, template_tools
@@ -122,7 +122,7 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 # well-formed body is decoded once. The token ids of ``prompt`` follow the same rule, in numpy
 # (``decode_prompt``, ``radixrelay.admission.checked_ids``).
 _INT_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_k", "seed", "logprobs",
-                         "top_logprobs", "stop_token_ids"})
+                         "top_logprobs", "stop_token_ids", "min_tokens"})
 
 
 def _integral_floats_as_ints(fields: dict[str, msgspec.Raw]) -> bytes:
@@ -175,14 +175,13 @@ def _empty(name: str, json_type: Literal["array", "object"], why: str) -> Unsupp
 
 
 _COMMON: tuple[Unsupported, ...] = (
-    _empty("logit_bias", "object", "not supported by this server"),
     # Extension fields of other OpenAI-compatible servers that change the output.
     *(_only_null(name, "not supported by this server; structured outputs are `response_format`, "
                        "`guided_json`, `guided_regex` and `guided_choice`")
       for name in ("guided_grammar", "structured_outputs", "json_schema", "regex", "ebnf")),
     _one_of("guided_decoding_backend", "xgrammar", why="the grammar engine of this server is xgrammar"),
     _only_null("guided_whitespace_pattern", "JSON outputs use compact whitespace"),
-    *(_only_null(name) for name in ("min_tokens", "min_new_tokens", "bad_words",
+    *(_only_null(name) for name in ("min_new_tokens", "bad_words",
                                     "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
                                     "length_penalty", "logits_processors", "lora_path",
                                     "return_tokens_as_token_ids", "return_hidden_states")),
@@ -281,6 +280,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    # OpenAI's: token id (a decimal string) -> bias added to its logit, in [-100, 100]
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None   # vLLM's: EOS and stop_token_ids held back until then
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
@@ -602,6 +605,19 @@ def _id_array(values: list[int] | list[int | float], floats: bool = False) -> np
         return np.array(values, dtype=object)
 
 
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
+
+
+def logit_bias_pairs(bias: Mapping[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` object as (token id, bias) pairs; a key that is not a token id -> 400."""
+    pairs = []
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise invalid(f"logit_bias keys must be token ids written as decimal integers, got {key!r}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
 def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | None,
                     seed: int | None, prompt_logprobs: int | None = None,
                     overrides: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -619,6 +635,10 @@ def sampling_params(req: GenerationRequest, *, max_tokens: int, logprobs: int | 
                 "frequency_penalty": req.frequency_penalty,
                 "repetition_penalty": req.repetition_penalty}
     fields.update((k, v) for k, v in optional.items() if v is not None)
+    if req.logit_bias:
+        fields["logit_bias"] = logit_bias_pairs(req.logit_bias)
+    if req.min_tokens:
+        fields["min_tokens"] = req.min_tokens
     try:
         return SamplingParams(**fields)
     except ValueError as exc:

@@ -18,7 +18,7 @@ import msgspec
 from fastapi.openapi.utils import get_openapi
 from starlette.routing import BaseRoute
 
-from radixrelay.sampling_params import MAX_STOP_TOKEN_IDS
+from radixrelay.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import tokenize_api as tk
 
@@ -86,6 +86,9 @@ def _narrow_generation(props: dict[str, Any], limits: Limits, table: dict[str, o
                                {"type": "null"}]}
     props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": _token(limits), "maxItems": MAX_STOP_TOKEN_IDS},
                                          {"type": "null"}]}
+    props["logit_bias"] = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,18})$"},
+                                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                      "maxProperties": MAX_LOGIT_BIAS}, {"type": "null"}]}
     # Valid names are those registered at request time (POST /v1/schemas), which a static schema
     # cannot list: published as null only, like the no-op values of unsupported fields.
     props["prompt_schema"] = {"type": "null", "description": "extension: the name of a schema "

@@ -282,6 +282,8 @@ def _check_common(ctx: ServingContext, req: oa.GenerationRequest) -> None:
     vocab = ctx.client.info.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
         raise oa.invalid(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    if req.logit_bias and any(t >= vocab for t, _ in oa.logit_bias_pairs(req.logit_bias)):
+        raise oa.invalid(f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias")
 
 
 async def check_structured(ctx: ServingContext, req: oa.GenerationRequest, choices: list[Choice]) -> None:

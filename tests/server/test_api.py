@@ -474,3 +474,25 @@ def test_errors_leave_metrics_consistent(http):
     m = metrics(http)
     assert m["radixrelay_num_requests_running"] == 0 and m["radixrelay_num_requests_waiting"] == 0
     assert re.search(r"radixrelay_kv_total_pages \d", http.get("/metrics").text)
+
+
+def test_logit_bias_and_min_tokens(client, http):
+    """OpenAI's ``logit_bias`` (string token ids) bans and forces tokens; ``min_tokens`` (extra body)
+    holds EOS back."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="relay", prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    tok = http.post("/tokenize", json={"prompt": first, "add_special_tokens": False}).json()
+    banned = client.completions.create(model="relay", prompt=prompt, max_tokens=2, temperature=0,
+                                       logit_bias={str(tok["tokens"][0]): -100})
+    assert not banned.choices[0].text.startswith(first)
+    forced = client.completions.create(model="relay", prompt=prompt, max_tokens=3, temperature=0.8, seed=1,
+                                       logit_bias={str(tok["tokens"][0]): 100})
+    assert forced.choices[0].text == first * 3
+    question = "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"       # the model's ChatML
+    free = client.completions.create(model="relay", prompt=question, max_tokens=64, temperature=0)
+    assert free.choices[0].finish_reason == "stop"
+    n = free.usage.completion_tokens + 6
+    held = client.completions.create(model="relay", prompt=question, max_tokens=64, temperature=0,
+                                     extra_body={"min_tokens": n})
+    assert held.usage.completion_tokens >= n and held.choices[0].text.startswith(free.choices[0].text)
