@@ -12,6 +12,8 @@ import torch
 
 from radixrelay import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow            # one Engine per family: starts early (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 49152                      # the default tokenizer's
