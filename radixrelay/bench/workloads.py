@@ -316,9 +316,44 @@ class MultiTenant:
                 for t in picks.tolist()]
 
 
+@dataclass(frozen=True)
+class Agent:
+    """Agent sessions over one tool-schema system prompt of ``schema_len`` tokens that every session
+    shares (the tools an agent framework sends with each call). A session's first turn is its task; each
+    later turn appends the model's previous reply (its tool call, ``call_len`` tokens out) and a tool
+    result of ``result_len`` tokens, after a tool latency exponential with mean ``tool_time`` seconds, so
+    later turns resend a growing history whose prefix the cache holds. Sessions start by the arrival
+    process."""
+    sessions: int = 32
+    turns: int = 6
+    schema_len: int = 6000
+    task_len: int = 120
+    result_len: int = 300
+    call_len: int = 48
+    tool_time: float = 0.5
+
+    def __post_init__(self) -> None:
+        _validate(self, "sessions", "turns", "call_len")
+
+    def natural_size(self) -> int:
+        return self.sessions * self.turns
+
+    def generate(self, num_requests: int, rng: np.random.Generator) -> list[Session]:
+        schema = "You can call these tools; answer with one call at a time.\n" + words(rng, self.schema_len)
+        sessions = []
+        for start in range(0, num_requests, self.turns):
+            turns = tuple(
+                Turn(f"Task: {words(rng, self.task_len)}" if k == 0
+                     else f"<tool_response>\n{words(rng, self.result_len)}\n</tool_response>",
+                     self.call_len, float(rng.exponential(self.tool_time)) if k and self.tool_time else 0.0)
+                for k in range(min(self.turns, num_requests - start)))
+            sessions.append(Session(f"agent-{len(sessions)}", schema, turns))
+        return sessions
+
+
 WORKLOADS: dict[str, type] = {
     "shared-prefix": SharedPrefix, "sharegpt-like": ShareGPTLike, "multi-turn": MultiTurn,
-    "few-shot": FewShot, "tree": Tree, "random": Random, "multi-tenant": MultiTenant,
+    "few-shot": FewShot, "tree": Tree, "random": Random, "multi-tenant": MultiTenant, "agent": Agent,
 }
 
 

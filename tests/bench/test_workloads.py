@@ -9,8 +9,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from radixrelay.bench.workloads import (WORKLOADS, FewShot, MultiTenant, MultiTurn, SharedPrefix, ShareGPTLike,
-                                        Tree, make_workload, words)
+from radixrelay.bench.workloads import (WORKLOADS, Agent, FewShot, MultiTenant, MultiTurn, SharedPrefix, ShareGPTLike,
+                                        Tree, estimate_tokens, make_workload, words)
 from radixrelay.bench.words import WORDS
 
 
@@ -103,6 +103,20 @@ def test_multi_tenant_contexts_and_zipf_popularity():
     assert counts == sorted(counts, reverse=True) or counts[0] > counts[4] > counts[9]
     assert 1.6 < counts[0] / counts[1] < 2.4
     assert make_workload("multi-tenant", {"tenants": "4", "zipf": "1.5"}) == MultiTenant(tenants=4, zipf=1.5)
+
+
+def test_agent_sessions_share_one_schema_and_append_tool_results():
+    """Every session carries the same tool-schema system prompt; the first turn is a task, each later one a
+    tool result of about ``result_len`` tokens after a tool latency; calls are ``call_len`` tokens out."""
+    sessions = Agent(sessions=3, turns=4, schema_len=40, task_len=8, result_len=30, call_len=16).generate(10, rng(5))
+    assert [len(s.turns) for s in sessions] == [4, 4, 2]
+    assert len({s.system for s in sessions}) == 1 and estimate_tokens(sessions[0].system) >= 40
+    for s in sessions:
+        assert s.turns[0].user.startswith("Task: ") and s.turns[0].think_time == 0
+        assert all(t.user.startswith("<tool_response>") and t.think_time > 0 for t in s.turns[1:])
+        assert all(t.max_tokens == 16 for t in s.turns)
+    assert 30 <= estimate_tokens(sessions[0].turns[1].user) <= 40
+    assert make_workload("agent", {"schema-len": "100"}) == Agent(schema_len=100)
 
 
 def test_sharegpt_like_lengths_match_published_means():
