@@ -9,12 +9,24 @@ import torch
 
 @functools.cache
 def _hf_model():
+    """transformers' model from the default GGUF, once per test process. Its loader parses the file's
+    metadata (the tokenizer's ~100k strings) once for the config and again for the weights, and builds
+    gguf's tensor-name table once per module of the model: about two thirds of the load's CPU. Both are
+    pure functions of their arguments, so they are memoized while it loads; the weights, their
+    dequantization and the model are transformers'."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from radixrelay.model.registry import resolve_model_path
 
     path = resolve_model_path("default")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=1)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=1)(name_map)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     return model.eval()
 
 

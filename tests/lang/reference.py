@@ -38,22 +38,9 @@ def model() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _load_model() -> Any:
-    import gguf
-    import transformers
+    from tests.engine.hf_reference import _hf_model
 
-    path = resolve_model_path("default")
-    # transformers' GGUF loader parses the file's metadata (the tokenizer's ~100k strings) once for the
-    # config and again for the weights, and builds gguf's tensor-name table once per module of the model
-    # (~400 times): about two thirds of the load's CPU time. Both are pure functions of their arguments,
-    # so for this load they are memoized; the weights, their dequantization and the model are transformers'.
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.lru_cache(maxsize=1)(reader)
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=1)(name_map)
-    try:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    return _hf_model()
 
 
 @functools.lru_cache(maxsize=64)

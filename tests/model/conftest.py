@@ -31,14 +31,6 @@ def ours(default_gguf: Path) -> tuple[LlamaForCausalLM, ModelConfig]:
 
 
 @pytest.fixture(scope="session")
-def hf_model(default_gguf: Path):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
 def prompts(default_gguf: Path) -> list[list[int]]:
     """Token ids of a few chat prompts, from transformers' tokenizer for the same GGUF file."""
     transformers = pytest.importorskip("transformers")

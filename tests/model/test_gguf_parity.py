@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,11 @@ GREEDY_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def hf_model(default_gguf: Path):
-    """transformers' model from the GGUF, loaded once for the module. Its loader parses the file's metadata
-    twice (config, then tensors) and rebuilds gguf's tensor-name map once per submodule; both are pure, so
-    they are memoised while it loads (most of the load's CPU otherwise): the same tensors, dequantised by
-    transformers and gguf as before."""
-    transformers = pytest.importorskip("transformers")
-    gguf = pytest.importorskip("gguf")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
-    return model.eval()
+    """transformers' model from the GGUF, loaded once per test process (``tests.engine.hf_reference``)."""
+    pytest.importorskip("transformers")
+    from tests.engine.hf_reference import _hf_model
+
+    return _hf_model()
 
 
 @pytest.fixture(scope="module")
