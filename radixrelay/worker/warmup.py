@@ -16,6 +16,9 @@ fixed by the model and the cache (heads, head dim, dtype, page size, cache strid
     prefill_merge merge's INTO_ROWS mode x BLOCK_H (rows)       {1, 2, 4, 8, 16, 32}
     extend        BLOCK_M (the step's longest extend)           16, 32, 64, 128
 
+With a model given, also its FP8 layers' split-K products and its routed experts' grouped GEMMs (one
+launch per block size and expert shape).
+
 ("alone": the own-KV decode with the GPU to itself; "beside": next to the shared node on the side stream,
 ``cascade.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside light nodes; the out dtype is the model's where one
 split writes the result directly, fp32 where splits or cascade levels go to a parts buffer.) Each variant is launched once, on a few tokens of the
@@ -117,6 +120,8 @@ def warm_up_kernels(dims, kv_cache: KVCache, backend=None, *, model: torch.nn.Mo
         variants = serving_variants(AttentionDims.of(dims), kv_cache, overlap=overlap)
         if model is not None:
             variants += fp8_product_variants(model, kv_cache.model_dtype)
+            if device.type == "cuda":
+                variants += expert_variants(model)
         for i, variant in enumerate(variants):
             if time.perf_counter() - start > time_budget_s:
                 skipped = [v.name for v in variants[i:]]
@@ -162,6 +167,25 @@ def fp8_product_variants(model: torch.nn.Module, dtype: torch.dtype) -> list[Var
             shapes.add(shape)
             variants.append(Variant(f"fp8_split_k {shape[0]} -> {shape[1]} out={_name(dtype)}",
                                     lambda layer=layer: launch(layer)))
+    return variants
+
+
+def expert_variants(model: torch.nn.Module) -> list[Variant]:
+    """The grouped-expert kernels (``radixrelay.kernels.grouped_experts``) once per distinct expert shape of the
+    model's routed-experts layers: each block size a step's token count can pick (``warm_up_variants``)."""
+    from radixrelay.kernels.grouped_experts import warm_up_variants
+    from radixrelay.model.moe import SparseMoE
+
+    variants, shapes = [], set()
+    for layer in model.modules():
+        if not isinstance(layer, SparseMoE):
+            continue
+        gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+        shape = (tuple(gate_up.shape), tuple(down.shape), gate_up.dtype, layer.top_k)
+        if shape not in shapes:
+            shapes.add(shape)
+            variants.append(Variant(f"grouped_experts {tuple(gate_up.shape)} top-{layer.top_k}",
+                                    lambda w=gate_up, d=down, k=layer.top_k: warm_up_variants(w, d, k)))
     return variants
 
 

@@ -228,3 +228,14 @@ def test_gguf_files(case, arch, tmp_path):
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_renormalize) == (4, 2, True)
     assert cfg.moe_layers == ((0,) if case == "qwen3_moe" else (0, 1))
     _compare(model, hf)
+
+
+def test_warm_up_names_one_variant_per_expert_shape():
+    """Start-up warm-up launches the grouped-expert kernels once per distinct expert shape (every layer of
+    a model shares one); under the interpreter the launches run, the block sizes they pick reported."""
+    from radixrelay.worker.warmup import expert_variants
+
+    model, _ = load_model(_config(), load_format="dummy", seed=3)
+    variants = expert_variants(model)
+    assert len(variants) == 1 and variants[0].name.startswith("grouped_experts")
+    assert variants[0].launch() == [16, 32, 64]
