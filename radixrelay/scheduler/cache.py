@@ -46,9 +46,10 @@ from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import KVHold, Request
-from radixrelay.scheduler.kv_events import KVEventHook, Publisher
+from radixrelay.scheduler.kv_events import KVEventHook, Publisher, told_at_match
 from radixrelay.scheduler.pins import PinTable
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
+from radixrelay.scheduler.match_hint import peek
 
 
 class CacheManager:
@@ -161,7 +162,7 @@ class CacheManager:
             hold.num_shared_pages = len(matched.pages)
             hold.lock_node = matched.node
             hold.kv_len = hold.kv_committed = matched.num_tokens
-        req.events_told = hold.num_shared_pages          # the tree holds (and events told) the match
+        told_at_match(req, hold.num_shared_pages)        # the tree holds (and events told) the match
 
     def missing_modules(self, req: Request) -> list[ModuleSpan]:
         """The spans of a modular request that the tree does not hold whole."""
@@ -362,8 +363,7 @@ class CacheManager:
         if tiers is None or req.modules or req.shifted_prefix or req.hold.pages or max_pages <= 0:
             return 0
         # the usual case, nothing in host memory past the device match: found from the kept hints, no lock
-        req.tree_hint, matched = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
-                                                        length=req.reusable_prefix)
+        _, matched = peek(self.tree, req, req.reusable_prefix)
         if not tiers.host_extension(req, matched - matched % ps):
             return 0
         self.match_and_lock(req, req.tree_hint[0] if req.tree_hint is not None else None)   # resumes the peek

@@ -22,6 +22,7 @@ import numpy as np
 from radixrelay.radix.page_keys import chain_seed, extend_keys
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.request import Request
+from radixrelay.scheduler.match_hint import peek
 
 MAX_SEEDS = 4096          # (salt) chain seeds kept (salts come from clients: bounded)
 
@@ -71,11 +72,9 @@ class ContentKeys:
         walk resumed from ``req.tree_hint``) is read off the nodes; only the rest is hashed."""
         keys = req.page_keys
         if len(keys) < num_pages and self.use_tree:
-            hint, _ = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint, length=num_pages * self.page_size)
-            if hint is not None:
-                req.tree_hint = hint
-                if hint[1] // self.page_size > len(keys):
-                    keys = req.page_keys = self.of_node(hint[0], req.salt, keys)
+            hint, _ = peek(self.tree, req, num_pages * self.page_size)
+            if hint is not None and hint[1] // self.page_size > len(keys):
+                keys = req.page_keys = self.of_node(hint[0], req.salt, keys)
         if len(keys) < num_pages:
             before = len(keys)
             extend_keys(keys, self.seed(req.salt), req.token_ids, self.page_size, num_pages)

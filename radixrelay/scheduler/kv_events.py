@@ -27,6 +27,11 @@ class Publisher(Protocol):
     def load(self, running: int, waiting: int, kv_usage: float) -> None: ...
 
 
+def told_at_match(req: Request, num_pages: int) -> None:
+    """At ``req``'s match: its first ``num_pages`` whole pages are the tree's, so events have told them."""
+    req.events_told = num_pages
+
+
 class KVEventHook:
     def __init__(self, publisher: Publisher, tree: RadixTree, keys: ContentKeys) -> None:
         self.publisher = publisher

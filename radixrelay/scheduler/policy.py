@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.request import Request
+from radixrelay.scheduler.match_hint import peek
 
 
 def order_waiting(queue: Sequence[Request], tree: RadixTree, config: SchedulerConfig,
@@ -62,7 +63,7 @@ def _device_match(req: Request, tree: RadixTree) -> int:
     at the node the last one reached, while it is in the tree."""
     key = (tree.version, len(req.token_ids))
     if req.lpm_match is None or req.lpm_match[:2] != key:
-        req.tree_hint, matched = tree.peek_resumed(req.token_ids, req.salt, req.tree_hint, length=len(req.token_ids) - 1)
+        _, matched = peek(tree, req, len(req.token_ids) - 1)
         req.lpm_match = (*key, matched)
     return req.lpm_match[2]
 

@@ -33,6 +33,7 @@ from radixrelay.scheduler.config import SchedulerConfig
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.tier_costs import TierCosts
+from radixrelay.scheduler.match_hint import peek
 
 FIRST_RUN_PAGES = 4      # a lookup past the device match hashes this many pages first, then 4x as many each time
 MAX_NODES_KNOWN = 1 << 16     # radix nodes whose last use a save remembers (forgotten past this)
@@ -173,8 +174,7 @@ class TierCoordinator:
             limit = req.reusable_prefix // self.page_size
             if limit <= 0 or req.modules:     # a modular request's spans are prefetched by their own
                 continue
-            req.tree_hint, cached = self.tree.peek_resumed(req.token_ids, req.salt, req.tree_hint,
-                                                           length=limit * self.page_size)
+            _, cached = peek(self.tree, req, limit * self.page_size)
             first = cached // self.page_size
             keys, held = self._held_until(req, first, limit, store.held_run)
             chains.append((keys, first, held))
