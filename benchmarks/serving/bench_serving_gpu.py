@@ -9,7 +9,12 @@ graphs are captured), then, each run on an emptied radix cache:
   (b) tree: a 2K prefix -> 16 problems x 256 tokens -> 16 samples each, 256 output tokens, all at once;
   (c) TTFT probe on the idle server: a long prompt sent once, then the same prompt + 5 new words
       with max_tokens 1 (non-streaming: TTFT = latency), median of several, per prompt length;
-  (d) multi-turn: 64 sessions x 4 turns over a 2K system prompt each, Poisson session arrivals.
+  (d) multi-turn: 64 sessions x 4 turns over a 2K system prompt each, Poisson session arrivals;
+  (e) agent (only when asked: --workloads ...,agent): the multi-turn sizes' sessions and turns over one
+      6K-token tool-schema system prompt they all share, each later turn a ~300-token tool result after a
+      tool latency (half the think time), 48 tokens out (``radixrelay.bench.workloads.Agent``); its
+      later-turn TTFT against the same with --disable-radix-cache (configuration ``auto-noradix``) is the
+      agent API's cache benefit.
 /metrics is scraped around each run: counter deltas give the steps, the device-busy fraction of the
 traffic's duration (first arrival to last response) and host milliseconds per step. A time budget (--time-budget) is split evenly among the
 configurations still to run; a run that would not fit its share is skipped and listed as skipped.
@@ -61,10 +66,11 @@ from radixrelay.bench.client import BenchClient, ClientConfig
 from radixrelay.bench.metrics import SLO, summarize
 from radixrelay.bench.provenance import device_slug, source_commit
 from radixrelay.bench.runner import run_sessions, run_sessions_parallel, token_counter
-from radixrelay.bench.workloads import MultiTurn, SharedPrefix, Tree, Workload, words
+from radixrelay.bench.workloads import Agent, MultiTurn, SharedPrefix, Tree, Workload, words
 
 DEFAULT_CONFIGS = "auto,off,auto-nooverlap,off-nooverlap"
-WORKLOADS = ("shared-prefix", "tree", "ttft-probe", "multi-turn")   # run in this order
+WORKLOADS = ("shared-prefix", "tree", "ttft-probe", "multi-turn", "agent")   # run in this order
+DEFAULT_WORKLOADS = WORKLOADS[:4]
 CONFIG_FLAGS = {"nooverlap": ("--disable-overlap",), "noradix": ("--disable-radix-cache",),
                 "eager": ("--disable-cuda-graphs",), "fp8": ("--quantization", "fp8"),
                 "fp8kv": ("--kv-cache-dtype", "fp8"), "fa3": ("--node-kernel", "fa3"),
@@ -183,8 +189,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: fl
 def _summary_brief(s: dict[str, Any]) -> dict[str, Any]:
     keep = ("num_requests", "completed", "failed", "errors", "duration_s", "request_throughput",
             "output_token_throughput", "input_token_throughput", "cache_hit_ratio", "ttft_ms",
-            "tpot_ms", "itl_ms", "e2e_ms")
-    return {k: s[k] for k in keep}
+            "tpot_ms", "itl_ms", "e2e_ms", "multi_turn")
+    return {k: s[k] for k in keep if k in s}
 
 
 # -- the benchmark ------------------------------------------------------------------------------
@@ -237,6 +243,10 @@ class Bench:
         out.append(("multi-turn", z.mt_sessions / z.mt_rate + z.mt_turns * (z.mt_think_s + 2) + 5,
                     lambda spec, srv: self.workload_run(
                         spec, srv, "multi-turn", multi, multi.natural_size(), z.mt_rate, 2)))
+        agent = Agent(sessions=z.mt_sessions, turns=z.mt_turns, tool_time=z.mt_think_s / 2)
+        out.append(("agent", z.mt_sessions / z.mt_rate + z.mt_turns * (z.mt_think_s / 2 + 3) + 10,
+                    lambda spec, srv: self.workload_run(
+                        spec, srv, "agent", agent, agent.natural_size(), z.mt_rate, 3)))
         return out
 
     async def run_all(self, specs: list[ServerSpec]) -> None:
@@ -483,8 +493,8 @@ def parser() -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer rates, requests and probe lengths")
     size.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU check of the script")
-    p.add_argument("--workloads", type=lambda text: tuple(text.split(",")), default=WORKLOADS,
-                   help=f"which runs, always in this order (default: {','.join(WORKLOADS)})")
+    p.add_argument("--workloads", type=lambda text: tuple(text.split(",")), default=DEFAULT_WORKLOADS,
+                   help=f"which runs, always in this order (default: {','.join(DEFAULT_WORKLOADS)}; agent on request)")
     p.add_argument("--rates", type=_floats, default=None,
                    help="shared-prefix Poisson rates, req/s: R1,R2,... (default: 16,48)")
     p.add_argument("--num-requests", type=int, default=None, help="shared-prefix requests per rate")
