@@ -58,3 +58,16 @@ class PagedSession:
                 out[rid].append(token)
                 self.tokens[rid].append(token)
         return out
+
+
+def compare_logits(model, hf, vocab_size: int, page_size: int = 4) -> None:
+    """Two sequences in one ragged batch through ``model``, every row's logits, against transformers'
+    forward (``hf``) per sequence."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (37, 11)]
+    session = PagedSession(model, num_pages=64, page_size=page_size, seed=3)
+    for rid, s in enumerate(seqs):
+        session.add(rid, s)
+    logits = session.step([(rid, len(s)) for rid, s in enumerate(seqs)], all_logits=True)
+    ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs]).float()
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixrelay.model import load_model
-from tests.model.paged import PagedSession
+from tests.model.paged import PagedSession, compare_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,15 +60,7 @@ def _save_random(path, config_cls, overrides, max_shard_size=None):
 
 
 def _compare(model, hf, page_size=4):
-    """Two sequences in one ragged batch, all rows' logits, against HF forward per sequence."""
-    gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (37, 11)]
-    session = PagedSession(model, num_pages=64, page_size=page_size, seed=3)
-    for rid, s in enumerate(seqs):
-        session.add(rid, s)
-    logits = session.step([(rid, len(s)) for rid, s in enumerate(seqs)], all_logits=True)
-    ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs]).float()
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    compare_logits(model, hf, TINY["vocab_size"], page_size)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

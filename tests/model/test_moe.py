@@ -15,7 +15,7 @@ from radixrelay.model import ModelConfig, load_model
 from radixrelay.model.moe import grouped_experts_torch, route
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Precision
-from tests.model.paged import PagedSession
+from tests.model.paged import compare_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,16 +44,8 @@ def _random(config_cls, overrides):
     return hf.eval()
 
 
-def _compare(model, hf):
-    """Two sequences in one ragged batch, every row's logits, against transformers' forward per sequence."""
-    gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (37, 11)]
-    session = PagedSession(model, num_pages=64, page_size=4, seed=3)
-    for rid, s in enumerate(seqs):
-        session.add(rid, s)
-    logits = session.step([(rid, len(s)) for rid, s in enumerate(seqs)], all_logits=True)
-    ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs]).float()
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+def _compare(model, hf, page_size=4):
+    compare_logits(model, hf, TINY["vocab_size"], page_size)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
