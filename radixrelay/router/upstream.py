@@ -28,6 +28,7 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 KEEPALIVE_S = 4.0
 # How often a request waiting for its replica's answer checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
+STREAM_END = b"data: [DONE]\n\n"            # the last event of an OpenAI stream
 
 
 class ClientGone(Exception):
@@ -130,10 +131,13 @@ def relay(resp: aiohttp.ClientResponse, on_failure: Callable[[BaseException], Pr
         tail = b"\n\n"                           # the last bytes relayed: the error event starts an event
         try:
             async for chunk in resp.content.iter_any():
-                tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
+                tail = (tail + chunk)[-len(STREAM_END):]
                 yield chunk
+                # sent: a client that closes once it has the final event has had the whole answer, though
+                # the replica's end of stream may reach the router after it left
+                ended = tail == STREAM_END
         except UPSTREAM_ERRORS as exc:
-            yield (b"" if tail == b"\n\n" else b"\n\n") + on_failure(exc).sse()
+            yield (b"" if tail.endswith(b"\n\n") else b"\n\n") + on_failure(exc).sse()
         ended = True
 
     def over() -> None:

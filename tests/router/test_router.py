@@ -139,13 +139,23 @@ def test_salts_do_not_share_a_route_s_cache(router):
     assert first.choices[0].message.content == other.choices[0].message.content
 
 
+def disconnects(router) -> float:
+    """The router's count of clients that left before their answer was whole."""
+    lines = [line for line in router.metrics().splitlines()
+             if line.startswith("radixrelay_router_client_disconnects_total ")]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
 def test_a_stream_passes_through_as_the_replica_sends_it(router, replicas):
     params = dict(model="default", max_tokens=8, temperature=0, stream=True,
                   messages=[{"role": "user", "content": "Count from one to ten."}])
     direct = openai.OpenAI(base_url=f"{replicas[0].base_url}/v1", api_key="unused", max_retries=0)
     want = [c.choices[0].delta.content for c in direct.chat.completions.create(**params) if c.choices]
+    before = disconnects(router)
     got = [c.choices[0].delta.content for c in router.client().chat.completions.create(**params) if c.choices]
     assert got == want and len(got) > 5
+    time.sleep(0.2)
+    assert disconnects(router) == before      # closed after [DONE]: the whole answer, not a client that left
     # errors come back as the replica gives them: status and OpenAI error JSON
     bad = httpx.post(f"{router.base_url}/v1/chat/completions", json={"model": "default", "messages": []})
     assert bad.status_code == 400 and "error" in bad.json()
@@ -168,6 +178,7 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(router, replicas
     connection and the replica stops generating (no request left running there)."""
     body = {"model": "default", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write a very long story."}]}
+    before = disconnects(router)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=1.5)
 
@@ -178,7 +189,7 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(router, replicas
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
     def counted() -> bool:
-        return "radixrelay_router_client_disconnects_total 1.0" in router.metrics()
+        return disconnects(router) == before + 1
 
     deadline = time.monotonic() + 5            # the replica's abort and the router's count land apart
     while (running() or not counted()) and time.monotonic() < deadline:
