@@ -191,6 +191,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish (default: %(default)s)")
+    g.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="HTTP server processes sharing the port (SO_REUSEPORT) and the runtime: requests are "
+                        "read, parsed and tokenized on N event loops; connection limits are per process "
+                        "(default: %(default)s)")
     _connection_args(g)
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     g.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                 max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
                 log_level=args.log_level, request_read_timeout=args.request_read_timeout,
-                max_connections=args.max_connections)
+                max_connections=args.max_connections, api_servers=args.api_servers)
     except ValueError as exc:
         print(f"radixrelay: error: {exc}", file=sys.stderr)
         return 2

@@ -207,6 +207,7 @@ class EngineConfig:
         return min(self.pinned_kv_tokens, kv_cache_tokens)
 
 
+MAX_API_SERVERS = 64
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "mistral_args")    # radixrelay.text.tool_calls.FORMATS
 REASONING_PARSERS = ("auto", "think", "none")                       # radixrelay.text.reasoning
 
@@ -228,10 +229,15 @@ class ServerConfig:
     # (not its response), and the most open connections (None: derived from the descriptor limit).
     request_read_timeout: float = 30.0
     max_connections: int | None = None
+    # HTTP server processes sharing the port and the runtime (radixrelay.server.api_servers)
+    api_servers: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
             return _bad("ServerConfig", field, why)
+
+        if not 1 <= self.api_servers <= MAX_API_SERVERS:
+            raise bad("api_servers", f"must be in [1, {MAX_API_SERVERS}], got {self.api_servers}")
 
         if not 0 <= self.port < 65536:
             raise bad("port", f"must be in [0, 65535], got {self.port}")

@@ -199,11 +199,20 @@ class Endpoints(msgspec.Struct, frozen=True):
     ranks: list[str] = []
     rendezvous: str = ""
     rank_reports: str = ""            # rank 0's inbox for the other ranks' ``RankReport``s
+    # Several HTTP server processes (``--api-servers``): the inboxes of servers 1..n-1; server 0's is
+    # ``scheduler_to_frontend``. Every server sends on ``frontend_to_scheduler``.
+    frontends: list[str] = []
 
     def sockets(self) -> list[str]:
-        """Every ZMQ address (the four channels, then the ranks' inboxes and rank 0's report inbox)."""
+        """Every ZMQ address (the four channels, then the ranks' inboxes, rank 0's report inbox and the
+        other servers' inboxes)."""
         return [self.frontend_to_scheduler, self.scheduler_to_frontend, self.scheduler_to_worker,
-                self.worker_to_scheduler, *self.ranks, *([self.rank_reports] if self.rank_reports else [])]
+                self.worker_to_scheduler, *self.ranks, *([self.rank_reports] if self.rank_reports else []),
+                *self.frontends]
+
+    def frontend_inboxes(self) -> list[str]:
+        """Each HTTP server's inbox, by server index (one entry for the Engine or a single server)."""
+        return [self.scheduler_to_frontend, *self.frontends]
 
 
 class ChildArgs(msgspec.Struct, frozen=True):

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -33,6 +34,7 @@ from radixrelay.protocol.stats import RuntimeStats
 from radixrelay.protocol.step import ModuleSpan
 from radixrelay.proc.child import FrameDecoder
 from radixrelay.runtime.client import QueueFullError, RuntimeDiedError, ready_info
+from radixrelay.runtime.attached import AttachedRuntime
 from radixrelay.runtime.launcher import RuntimeProcesses
 from radixrelay.protocol.token_ids import pack_token_ids
 from radixrelay.sampling_params import SamplingParams
@@ -41,20 +43,27 @@ logger = logging.getLogger("radixrelay.runtime")
 WATCH_INTERVAL = 0.5                  # seconds between child liveness checks
 CALL_TIMEOUT = 30.0                   # seconds a stats / flush call may take
 FAIL_BATCH = 64                       # requests failed between two yields to the event loop
+ABORT_LINGER_MS = 1000                # an attached server's exit: longest its last aborts may wait to go out
 
 _StreamItem = TokenUpdate | BaseException
 
 
 class AsyncRuntimeClient:
-    def __init__(self, processes: RuntimeProcesses, ctx: zmq.asyncio.Context,
-                 inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket, info: RuntimeReady) -> None:
+    def __init__(self, processes: RuntimeProcesses | AttachedRuntime, ctx: zmq.asyncio.Context,
+                 inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket, info: RuntimeReady,
+                 server: int = 0, servers: int = 1) -> None:
+        """``server`` of ``servers``: this HTTP server's index among those sharing the runtime; its request
+        and call ids are ``server`` modulo ``servers`` (the scheduler routes their answers by it:
+        ``radixrelay.scheduler.frontend_outboxes``)."""
+        if not 0 <= server < servers:
+            raise ValueError(f"server index {server} out of range for {servers} servers")
         self._processes = processes
         self._ctx, self._inbox, self._outbox = ctx, inbox, outbox
         self._info = info
         self._encode = encoder().encode
         self._frames = FrameDecoder(RuntimeMessage, "scheduler -> frontend", logger)
-        self._rids = itertools.count()
-        self._call_ids = itertools.count()
+        self._rids = itertools.count(server, servers)
+        self._call_ids = itertools.count(server, servers)
         self._streams: dict[int, asyncio.Queue[_StreamItem]] = {}
         self._calls: dict[int, asyncio.Future[FlushCacheReply | StatsReply]] = {}
         self._death: str | None = None
@@ -64,9 +73,10 @@ class AsyncRuntimeClient:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncRuntimeClient:
-        """Spawn the runtime and wait until it is ready (model loaded, KV allocated)."""
-        processes = RuntimeProcesses(config)
+    async def start(cls, config: EngineConfig, servers: int = 1) -> AsyncRuntimeClient:
+        """Spawn the runtime and wait until it is ready (model loaded, KV allocated); this client is server
+        0 of ``servers`` (the others ``attach``)."""
+        processes = RuntimeProcesses(config, servers)
         ctx = zmq.asyncio.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.bind(processes.endpoints.scheduler_to_frontend)
@@ -80,7 +90,21 @@ class AsyncRuntimeClient:
             ctx.destroy(linger=0)
             await asyncio.to_thread(processes.stop, 0.0)
             raise
-        return cls(processes, ctx, inbox, outbox, info)
+        return cls(processes, ctx, inbox, outbox, info, 0, servers)
+
+    @classmethod
+    def attach(cls, runtime: AttachedRuntime, info: RuntimeReady, server: int) -> AsyncRuntimeClient:
+        """Server ``server`` (>= 1) of a runtime that server 0 started and made ready: its own inbox, the
+        shared outbox. A runtime death is seen by its heartbeats (``AttachedRuntime``)."""
+        inboxes = runtime.endpoints.frontend_inboxes()
+        if not 1 <= server < len(inboxes):
+            raise ValueError(f"server index {server} out of range for {len(inboxes)} servers")
+        ctx = zmq.asyncio.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(inboxes[server])
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.connect(runtime.endpoints.frontend_to_scheduler)
+        return cls(runtime, ctx, inbox, outbox, info, server, len(inboxes))
 
     @property
     def alive(self) -> bool:
@@ -94,6 +118,19 @@ class AsyncRuntimeClient:
     @property
     def info(self) -> RuntimeReady:
         return self._info
+
+    @property
+    def malformed_frames(self) -> int:
+        """Frames dropped on this client's inbox."""
+        return self._frames.dropped
+
+    def attachable(self) -> AttachedRuntime:
+        """How other servers attach to the runtime this client started (``attach``)."""
+        processes = self._processes
+        if not isinstance(processes, RuntimeProcesses):
+            raise RuntimeError("only the server that started the runtime can share it")
+        return AttachedRuntime(processes.endpoints, str(processes.ipc_dir), os.getpid(),
+                               {name: proc.pid for name, proc in processes.children.items()})
 
     async def generate(self, token_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, *,
                        cache_salt: str | None = None, rid: int | None = None,
@@ -149,7 +186,7 @@ class AsyncRuntimeClient:
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Refuse new requests, give in-flight ones ``drain_timeout`` seconds, fail the rest, stop
-        the children and remove the socket directory. A later call only shortens the drain of the
+        the children and remove the socket directory (a server that attached leaves the runtime running). A later call only shortens the drain of the
         first one (a second SIGTERM) and returns at once."""
         self._drain_deadline = min(self._drain_deadline, time.monotonic() + drain_timeout)
         if self._closed:
@@ -158,11 +195,13 @@ class AsyncRuntimeClient:
         while self._streams and self.alive and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
         await self._fail_everything("the server shut down before the request finished")
-        if self.alive:
+        owner = isinstance(self._processes, RuntimeProcesses)
+        if self.alive and owner:
             await self._outbox.send(self._encode(ShutdownRequest()))
         for task in self._tasks:
             task.cancel()
-        self._ctx.destroy(linger=0)
+        # a server that shares the runtime leaves it running: its aborts must reach the scheduler
+        self._ctx.destroy(linger=0 if owner or not self.alive else ABORT_LINGER_MS)
         # After a death nobody tells the survivor to stop (its peer is gone): terminate it at once.
         await asyncio.to_thread(self._processes.stop, 5.0 if self.alive else 0.0)
 

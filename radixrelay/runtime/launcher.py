@@ -60,7 +60,11 @@ def socket_dir() -> Path:
 
 
 class RuntimeProcesses:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, frontends: int = 1) -> None:
+        """``frontends``: the HTTP server processes that will talk to the runtime (``--api-servers``); each
+        gets its own inbox (``Endpoints.frontend_inboxes``)."""
+        if frontends < 1:
+            raise ValueError(f"frontends must be >= 1, got {frontends}")
         self.config = config
         self.ipc_dir = socket_dir()
         def ipc(name: str) -> str:
@@ -69,7 +73,8 @@ class RuntimeProcesses:
                                    ipc("scheduler_to_worker"), ipc("worker_to_scheduler"),
                                    ranks=[ipc(f"rank{r}") for r in range(1, config.tp)],
                                    rendezvous=str(self.ipc_dir / "rendezvous") if config.tp > 1 else "",
-                                   rank_reports=ipc("rank_reports") if config.tp > 1 else "")
+                                   rank_reports=ipc("rank_reports") if config.tp > 1 else "",
+                                   frontends=[ipc(f"frontend{i}") for i in range(1, frontends)])
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         # Set by the client once the runtime is ready: from then on a child that stops running counts
         # as dead (start-up may block a process's threads in long native calls).

@@ -45,7 +45,7 @@ from radixrelay.model.registry import tokenizer_path
 from radixrelay.protocol.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RejectReason,
     RequestRejected, RequestUpdate, RuntimeFailed, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest,
-    TokenUpdate, UpdateBatch, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone, WorkerStop, encoder,
+    TokenUpdate, WorkerMessage, WorkerReady, WorkerStep, WorkerStepDone, WorkerStop, encoder,
 )
 from radixrelay.protocol.stats import CascadeCounters, GcStats, LoopCounters, RuntimeStats, WorkerCounters
 from radixrelay.protocol.step import PromptLogprobsChunk, StepOutput, TokenLogprobs
@@ -57,6 +57,7 @@ from radixrelay.proc.gc_control import GcControl
 from radixrelay.scheduler.step_log import StepLog
 from radixrelay.protocol.token_ids import unpack_token_ids
 from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.frontend_outboxes import FrontendOutboxes
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.text.tokenizer import load_tokenizer
 
@@ -69,7 +70,7 @@ logger = logging.getLogger("radixrelay.scheduler")
 
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, planner: CascadePlanner | None, args: ChildArgs,
-                 frontend_in: zmq.Socket, frontend_out: zmq.Socket, worker_in: zmq.Socket,
+                 frontend_in: zmq.Socket, frontend_out: FrontendOutboxes, worker_in: zmq.Socket,
                  worker_out: zmq.Socket, collector: GcControl, worker_gc: GcStats) -> None:
         self.scheduler = scheduler
         self.planner = planner            # installed in the scheduler; kept here for its counters
@@ -221,7 +222,7 @@ class SchedulerLoop:
         for update in updates:
             pending = self._live.pop(update.rid) if update.finished else self._live[update.rid]
             items.append(pending.take(update))
-        self.frontend_out.send(self._encode(UpdateBatch(items)))
+        self.frontend_out.updates(items)
 
     def _fail_all(self, error: str) -> None:
         logger.error("%s; failing %d requests", error, len(self._live))
@@ -244,10 +245,9 @@ class SchedulerLoop:
             if update is not None:
                 self._send_updates([update])
         elif isinstance(message, FlushCacheRequest):
-            reply = FlushCacheReply(message.call_id, self.scheduler.flush_cache())
-            self.frontend_out.send(self._encode(reply))
+            self.frontend_out.reply(message.call_id, FlushCacheReply(message.call_id, self.scheduler.flush_cache()))
         elif isinstance(message, StatsRequest):
-            self.frontend_out.send(self._encode(StatsReply(message.call_id, self._stats())))
+            self.frontend_out.reply(message.call_id, StatsReply(message.call_id, self._stats()))
         elif isinstance(message, ShutdownRequest):
             self._stopping = True
 
@@ -264,7 +264,7 @@ class SchedulerLoop:
 
     def _add(self, req: GenerateRequest) -> None:
         def reject(reason: RejectReason, why: str) -> None:
-            self.frontend_out.send(self._encode(RequestRejected(req.rid, reason, why)))
+            self.frontend_out.reply(req.rid, RequestRejected(req.rid, reason, why))
 
         if req.rid in self._live:
             return reject("invalid", f"request id {req.rid} is already live")
@@ -367,9 +367,9 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     ep = args.endpoints
     frontend_in = bind_pull(ctx, ep.frontend_to_scheduler)
     worker_in = bind_pull(ctx, ep.worker_to_scheduler)
-    frontend_out = connect_push(ctx, ep.scheduler_to_frontend)
     worker_out = connect_push(ctx, ep.scheduler_to_worker)
     encode = encoder().encode
+    frontend_out = FrontendOutboxes([connect_push(ctx, inbox) for inbox in ep.frontend_inboxes()], encode)
     cfg = args.config
     # The tokenizer loads on a thread while the worker loads the model (seconds each); this thread stays
     # on the worker's socket, so a worker that fails to start is reported at once.
@@ -379,7 +379,7 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
         if ready is None:
             return 1
         if isinstance(ready, RuntimeFailed):
-            frontend_out.send(encode(ready))
+            frontend_out.first(ready)
             return 1
     publisher = None
     try:
@@ -402,12 +402,12 @@ def _serve(args: ChildArgs, ctx: zmq.Context) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which raises it
         if publisher is not None:
             publisher.close()
-        frontend_out.send(encode(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}")))
+        frontend_out.first(RuntimeFailed(f"scheduler start-up failed: {type(exc).__name__}: {exc}"))
         return 1
     collector = GcControl("scheduler", gc_mode(), logger)
     collector.settle()                 # the tokenizer and the scheduler's structures: never scanned again
-    frontend_out.send(encode(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
-                                          ready.vocab_size, ready.precision)))
+    frontend_out.first(RuntimeReady(ready.num_pages * cfg.page_size, ready.max_context,
+                                    ready.vocab_size, ready.precision))
     try:
         return SchedulerLoop(scheduler, planner, args, frontend_in, frontend_out, worker_in, worker_out,
                              collector, GcStats(frozen=ready.gc_frozen)).run()

@@ -37,12 +37,17 @@ from radixrelay import __version__
 from radixrelay.server import openai_protocol as oa
 from radixrelay.server import openapi_schema, schemas, serving, tokenize_api
 from radixrelay.text.chat_template import ChatTemplate
+from radixrelay.server.api_servers import (
+    ApiServerArgs, Handlers, MetricsShare, SchemaChange, SchemaResult, ServerGroup, control_addresses,
+)
 from radixrelay.server.grammar_check import GrammarCheck
+from radixrelay.protocol.stats import FrontendCounters
 from radixrelay.server.metrics import ServerMetrics
 from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("radixrelay.server")
 DEATH_LINGER = 2.0       # seconds /health reports 503 after a runtime death before the exit
+WATCH_PEERS_S = 0.5      # server 0 checks on the other API servers this often
 _encode = msgspec.json.Encoder().encode
 T = TypeVar("T")
 
@@ -52,9 +57,17 @@ class ClientGone(Exception):
 
 
 class ServerState:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig,
+                 attach: ApiServerArgs | None = None) -> None:
+        """``attach``: this process is API server ``attach.index`` >= 1 of ``config.api_servers``, sharing
+        the runtime server 0 started (``radixrelay.server.api_servers``); None: server 0 (or the only one)."""
         self.engine_config = engine_config
         self.config = config
+        self.attach = attach
+        self.group = (ServerGroup(attach.index, config.api_servers, attach.controls) if attach is not None
+                      else ServerGroup(0, config.api_servers))
+        self.failure: str | None = None           # another API server died: exiting
+        self.listening: Callable[[], bool] = lambda: False   # set by whoever runs the server
         self.tokenizer = load_tokenizer(tokenizer_path(engine_config))
         self.chat_template = _chat_template(self.tokenizer, config.chat_template)
         self.model_name = config.served_model_name or engine_config.model
@@ -62,7 +75,7 @@ class ServerState:
         self.schemas = SchemaRegistry.for_tokenizer(self.tokenizer, model_id=engine_config.model,
                                                     page_size=engine_config.page_size,
                                                     chat_template=config.chat_template)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.group.index)
         self.grammars = GrammarCheck(self.tokenizer)
         self.prompt_work = serving.PromptWork()   # templates and tokenization, off the event loop
         self.client: AsyncRuntimeClient | None = None
@@ -74,7 +87,7 @@ class ServerState:
 
     @property
     def healthy(self) -> bool:
-        return self.client is not None and self.client.alive and not self.draining
+        return self.client is not None and self.client.alive and not self.draining and self.failure is None
 
     def serving_context(self) -> serving.ServingContext:
         assert self.client is not None
@@ -96,22 +109,71 @@ class ServerState:
     def hurry_drain(self) -> None:
         """A second signal: end the drain now (in-flight requests fail)."""
         self.begin_drain()
+        self.group.signal_peers()
         if self.client is not None:
             self._spawn(self.client.shutdown(0))
 
     async def _drain(self) -> None:
         logger.info("draining: up to %.1f s for in-flight requests", self.config.drain_timeout)
+        deadline = time.monotonic() + self.config.drain_timeout
+        # the other API servers drain meanwhile, and are gone before the runtime stops
+        await self.group.stop_peers(self.config.drain_timeout)
         if self.client is not None:
-            await self.client.shutdown(self.config.drain_timeout)
+            await self.client.shutdown(max(0.0, deadline - time.monotonic()))
         self.request_exit()
+
+    async def watch_peers(self) -> None:
+        """Server 0: another API server that exits unless stopped is a failure of the whole server."""
+        while not self.group.stopping:
+            await asyncio.sleep(WATCH_PEERS_S)
+            dead = self.group.dead_peer()
+            if dead is not None and not self.group.stopping:
+                self.failure = dead
+                self._spawn(self._exit_after_death(dead, "API server"))
+                return
+
+    # -- what the API servers share (``radixrelay.server.api_servers``) ------------------------
+
+    def control_handlers(self) -> Handlers:
+        return Handlers(lambda: self.listening(), self._metrics_share, self._schema_request)
+
+    def _metrics_share(self) -> MetricsShare:
+        malformed = self.client.malformed_frames if self.client is not None else 0
+        return self.metrics.share(FrontendCounters(malformed, self.collector.stats()))
+
+    async def _schema_request(self, change: SchemaChange) -> SchemaResult:
+        """A change another server sent: applied here (from server 0), or made everywhere (at server 0)."""
+        if change.apply_only:
+            return await self.apply_schema_change(change)
+        return await self.group.change_schema(change, self.apply_schema_change)
+
+    async def change_schema(self, change: SchemaChange) -> SchemaResult:
+        """A schema change asked over HTTP: made on every API server before it is answered."""
+        if not self.group.shared:
+            return await self.apply_schema_change(change)
+        return await self.group.change_schema(change, self.apply_schema_change)
+
+    async def apply_schema_change(self, change: SchemaChange) -> SchemaResult:
+        try:
+            if change.op == "register":
+                # parsing and tokenising a large schema is CPU work: off the event loop
+                max_context = self.client.info.max_context if self.client is not None else None
+                info: Any = await asyncio.to_thread(schemas.register, self.schemas, self.model_name, change.body,
+                                                    max_context)
+            else:
+                info = schemas.delete(self.schemas, change.name)
+        except oa.APIError as error:
+            return SchemaResult(error.status, _encode(error.body()))
+        return SchemaResult(200, _encode(info))
 
     def on_runtime_death(self, reason: str) -> None:
         self._spawn(self._exit_after_death(reason))
 
-    async def _exit_after_death(self, reason: str) -> None:
-        logger.error("runtime process died (%s); exiting in %.0f s", reason, DEATH_LINGER)
+    async def _exit_after_death(self, reason: str, what: str = "runtime process") -> None:
+        logger.error("%s died (%s); exiting in %.0f s", what, reason, DEATH_LINGER)
         self.exit_code = 1
         await asyncio.sleep(DEATH_LINGER)
+        await self.group.stop_peers(0)
         if self.client is not None:
             await self.client.shutdown(0)
         self.request_exit()
@@ -129,6 +191,21 @@ def _chat_template(tokenizer: Tokenizer, override: str | None) -> ChatTemplate |
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _schema_response(result: SchemaResult) -> Response:
+    return Response(result.body, status_code=result.status, media_type="application/json")
+
+
+async def _start_api_servers(state: ServerState) -> None:
+    """Server 0, its runtime ready: answer on its control socket, start the other servers, wait until they
+    listen."""
+    assert state.client is not None
+    group, runtime = state.group, state.client.attachable()
+    group.controls = control_addresses(runtime.ipc_dir, group.count)
+    group.serve_control(state.control_handlers())
+    await group.start_peers(state.engine_config, state.config, runtime, state.client.info,
+                            logging.getLevelName(logger.getEffectiveLevel()))
 
 
 def error_response(error: oa.APIError) -> Response:
@@ -236,16 +313,26 @@ async def _collect_when_due(state: ServerState) -> None:
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.client = await AsyncRuntimeClient.start(state.engine_config)
-        try:
-            check_tokenizer_vocab(state.engine_config, state.tokenizer.vocab_size,
-                                  state.client.info.vocab_size)
-        except ValueError:
-            await state.client.shutdown(0)
-            raise
+        group = state.group
+        if state.attach is not None:           # API server 1..N-1: the runtime is server 0's
+            state.client = AsyncRuntimeClient.attach(state.attach.runtime, state.attach.info, group.index)
+            group.serve_control(state.control_handlers())
+        else:
+            state.client = await AsyncRuntimeClient.start(state.engine_config, group.count)
+            try:
+                check_tokenizer_vocab(state.engine_config, state.tokenizer.vocab_size,
+                                      state.client.info.vocab_size)
+                if group.shared:
+                    await _start_api_servers(state)
+            except BaseException:
+                group.kill_peers()
+                group.close()
+                await state.client.shutdown(0)
+                raise
+            logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
+                        state.client.info.max_context)
         state.client.on_death.append(state.on_runtime_death)
-        logger.info("runtime ready: %d KV tokens, context %d", state.client.info.kv_cache_tokens,
-                    state.client.info.max_context)
+        watcher = asyncio.create_task(state.watch_peers()) if group.peers else None
         # The tokenizer, templates and app: frozen out of the garbage collector; full collections when
         # no request is streaming, or once a minute under load (gc_control).
         state.collector = GcControl("frontend", gc_mode(), logger, full_every_s=FRONTEND_FULL_EVERY_S)
@@ -255,7 +342,11 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             ticker.cancel()
+            if watcher is not None:
+                watcher.cancel()
             state.collector.uninstall()
+            await group.stop_peers(0)          # already gone after a drain
+            group.close()
             await state.client.shutdown(0)
 
     app = FastAPI(title="radixrelay", version=__version__, lifespan=lifespan, docs_url=None,
@@ -292,6 +383,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def generate(request: Request, kind: type[oa.ChatCompletionRequest] | type[oa.CompletionRequest]) -> Response:
         arrived = time.monotonic()
+        state.metrics.api_requests.inc()
         ctx = state.serving_context()
         stages: serving.Stages = {}
         try:
@@ -341,10 +433,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             check_json_content_type(request)
             body = await read_body(request, cap)
-            # Parsing and tokenising a large schema is CPU work: off the event loop.
-            max_context = state.client.info.max_context if state.client is not None else None
-            info = await asyncio.to_thread(schemas.register, state.schemas, state.model_name, body, max_context)
-            return json_response(info)
+            return _schema_response(await state.change_schema(SchemaChange("register", body=body)))
         except oa.APIError as error:
             return error_response(error)
         except ClientGone:
@@ -363,10 +452,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/schemas/{name}", include_in_schema=False)
     async def delete_schema(name: str) -> Response:
-        try:
-            return json_response(schemas.delete(state.schemas, name))
-        except oa.APIError as error:
-            return error_response(error)
+        return _schema_response(await state.change_schema(SchemaChange("delete", name=name)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -387,8 +473,9 @@ def build_app(state: ServerState) -> FastAPI:
             stats = await state.client.stats()
             frontend = state.metrics.frontend(msgspec.structs.replace(stats.frontend, gc=state.collector.stats()))
             stats = msgspec.structs.replace(stats, frontend=frontend)
+        peers = await state.group.pull_metrics() if state.group.shared else []
         info = state.client.info if state.client is not None else None
-        return Response(state.metrics.render(stats, info.precision if info is not None else None),
+        return Response(state.metrics.render(stats, info.precision if info is not None else None, peers),
                         media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

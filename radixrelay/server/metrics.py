@@ -25,8 +25,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixrelay.protocol.stats import (
-    FrontendCounters, KVAudit, Reading, RuntimeStats, SchedulerStats, WorkerCounters, readings,
+    FrontendCounters, GcStats, KVAudit, Reading, RuntimeStats, SchedulerStats, WorkerCounters, readings,
 )
+from radixrelay.server.api_servers import FamilyShare, MetricsShare, SampleShare
 
 PREFIX = "radixrelay"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -124,23 +125,87 @@ def _audit_metrics(a: KVAudit) -> Iterator[Metric]:
                 "traffic has ended.", int(a.at_idle_baseline))
 
 
+class _SharedCollector(Collector):
+    """This server's own request metrics (counters, histograms) with the other servers' shares added
+    (``--api-servers``): samples of one name and labels add up, except ``_created`` (the earliest)."""
+
+    def __init__(self, own: CollectorRegistry) -> None:
+        self.own = own
+        self.peers: list[MetricsShare] = []
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.peers:
+            yield from self.own.collect()
+            return
+        families = {f.name: f for f in share_families(self.own)}
+        merged: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for share in [FamilyShare(f.name, f.type, f.documentation, f.samples) for f in families.values()] + \
+                [f for peer in self.peers for f in peer.families]:
+            families.setdefault(share.name, share)
+            values = merged.setdefault(share.name, {})
+            for sample in share.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                seen = values.get(key)
+                if seen is None:
+                    values[key] = sample.value
+                else:
+                    values[key] = min(seen, sample.value) if sample.name.endswith("_created") else seen + sample.value
+        for name, values in merged.items():
+            family = families[name]
+            metric = Metric(name, family.documentation, family.type)
+            for (sample_name, labels), value in values.items():
+                metric.add_sample(sample_name, dict(labels), value)
+            yield metric
+
+
+def share_families(registry: CollectorRegistry) -> list[FamilyShare]:
+    """``registry``'s metric families as plain values, for another server to add up."""
+    return [FamilyShare(m.name, m.type, m.documentation,
+                        [SampleShare(s.name, dict(s.labels), s.value) for s in m.samples])
+            for m in registry.collect()]
+
+
+def merge_frontends(parts: list[FrontendCounters]) -> FrontendCounters:
+    """Several servers' frontend counters as one: counts and seconds add up, the longest pause is the
+    longest of all."""
+    stage_seconds: dict[str, float] = {}
+    stage_counts: dict[str, int] = {}
+    for part in parts:
+        for stage, value in part.stage_seconds.items():
+            stage_seconds[stage] = stage_seconds.get(stage, 0.0) + value
+        for stage, count in part.stage_counts.items():
+            stage_counts[stage] = stage_counts.get(stage, 0) + count
+    gcs = [p.gc for p in parts]
+    gc = GcStats(sum(g.seconds for g in gcs), sum(g.collections for g in gcs),
+                 sum(g.full_collections for g in gcs), max((g.longest_s for g in gcs), default=0.0),
+                 sum(g.frozen for g in gcs))
+    return FrontendCounters(sum(p.malformed_frames for p in parts), gc, stage_seconds, stage_counts)
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, server: int = 0) -> None:
+        """``server``: this process's index among the API servers (``--api-servers``)."""
         self.registry = CollectorRegistry()
         self._runtime = _RuntimeCollector()
         self.registry.register(self._runtime)
+        own = CollectorRegistry()                # this server's: shared with the others, summed by each
+        self._shared = _SharedCollector(own)
+        self.registry.register(self._shared)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=self.registry)
+                                     registry=own)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
-                                         "Tokens generated for finished requests.", registry=self.registry)
+                                         "Tokens generated for finished requests.", registry=own)
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests (one per choice).",
-                                ["finish_reason"], registry=self.registry)
+                                ["finish_reason"], registry=own)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
                               "Time from request arrival to its first output token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              buckets=_LATENCY_BUCKETS, registry=own)
         self.inter_token = Histogram(f"{PREFIX}_inter_token_latency_seconds",
                                      "Time between consecutive output tokens of a request.",
-                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                     buckets=_LATENCY_BUCKETS, registry=own)
+        self.api_requests = Counter(f"{PREFIX}_api_server_requests", "Completion requests received, by API "
+                                    "server process (--api-servers: how the port spreads them).", ["server"],
+                                    registry=own).labels(str(server))
         # Request stages (``radixrelay.server.serving``), cumulative; the event loop is the one writer.
         self._stage_seconds: dict[str, float] = {}
         self._stage_counts: dict[str, int] = {}
@@ -156,15 +221,31 @@ class ServerMetrics:
         return msgspec.structs.replace(counters, stage_seconds=dict(self._stage_seconds),
                                        stage_counts=dict(self._stage_counts))
 
-    def render(self, stats: RuntimeStats | None, precision: dict[str, str] | None = None) -> bytes:
+    def share(self, counters: FrontendCounters) -> MetricsShare:
+        """What another API server adds to its /metrics for this one: the request metrics and
+        ``counters`` with the request stages."""
+        return MetricsShare(share_families(self._shared.own), self.frontend(counters))
+
+    def render(self, stats: RuntimeStats | None, precision: dict[str, str] | None = None,
+               peers: list[MetricsShare] | None = None) -> bytes:
         """The exposition text; ``stats`` None (runtime gone) leaves out the runtime's metrics but this
         server's request stages; ``precision``: what each part of the model runs in
-        (``radixrelay_precision_info``)."""
+        (``radixrelay_precision_info``); ``peers``: the other API servers' shares, added to this one's."""
+        peers = peers or []
         self._runtime.stats = stats
         self._runtime.precision = precision or {}
-        self._runtime.stages = ((self.frontend(FrontendCounters()),) if stats is None
-                                else (stats.frontend, stats.scheduler))
-        return generate_latest(self.registry)
+        if stats is None:
+            frontend = merge_frontends([self.frontend(FrontendCounters()), *(p.frontend for p in peers)])
+            self._runtime.stages = (frontend,)
+        else:
+            frontend = merge_frontends([stats.frontend, *(p.frontend for p in peers)])
+            self._runtime.stats = msgspec.structs.replace(stats, frontend=frontend)
+            self._runtime.stages = (frontend, stats.scheduler)
+        self._shared.peers = peers
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._shared.peers = []
 
 
 def counters_table() -> str:

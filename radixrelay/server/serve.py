@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable, Generator
@@ -23,6 +24,7 @@ import uvicorn
 from radixrelay.config import EngineConfig, ServerConfig
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.net.log_limits import limit_logs
+from radixrelay.server.api_servers import ApiServerArgs, listening_socket
 from radixrelay.server.app import ServerState, build_app
 
 logger = logging.getLogger("radixrelay.server")
@@ -31,21 +33,22 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None],
-                 on_second_signal: Callable[[], None]) -> None:
+                 on_second_signal: Callable[[], None], signals: tuple[signal.Signals, ...] = _SIGNALS) -> None:
         super().__init__(config)
         self._on_first_signal = on_first_signal
         self._on_second_signal = on_second_signal
         self._signals = 0
+        self._handled = signals
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         loop = asyncio.get_running_loop()
-        for sig in _SIGNALS:
+        for sig in self._handled:
             loop.add_signal_handler(sig, self._handle_signal, sig)
         try:
             yield
         finally:
-            for sig in _SIGNALS:
+            for sig in self._handled:
                 loop.remove_signal_handler(sig)
 
     def _handle_signal(self, sig: signal.Signals) -> None:
@@ -58,25 +61,38 @@ class _DrainingServer(uvicorn.Server):
             self._on_second_signal()
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Serve until drained or the runtime dies; returns the process exit code."""
+def run_server(engine_config: EngineConfig, config: ServerConfig, attach: ApiServerArgs | None = None) -> int:
+    """Serve until drained or the runtime dies; returns the process exit code. ``attach``: this process
+    is one of servers 1..N-1 of ``--api-servers N`` (``radixrelay.server.api_servers``)."""
+    sock = None
     try:
         # the descriptor limit raised and the connection cap under it, before anything opens files
         limits = ConnectionLimits(config.request_read_timeout, config.max_connections).resolved()
-        state = ServerState(engine_config, config)
-    except ValueError as exc:      # e.g. an unsafe --chat-template: refused before anything starts
+        if config.api_servers > 1:         # every server binds the port; the first picks it when it is 0
+            sock = listening_socket(config.host, config.port, reuse_port=True)
+            config = dataclasses.replace(config, port=sock.getsockname()[1])
+        state = ServerState(engine_config, config, attach)
+    except (ValueError, OSError) as exc:   # e.g. an unsafe --chat-template, a port in use: before anything starts
         logger.error("%s", exc)
+        if sock is not None:
+            sock.close()
         return 2
     app = build_app(state)
+    # Servers 1..N-1 take SIGTERM from server 0 only: a terminal's Ctrl-C reaches server 0, which drains them.
+    if attach is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = _DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                        timeout_graceful_shutdown=int(config.drain_timeout) + 5, **uvicorn_options(limits)),
-        on_first_signal=state.begin_drain, on_second_signal=state.hurry_drain)
+        on_first_signal=state.begin_drain, on_second_signal=state.hurry_drain,
+        signals=(signal.SIGTERM,) if attach is not None else _SIGNALS)
     limit_logs()                   # after uvicorn.Config, which configures uvicorn's loggers
-    logger.info("connections: at most %d open, %g s to read each request", limits.max_connections,
-                limits.read_timeout_s)
+    if attach is None:
+        logger.info("connections: at most %d open%s, %g s to read each request", limits.max_connections,
+                    " per API server" if config.api_servers > 1 else "", limits.read_timeout_s)
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    asyncio.run(server.serve())
+    state.listening = lambda: server.started
+    asyncio.run(server.serve(sockets=[sock] if sock is not None else None))
     if not server.started:
         return 1               # start-up failed (runtime or port); uvicorn logged why
     return state.exit_code

@@ -1,0 +1,144 @@
+"""``serve --api-servers 2``: two HTTP server processes on one port, one runtime (radixrelay.server.api_servers).
+
+Every request here goes over a connection of its own, so the kernel spreads them over both servers
+(``SO_REUSEPORT``); ``radixrelay_api_server_requests_total{server=...}`` says which server took each.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.runtime.server_process import ServerProcess, cmdline, pid_alive
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+BODY = {"model": "default", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+PLAIN = """<schema name="plain">
+  <module name="preamble">You are a helpful assistant. Answer every question in one short, clear sentence.</module>
+</schema>"""
+FRESH = 16          # requests over connections of their own: all on one server with odds 2**-15
+
+
+def fresh(method: str, url: str, **kwargs) -> httpx.Response:
+    """One request on a connection of its own (a new client; the connection closes after it)."""
+    with httpx.Client(timeout=60, headers={"connection": "close"}) as http:
+        return http.request(method, url, **kwargs)
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``radixrelay_<name>`` samples of an exposition: labels text -> value."""
+    return {m[1] or "": float(m[2]) for m in re.finditer(rf"^radixrelay_{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+
+
+def api_server_pids(srv: ServerProcess) -> list[int]:
+    return [p for p in srv.child_pids if "radixrelay.server.api_server_process" in cmdline(p)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("api-servers"), "--api-servers", "2")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def test_requests_spread_over_the_servers_and_answer_alike(server):
+    assert len(api_server_pids(server)) == 1           # server 0 started server 1 as its child
+    before = samples(fresh("GET", f"{server.base_url}/metrics").text, "api_server_requests_total")
+    texts = [fresh("POST", f"{server.base_url}/v1/completions", json=BODY).json()["choices"][0]["text"]
+             for _ in range(FRESH)]
+    assert len(set(texts)) == 1 and texts[0]            # greedy: the same answer whichever server took it
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**BODY, stream=True) if c.choices)
+    assert streamed == texts[0]
+    # each server took some; whichever server answers /metrics counts both
+    for _ in range(4):
+        text = fresh("GET", f"{server.base_url}/metrics").text
+        after = samples(text, "api_server_requests_total")
+        taken = {k: after[k] - before.get(k, 0.0) for k in after}
+        assert set(taken) == {'{server="0"}', '{server="1"}'}, taken
+        assert all(v > 0 for v in taken.values()) and sum(taken.values()) == FRESH + 1, taken
+        stages = samples(text, "request_stage_seconds_count")
+        assert stages['{stage="parse"}'] == stages['{stage="queue"}'] >= FRESH + 1
+
+
+def test_a_schema_change_reaches_every_server(server):
+    base = f"{server.base_url}/v1/schemas"
+    made = fresh("POST", base, json={"schema": PLAIN})
+    assert made.status_code == 200, made.text
+    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(8)} == {made.json()["digest"]}
+    again = fresh("POST", base, json={"schema": PLAIN.replace("helpful", "careful")})   # replaces it everywhere
+    assert again.status_code == 200 and again.json()["digest"] != made.json()["digest"], again.text
+    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(8)} == {again.json()["digest"]}
+    bad = fresh("POST", base, json={"schema": "<schema name='x'>"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    assert fresh("DELETE", f"{base}/plain").json()["deleted"] is True
+    assert {fresh("GET", f"{base}/plain").status_code for _ in range(8)} == {404}
+    gone = fresh("DELETE", f"{base}/plain")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "schema_not_found"
+
+
+def test_clients_that_leave_abort_their_requests_on_both_servers(server):
+    long = {**BODY, "max_tokens": 4000, "ignore_eos": True}
+    for _ in range(4):
+        with pytest.raises(httpx.TimeoutException):
+            with httpx.Client(timeout=0.5, headers={"connection": "close"}) as http:
+                http.post(f"{server.base_url}/v1/completions", json=long)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        running = samples(fresh("GET", f"{server.base_url}/metrics").text, "num_requests_running")
+        if running[""] == 0:
+            break
+        time.sleep(0.1)
+    assert running[""] == 0
+
+
+def test_sigterm_drains_every_server_then_all_exit(server):
+    """Streams in flight on both servers finish; then every process exits and the socket directory goes."""
+    long = {**BODY, "max_tokens": 48}
+    results: list[str] = []
+
+    def stream() -> None:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+        chunks = client.completions.create(**long, stream=True, extra_body={"ignore_eos": True})
+        parts = [c.choices[0].text for c in chunks if c.choices]
+        results.append("".join(parts))
+
+    threads = [threading.Thread(target=stream) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6 and all(results)
+    assert server.proc.wait(60) == 0
+    assert not any(pid_alive(p) for p in server.child_pids)
+    assert not [p for p in server.runtime_tmp.iterdir() if p.name.startswith("radixrelay-")]
+
+
+def test_a_dead_api_server_stops_the_whole_server(tmp_path):
+    srv = ServerProcess(tmp_path, "--api-servers", "2").wait_ready()
+    try:
+        [other] = api_server_pids(srv)
+        subprocess.run(["kill", "-KILL", str(other)], check=True)
+        assert srv.proc.wait(30) == 1
+        assert "API server 1" in srv.read_log() and "exited with code -9" in srv.read_log()
+        assert not any(pid_alive(p) for p in srv.child_pids)
+    finally:
+        srv.stop()
+
+
+def test_the_number_of_api_servers_is_checked(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "radixrelay.cli", "serve", "--api-servers", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "api_servers" in proc.stderr
