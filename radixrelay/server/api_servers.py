@@ -129,7 +129,10 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     the port of another user's socket is refused by the kernel; another process of the same user can
     join the group, as with any ``SO_REUSEPORT`` server."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto says TCP, and
+    # accepted connections take this one's; with Nagle on, a kept-alive connection's answers wait ~40 ms
+    # for the client's delayed ACKs
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:

@@ -6,8 +6,10 @@ Every request here goes over a connection of its own, so the kernel spreads them
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from radixrelay.server.api_servers import listening_socket
 from tests.runtime.server_process import ServerProcess, cmdline, pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -142,3 +145,25 @@ def test_the_number_of_api_servers_is_checked(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "radixrelay.cli", "serve", "--api-servers", "0"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "api_servers" in proc.stderr
+
+
+def test_connections_on_the_shared_port_have_nagle_off():
+    """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; without it a kept-alive connection's
+    answers waited ~40 ms each for the client's delayed ACKs."""
+    async def main() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = listening_socket("127.0.0.1", 0, reuse_port=True)
+        server = await asyncio.start_server(accepted, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) != 0
