@@ -203,7 +203,9 @@ def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_g
     scheduler per length: the document computed once, then ``repeats`` questions one at a time (an idle
     server), then ``burst`` questions arriving at once and admitted by one ``schedule``."""
     from radixrelay.protocol.kv import KVAcks
-    from radixrelay.protocol.messages import GenerateRequest, FrontendMessage, decoder, encoder
+    from radixrelay.protocol.messages import (
+        FrontendMessage, GenerateRequest, WorkerCommand, WorkerStep, decoder, encoder,
+    )
     from radixrelay.protocol.step import StepOutput
     from radixrelay.radix.tiers import KVTiers
     from radixrelay.protocol.token_ids import pack_token_ids
@@ -217,6 +219,7 @@ def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_g
     from radixrelay.scheduler.config import SchedulerConfig
 
     enc, dec = encoder().encode, decoder(FrontendMessage).decode
+    step_encode, step_decode = encoder().encode, decoder(WorkerCommand).decode
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
     rows = []
     for k, n in enumerate(lengths):
@@ -268,15 +271,23 @@ def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_g
         row.update({key: statistics.median(v[1:]) for key, v in times.items()})
         row["total"] = sum(row[key] for key in times)
         if burst:
-            bursts = []
+            bursts, wires = [], []
             for _ in range(3):
                 msgs = [wire(question()) for _ in range(burst)]
                 t0 = time.perf_counter()
                 for msg in msgs:
                     sched.add_request(msg.rid, unpack_token_ids(msg.token_ids), sampling)
-                drain()
+                on_wire = 0.0
+                while sched.has_work():
+                    plan = sched.schedule()
+                    t1 = time.perf_counter()
+                    step_decode(step_encode(WorkerStep(plan)))      # the scheduler sends it, the worker reads it
+                    on_wire += time.perf_counter() - t1
+                    drive(plan)
                 bursts.append((time.perf_counter() - t0) * 1e3)
+                wires.append(on_wire * 1e3)
             row[f"burst of {burst}: all, per request"] = statistics.median(bursts) / burst
+            row[f"burst of {burst}: of which plans encoded + decoded, per request"] = statistics.median(wires) / burst
         rows.append(row)
         print(f"  {n + QUESTION_TOKENS:7d} tokens: " + ", ".join(
             f"{key} {v:.3f}" for key, v in row.items() if isinstance(v, float)), flush=True)

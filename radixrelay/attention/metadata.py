@@ -220,6 +220,8 @@ class DevicePageTable:
         self._len: dict[int, int] = {}       # key -> pages held
         self._free = list(range(rows - 1, -1, -1))
         self._pending: list[tuple[int, int, list[int]]] = []     # (row, first column, pages) not yet written
+        # (row, source row, pages): a row's leading pages copied from another's, after the pending writes
+        self._copies: list[tuple[int, int, int]] = []
         self._gathered: tuple[list[int], torch.Tensor] | None = None   # the last gather's keys, their rows
         self._scatter = None                 # CUDA: ``PageScatter`` bound to ``_table`` (made on first flush)
 
@@ -235,6 +237,18 @@ class DevicePageTable:
         self._row[key], self._len[key] = self._free.pop(), 0
         self.append(key, pages)
 
+    def admit_shared(self, key: int, source: int, shared: int, pages: Sequence[int]) -> None:
+        """``key``'s row: the first ``shared`` pages of ``source``'s row (a resident key), then ``pages``.
+        The shared pages are copied on the device, not sent from the host."""
+        if shared > self._len[source]:
+            raise ValueError(f"key {source} holds {self._len[source]} pages, fewer than the {shared} shared")
+        self.admit(key, [])
+        if shared > self._table.shape[1]:
+            self._grow(self._table.shape[0], max(shared, 2 * self._table.shape[1]))
+        self._copies.append((self._row[key], self._row[source], shared))
+        self._len[key] = shared
+        self.append(key, pages)
+
     def append(self, key: int, pages: Sequence[int]) -> None:
         row, start = self._row[key], self._len[key]
         end = start + len(pages)
@@ -245,16 +259,36 @@ class DevicePageTable:
         self._len[key] = end
 
     def release(self, key: int) -> None:
-        row = self._row.pop(key)
-        del self._len[key]
+        row = self._row[key]
+        if any(src == row for _, src, _ in self._copies):
+            self.flush()                     # a copy from this row is made before the row changes hands
+        del self._row[key], self._len[key]
         self._free.append(row)
         if self._pending:                    # a write not yet made must not land on the row's next owner
             self._pending = [w for w in self._pending if w[0] != row]
+        if self._copies:
+            self._copies = [c for c in self._copies if c[0] != row]
         self._gathered = None                # the key may come back in another row
 
     def flush(self) -> None:
         """Write the queued pages: one slice copy for one write, else one scatter (values, rows and
-        columns in one int64 host-to-device copy)."""
+        columns in one int64 host-to-device copy); then the queued row-to-row copies, one device copy per
+        source row and length (a burst over one cached prefix: one)."""
+        self._write_pending()
+        if not self._copies:
+            return
+        copies, self._copies = self._copies, []
+        i = 0
+        while i < len(copies):               # in order (a source may be an earlier copy's row), runs of one source
+            _, source, shared = copies[i]
+            j = i
+            while j < len(copies) and copies[j][1:] == (source, shared):
+                j += 1
+            rows = [row for row, _, _ in copies[i:j]]
+            self._table[rows, :shared] = self._table[source, :shared]
+            i = j
+
+    def _write_pending(self) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, []

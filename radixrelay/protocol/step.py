@@ -19,7 +19,7 @@ Invariants the scheduler guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -33,7 +33,8 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
     token_ids: list[int]       # tokens [token_offset, L) of prompt + outputs so far (outputs are
                                # non-empty after a retraction)
     num_prompt_tokens: int     # [0, num_prompt_tokens) prompt, [num_prompt_tokens, L) outputs
-    pages: list[int]           # initial page list (cached prefix pages + pages for new tokens)
+    pages: list[int]           # initial page list (cached prefix pages + pages for new tokens), after the
+                               # ``pages_shared`` pages taken from ``pages_from``
     sampling: SamplingParams
     token_offset: int = 0      # leading tokens left out: cached, never computed in this residency
                                # (0 when the worker needs them all: ``needs_all_tokens``)
@@ -42,6 +43,17 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
     # ids the sampler must not pick while the request has fewer than ``sampling.min_tokens`` outputs
     # (EOS and stop token ids, as the scheduler stops on them); empty once that many exist
     min_tokens_ban: list[int] = []
+    # The page list's first ``pages_shared`` pages are those of request ``pages_from``, admitted earlier in the
+    # same plan (a shared cached prefix: a burst over a 112K-token document would otherwise send and decode
+    # 7,000 page ids per request). -1: none, ``pages`` is the whole list.
+    pages_from: int = -1
+    pages_shared: int = 0
+
+    def page_list(self, resident: Callable[[int], Sequence[int]]) -> list[int]:
+        """The whole initial page list; ``resident(rid)``: the page list of a request the worker holds."""
+        if self.pages_from < 0:
+            return list(self.pages)
+        return list(resident(self.pages_from)[:self.pages_shared]) + list(self.pages)
 
 
 def needs_outputs(sampling: SamplingParams) -> bool:

@@ -47,6 +47,9 @@ from radixrelay.scheduler.stop import Detokenize, StopChecker
 
 
 MAX_PINS = 4          # pinned prefixes one request may ask for (Anthropic's limit on cache marks)
+# An admission whose locked cached prefix has at least this many pages takes them by reference from a request
+# admitted before it in the same plan that locked the same node (``AdmittedRequest.pages_from``)
+SHARED_PAGES_BY_REF = 64
 
 # An internal request computing a module span: its prompt's KV is the point; the one token sampled
 # (greedy, never reported) ends it.
@@ -321,7 +324,8 @@ class Scheduler:
             return self._transfers_only()
         for req in pre.admitted:
             self._running[req.rid] = req
-        admitted = [self._admission(r) for r in pre.admitted]
+        sources: dict[int, Request] = {}
+        admitted = [self._admission(r, sources) for r in pre.admitted]
         for req in pre.admitted:
             req.on_worker = True
         extends = [_Extend(r, n, r.hold.kv_len + n == r.prefill_len, r.owed_prompt_logprobs(n))
@@ -494,16 +498,26 @@ class Scheduler:
         """The tier copies to send with the step being planned."""
         return None if self._tiers is None else self._tiers.take_transfers(self._next_step)
 
-    def _admission(self, req: Request) -> AdmittedRequest:
-        """The worker needs the tokens it will compute, not the cached prefix (O(new tokens))."""
+    def _admission(self, req: Request, sources: dict[int, Request]) -> AdmittedRequest:
+        """The worker needs the tokens it will compute, not the cached prefix (O(new tokens)); nor the page ids
+        of a cached prefix that a request admitted before it in this plan holds too (``sources``: lock node
+        id -> the first admitted request that locked it)."""
         offset = 0 if needs_all_tokens(req.sampling) else req.hold.kv_len
         if needs_outputs(req.sampling):
             offset = min(offset, req.num_prompt)
         sp = req.sampling
         ban = (sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.config.eos_token_ids)))
                if sp.min_tokens > req.num_outputs else [])
-        return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(req.hold.pages), req.sampling,
-                               offset, req.rope_runs, ban)
+        hold, source = req.hold, None
+        if hold.lock_node is not None and not hold.module_nodes and hold.num_shared_pages >= SHARED_PAGES_BY_REF:
+            source = sources.setdefault(id(hold.lock_node), req)
+        if source is None or source is req:
+            return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(hold.pages), req.sampling,
+                                   offset, req.rope_runs, ban)
+        # both lock the same node: their first num_shared_pages pages are that path's (KVHold's invariant)
+        shared = hold.num_shared_pages
+        return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, hold.pages[shared:], req.sampling,
+                               offset, req.rope_runs, ban, pages_from=source.rid, pages_shared=shared)
 
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]

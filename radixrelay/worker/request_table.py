@@ -103,14 +103,18 @@ class RequestTable:
             self.num_rope -= bool(old.rope_runs)
         self.num_rope += bool(req.rope_runs)
         res = self._entries[req.rid] = Resident(req.token_ids, req.token_offset, req.num_prompt_tokens,
-                                                req.token_offset + len(req.token_ids), list(req.pages),
+                                                req.token_offset + len(req.token_ids),
+                                                req.page_list(self._pages.__getitem__),
                                                 req.sampling, req.rope_runs, req.min_tokens_ban)
         if req.min_tokens_ban:
             self.banned[req.rid] = res
         else:
             self.banned.pop(req.rid, None)
         self._pages[req.rid] = res.pages
-        self.page_table.admit(req.rid, req.pages)
+        if req.pages_from < 0:
+            self.page_table.admit(req.rid, req.pages)
+        else:                                       # the shared pages copied from row to row on the device
+            self.page_table.admit_shared(req.rid, req.pages_from, req.pages_shared, req.pages)
         self.tokens.admit(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling)
         if req.sampling.structured is not None:
             assert self.constraints is not None

@@ -20,10 +20,13 @@ def _rows(table: DevicePageTable, lists: dict[int, list[int]]) -> list[list[int]
     return [gathered[i, :len(lists[k])].tolist() for i, k in enumerate(keys)]
 
 
-def test_page_table_batched_writes_match_the_page_lists():
-    """Admissions, one-page and multi-page appends, releases with writes still queued and rows reused by
-    the next admission in the same batch, growth in both directions: gathers always see the lists."""
-    rng = random.Random(3)
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_page_table_batched_writes_match_the_page_lists(seed):
+    """Admissions (whole lists, or a resident row's leading pages copied on the device and then their own:
+    from rows admitted or copied in the same batch, released before the batch is written, or reused),
+    one-page and multi-page appends, releases with writes still queued and rows reused by the next
+    admission in the same batch, growth in both directions: gathers always see the lists."""
+    rng = random.Random(seed)
     table = DevicePageTable("cpu", rows=2, cols=4)
     lists: dict[int, list[int]] = {}
     next_key = 0
@@ -39,6 +42,13 @@ def test_page_table_batched_writes_match_the_page_lists():
                 key = rng.choice(list(lists))
                 table.release(key)
                 del lists[key]
+            elif action < 0.6:                                     # a prefix of a resident row's pages, then its own
+                source = rng.choice(list(lists))
+                shared = rng.randint(0, len(lists[source]))
+                pages = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+                table.admit_shared(next_key, source, shared, pages)
+                lists[next_key] = lists[source][:shared] + pages
+                next_key += 1
             else:
                 key = rng.choice(list(lists))
                 pages = [rng.randrange(1000) for _ in range(rng.choice([1, 1, 1, 2, 5]))]
@@ -131,3 +141,18 @@ def test_decode_rows_validation():
                             decodes=DecodeRows([3], [3]), kv_start=[4])
     with pytest.raises(ValueError, match="slots"):
         DecodeRows([1, 2], [1])
+
+
+def test_page_table_copies_a_burst_of_shared_prefixes_in_one_device_copy():
+    table = DevicePageTable("cpu", rows=2, cols=4)
+    prefix = list(range(100, 170))
+    table.admit(0, prefix + [1])
+    for key in range(1, 9):
+        table.admit_shared(key, 0, len(prefix), [key + 1, key + 2])
+    assert len(table._copies) == 8 and len(table._pending) == 9
+    rows = table.gather(list(range(9)))
+    assert rows[0, :71].tolist() == prefix + [1]
+    for key in range(1, 9):
+        assert rows[key, :72].tolist() == prefix + [key + 1, key + 2]
+    with pytest.raises(ValueError, match="fewer than"):
+        table.admit_shared(9, 3, 80, [])

@@ -124,6 +124,27 @@ def test_shared_prefix_is_computed_once(engine):
     assert first.cached_tokens < 16
 
 
+def test_a_burst_over_a_long_cached_document_matches_one_at_a_time(engine):
+    """Questions over a cached document of more than ``SHARED_PAGES_BY_REF`` pages admitted together take
+    the document's page ids from the first of them (``AdmittedRequest.pages_from``, copied on the device):
+    greedy outputs equal those of the same questions admitted one at a time."""
+    from radixrelay.scheduler.scheduler import SHARED_PAGES_BY_REF
+
+    doc = " ".join(f"fact{i} is {i * 7 % 13}." for i in range(160))
+    assert len(engine.tokenizer.encode(doc)) > 16 * (SHARED_PAGES_BY_REF + 4)
+    questions = [f"{doc} Question {q}: what is fact{q * 11}?" for q in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = []
+    for together in (False, True):
+        assert engine.flush_cache()
+        engine.generate([doc], SamplingParams(max_tokens=1))
+        outs = engine.generate(questions, params) if together else \
+            [engine.generate([q], params)[0] for q in questions]
+        assert all(o.cached_tokens >= 16 * SHARED_PAGES_BY_REF for o in outs)
+        runs.append([o.token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
 def _stops(outs) -> int:
     """Decode steps that sampled a stop token (counted in completion_tokens, not token_ids)."""
     return sum(o.completion_tokens - len(o.token_ids) for o in outs)

@@ -150,7 +150,7 @@ class TierWorker:
             tokens = known[: adm.token_offset] + list(adm.token_ids)
             assert tokens == known, f"request {adm.rid}: admission tokens disagree with the worker's"
             assert adm.num_prompt_tokens <= len(tokens)
-            self.table[adm.rid] = _Row(self.salts[adm.rid], tokens, list(adm.pages))
+            self.table[adm.rid] = _Row(self.salts[adm.rid], tokens, adm.page_list(lambda r: self.table[r].pages))
         for app in plan.page_appends:
             self.table[app.rid].pages.extend(app.pages)
         if plan.transfers is not None:

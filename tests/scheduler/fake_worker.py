@@ -73,7 +73,7 @@ class FakeWorker:
         acks = self._transfers(plan.step_id, plan.transfers) if plan.transfers is not None else None
         for adm in plan.admitted:
             assert adm.rid not in self.table
-            row = _Row([], list(adm.pages), restarts=self.span_starts.get(adm.rid, frozenset()))
+            row = _Row([], adm.page_list(lambda r: self.table[r].pages), restarts=self.span_starts.get(adm.rid, frozenset()))
             row.tokens = [self.slot_tokens[self._slot(row, t)] for t in range(adm.token_offset)]
             row.tokens += adm.token_ids
             self.table[adm.rid] = row

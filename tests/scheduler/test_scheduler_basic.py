@@ -258,3 +258,42 @@ def test_stage_times_count_each_request_once_in_the_queue_and_each_admission_try
     assert stats.stage_counts["queue"] == 3                  # one per request, at its first admission
     assert stats.stage_counts["match"] >= 3                  # one per try (one running at a time)
     assert all(s >= 0.0 for s in stats.stage_seconds.values()) and set(stats.stage_seconds) == {"match", "queue"}
+
+
+def test_a_burst_over_a_long_cached_prefix_sends_its_pages_once():
+    """Requests admitted in one plan that lock the same cached node of at least ``SHARED_PAGES_BY_REF``
+    pages: the first carries the whole page list, the others name it (``pages_from``) and carry their own
+    pages only; the lists they stand for are exactly the requests' holds, and the outputs are exact."""
+    from radixrelay.scheduler.scheduler import SHARED_PAGES_BY_REF
+
+    sched, worker = make(page_size=2, kv_tokens=1024)
+    doc = [(7 * i) % 97 for i in range(2 * SHARED_PAGES_BY_REF + 10)]
+    sched.add_request(1, doc, SamplingParams(max_tokens=1))
+    drive(sched, worker)
+    prompts = {rid: doc + [rid, rid + 1, rid + 2] for rid in range(2, 8)}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=3))
+    plan = sched.schedule()
+    assert plan is not None and [a.rid for a in plan.admitted] == list(prompts)
+    first, *rest = plan.admitted
+    assert first.pages_from == -1 and len(first.pages) >= SHARED_PAGES_BY_REF
+    holds = {rid: list(sched._running[rid].hold.pages) for rid in prompts}
+    assert first.pages == holds[2]
+    for adm in rest:
+        assert adm.pages_from == 2 and adm.pages_shared >= SHARED_PAGES_BY_REF
+        assert len(adm.pages) == len(holds[adm.rid]) - adm.pages_shared
+        assert adm.page_list({2: first.pages}.__getitem__) == holds[adm.rid]
+    run = drive_from(sched, worker, plan)
+    for rid, prompt in prompts.items():
+        assert run.tokens[rid] == expected_outputs(rid, prompt, 3)
+
+
+def test_short_shared_prefixes_are_sent_whole():
+    sched, worker = make(page_size=4)
+    doc = list(range(40))
+    sched.add_request(1, doc, SamplingParams(max_tokens=1))
+    drive(sched, worker)
+    for rid in (2, 3):
+        sched.add_request(rid, doc + [rid], SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    assert plan is not None and [a.pages_from for a in plan.admitted] == [-1, -1]

@@ -65,3 +65,14 @@ def test_only_the_request_table_admits_and_releases():
                     and node.func.value.attr in owned):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_an_admission_takes_its_shared_pages_from_an_earlier_one():
+    """``pages_from``: the leading pages of a request admitted before it in the plan, on the host and on the
+    device; the source's own later pages are not taken."""
+    t = table()
+    shared = AdmittedRequest(2, [9], 5, [30, 31], SamplingParams(max_tokens=8), pages_from=1, pages_shared=3)
+    t.apply(StepPlan(1, admitted=[admitted(1, [10, 11, 12, 13]), shared]))
+    assert t[2].pages == [10, 11, 12, 30, 31] and t[1].pages == [10, 11, 12, 13]
+    assert t[2].pages is not t[1].pages
+    assert t.page_table.gather([1, 2]).tolist() == [[10, 11, 12, 13, 0], [10, 11, 12, 30, 31]]
