@@ -23,9 +23,10 @@ back until decided (``final`` releases it).
 ``constraint`` builds an xgrammar structural tag (``StructuredOutput.structural_tag``): under
 ``required`` or a named function the output is one or more calls (one with ``parallel_tool_calls:
 false``) whose arguments follow each function's JSON schema; under ``auto`` text is free until the
-format's trigger (``<tool_call>``, ``[TOOL_CALLS]``), and from the trigger on the call is constrained.
+format's trigger (``<tool_call>``, ``[TOOL_CALLS]``; for Llama 3 JSON a call's opening text
+``{"name": "``), and from the trigger on the call is constrained.
 A marker that is a special token of the vocabulary cannot be forced as text: ``auto`` then stays
-unconstrained for that format, and forced calls are written without it (``scan(forced=True)`` reads a
+unconstrained for that format (Llama 3 JSON aside: its trigger is text), and forced calls are written without it (``scan(forced=True)`` reads a
 call region from the first character).
 
 Also here: the tools and calls as templates see them (``template_tools``, ``template_messages``, and
@@ -277,6 +278,10 @@ class _CallList(CallFormat):
             return Scan(content, calls, malformed=True)
 
 
+# '{"name": "': what a Llama 3 JSON call's text opens with, the trigger of its calls under tool_choice auto
+LLAMA3_TRIGGER_LEN = len('{"name": "')
+
+
 class Llama3Json(_CallList):
     name = "llama3_json"
     marker = "<|python_tag|>"
@@ -448,10 +453,15 @@ def constraint(fmt: CallFormat, functions: Sequence[Function], mode: str, *, par
     if not functions:
         return None
     if mode == "auto":
-        if not fmt.marker or not marker_is_text or isinstance(fmt, Llama3Json):
+        if isinstance(fmt, Llama3Json):
+            # its marker is a special token, but every call opens with the same text: the trigger
+            trigger = fmt.call_begin("", False)[:LLAMA3_TRIGGER_LEN]
+            tags = [_tag(fmt, fn, False) for fn in functions]
+        elif not fmt.marker or not marker_is_text:
             return None
-        trigger = fmt.marker
-        tags = [_tag(fmt, fn, True) for fn in functions]
+        else:
+            trigger = fmt.marker
+            tags = [_tag(fmt, fn, True) for fn in functions]
         if isinstance(fmt, Mistral):          # one call per trigger: '[TOOL_CALLS][{...}]'
             tags = [{**t, "begin": fmt.marker + "[" + t["begin"], "end": t["end"] + "]"} for t in tags]
         body: dict[str, Any] = {"type": "triggered_tags", "triggers": [trigger], "tags": tags,

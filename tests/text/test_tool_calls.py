@@ -146,9 +146,6 @@ def test_structural_tags_compile_and_force_the_format(name, mode, parallel):
     fns = [Function("weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                 "required": ["city"]}), Function("noop", None)]
     tag = constraint(fmt, fns, mode, parallel=parallel, marker_is_text=True)
-    if tag is None:
-        assert mode == "auto" and name == "llama3_json"
-        return
     grammar = xgr.Grammar.from_structural_tag(json.dumps(tag))
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(grammar)
     one = fmt.call_begin("weather", True) + '{"city": "Paris"}' + fmt.call_end(True)
@@ -159,6 +156,28 @@ def test_structural_tags_compile_and_force_the_format(name, mode, parallel):
     assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == [("weather", {"city": "Paris"})]
     bad = xgr.GrammarMatcher(compiled)
     assert not bad.accept_string(prefix + fmt.call_begin("weather", True) + '{"town": 1}')
+
+
+def test_llama3_auto_calls_are_constrained_from_their_opening_text():
+    """Llama 3 JSON's marker is a special token: under auto its calls are triggered by their opening text,
+    so text stays free, and a call that opens is one of the functions with arguments under its schema."""
+    xgr = pytest.importorskip("xgrammar")
+    fmt = get_format("llama3_json")
+    fns = [Function("weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"]}), Function("noop", None)]
+    for marker_is_text in (False, True):
+        tag = constraint(fmt, fns, "auto", parallel=True, marker_is_text=marker_is_text)
+        compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(
+            xgr.Grammar.from_structural_tag(json.dumps(tag)))
+
+        def accepts(text: str) -> bool:
+            return xgr.GrammarMatcher(compiled).accept_string(text)
+
+        assert accepts("It is sunny today; no tool needed.")
+        assert accepts('{"name": "weather", "parameters": {"city": "Paris"}}')
+        assert accepts('{"name": "noop", "parameters": {"x": [1]}}; {"name": "weather", "parameters": {"city": "Oslo"}}')
+        assert not accepts('{"name": "wether", "parameters": {}}')                 # no such function
+        assert not accepts('{"name": "weather", "parameters": {"town": "Paris"}}')  # not its schema
 
 
 def test_fallback_rendering_and_template_arguments():
