@@ -149,11 +149,11 @@ def leave_socket_dir(ipc_dir: Path, parent_gone: bool) -> None:
         return
     pids = [int(n[len(MARKER_PREFIX):]) for n in names
             if n.startswith(MARKER_PREFIX) and n[len(MARKER_PREFIX):].isdigit()]
-    if not any(_alive(pid) for pid in pids):
+    if not any(alive(pid) for pid in pids):
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Running (a zombie counts as gone: it holds no sockets and may never be reaped)."""
     try:
         os.kill(pid, 0)

@@ -3,7 +3,7 @@
 
 It is watched, never stopped from here: dead once server 0 is gone (it owns the runtime, and these
 servers are its children) or once a runtime process stopped running (its marker gone or its heartbeat
-older than ``HUNG_S``: ``radixrelay.proc.child``).
+older than ``HUNG_S``: ``radixrelay.proc.child``), or once one is gone (a zombie counts).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from radixrelay.proc.child import last_beat, marker
+from radixrelay.proc.child import alive, last_beat, marker
 from radixrelay.protocol.messages import Endpoints
 from radixrelay.runtime.launcher import HUNG_S
 
@@ -32,7 +32,7 @@ class AttachedRuntime(msgspec.Struct, frozen=True):
         now, ipc_dir = time.monotonic(), Path(self.ipc_dir)
         for name, pid in self.children.items():
             beat = last_beat(ipc_dir, pid)
-            if not marker(ipc_dir, pid).exists() or beat is None:
+            if not marker(ipc_dir, pid).exists() or beat is None or not alive(pid):
                 return f"the {name} process (pid {pid}) exited"
             if now - beat > HUNG_S:
                 return f"the {name} process (pid {pid}) has not run for {now - beat:.1f} s (stopped or hung)"

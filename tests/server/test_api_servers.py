@@ -141,6 +141,43 @@ def test_a_dead_api_server_stops_the_whole_server(tmp_path):
         srv.stop()
 
 
+def test_a_runtime_death_ends_every_api_server(tmp_path):
+    """The scheduler killed while streams run on both servers: each server fails its requests with an
+    error (server 1 sees the death by the runtime's heartbeats), /health turns 503, every process exits."""
+    srv = ServerProcess(tmp_path, "--api-servers", "2").wait_ready()
+    try:
+        [other] = api_server_pids(srv)
+        outcomes: list[str] = []
+
+        def stream() -> None:
+            client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+            try:
+                for _ in client.completions.create(**{**BODY, "max_tokens": 400}, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                    pass
+                outcomes.append("finished")
+            except (openai.APIError, httpx.HTTPError) as exc:
+                outcomes.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=stream) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        subprocess.run(["kill", "-KILL", str(srv.child("scheduler"))], check=True)
+        for t in threads:
+            t.join(60)
+        assert len(outcomes) == 6 and "finished" not in outcomes, outcomes
+        assert srv.proc.wait(30) == 1
+        log = srv.read_log()
+        assert re.search(r"api-server-1\[\d+\] ERROR runtime died: the scheduler process \(pid \d+\) exited", log), log
+        deadline = time.monotonic() + 10
+        while pid_alive(other) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in srv.child_pids)
+    finally:
+        srv.stop()
+
+
 def test_the_number_of_api_servers_is_checked(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "radixrelay.cli", "serve", "--api-servers", "0"], capture_output=True,
                           text=True, timeout=60)
