@@ -63,6 +63,47 @@ LLAMA3_8B_SHAPES = {"hidden_size": 4096, "intermediate_size": 14336, "num_attent
                     "num_key_value_heads": 8, "head_dim": 128}
 
 
+# Other families' shapes, as their config.json has them (``model_dir`` / ``family_dir`` take them over Llama-3-8B's;
+# dummy weights): each a description, its layers and the keys. The windowed and MoE keys are the ones
+# ``radixrelay.model.architectures`` reads.
+FAMILY_SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "qwen3-8b": ("Qwen3-8B shapes (q/k norms, hidden 4096, MLP 12288, GQA 32/8, head dim 128)", 36, {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+        "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False}),
+    "gemma3-12b": ("Gemma-3-12B shapes (five local layers of window 1024 to each global one, hidden 3840, MLP 15360, "
+                   "GQA 16/8, head dim 256)", 48, {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840,
+        "intermediate_size": 15360, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True}),
+    "mixtral-8x7b": ("Mixtral-8x7B shapes (8 experts, top 2, hidden 4096, expert MLP 14336, GQA 32/8)", 32, {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1000000.0, "sliding_window": None,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False}),
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B shapes (128 experts, top 8, hidden 2048, expert MLP 768, GQA 32/4)", 48, {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False}),
+}
+
+
+def family_dir(path: Path, name: str, layers: int | None, vocab: int) -> tuple[Path, str]:
+    """A config.json of ``name``'s shapes (``FAMILY_SHAPES``; ``layers`` None: the real model's) with ``vocab``
+    tokens, for dummy weights; and its description."""
+    desc, full_layers, keys = FAMILY_SHAPES[name]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**keys, "vocab_size": vocab,
+                                                  "num_hidden_layers": layers or full_layers}, indent=1))
+    return path, f"{desc}, {layers or full_layers} layers"
+
+
 def model_dir(path: str, layers: int, **shapes: Any) -> str:
     """Llama-3-8B shapes (``shapes`` overrides them) with Llama-3's vocabulary (``VOCAB``) and a word-level
     tokenizer (``w<i>`` is id i + 2, ``</s>`` EOS) written into ``path``: dummy weights, no model files."""

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import RESULTS, ROOT, VOCAB, model_dir
+from benchmarks.common import FAMILY_SHAPES, RESULTS, ROOT, VOCAB, model_dir
 
 SHAPES = {"8b": {}, "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                             "num_key_value_heads": 8}}
@@ -89,7 +89,8 @@ def _round(mode: str, outs, wall: float, before: dict, after: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=("8b", "70b"), default="8b", help="Llama-3 shapes (default: %(default)s)")
+    ap.add_argument("--shape", choices=("8b", "70b", *FAMILY_SHAPES), default="8b",
+                    help="Llama-3 shapes, or another family's (benchmarks.common.FAMILY_SHAPES) (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--doc", type=int, default=16384)
     ap.add_argument("--questions", type=int, default=256)
@@ -120,15 +121,18 @@ def main() -> None:
     kv_tokens = args.doc + 2 * args.questions * (args.question_len + args.max_tokens + 32) + 4096
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = model_dir(tmp, args.layers, **SHAPES[args.shape])
+        family = FAMILY_SHAPES.get(args.shape)
+        path = model_dir(tmp, args.layers, **(SHAPES[args.shape] if family is None else family[2]))
         for tp in map(int, args.tp.split(",")):
             for mode in args.modes.split(","):
                 rows.append(run(path, mode, doc, warmup, fresh, args.max_tokens, kv_tokens, args.device, args.repeats,
                                 args.host_kv_gib, tp))
                 print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    shape_desc = f"Llama-3-{args.shape.upper()} shapes" if args.shape not in FAMILY_SHAPES else \
+        FAMILY_SHAPES[args.shape][0]
     lines = [f"# Engine end to end: one document, many questions ({name})", "",
-             f"Llama-3-{args.shape.upper()} shapes, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
+             f"{shape_desc}, {args.layers} layers, dummy bf16 weights; document {args.doc} tokens (read once "
              f"before the timed phase), {args.questions} questions of {args.question_len} tokens arriving together, "
              f"{args.max_tokens} output tokens each (greedy, EOS ignored), after an untimed warm-up round of as many "
              f"other questions; timed: the questions from submission to the last token, their prefill included "

@@ -60,7 +60,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import LLAMA3_SHAPES, RESULTS, ROOT, Server, default_tokenizer, llama3_dir, scrape, write_tokenizer
+from benchmarks.common import (
+    FAMILY_SHAPES, LLAMA3_SHAPES, RESULTS, ROOT, Server, default_tokenizer, family_dir, llama3_dir, scrape,
+    write_tokenizer,
+)
 from radixrelay.bench.arrivals import arrival_times
 from radixrelay.bench.client import BenchClient, ClientConfig
 from radixrelay.bench.metrics import SLO, summarize
@@ -512,8 +515,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0, help="(default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="serve this model with its own weights instead of the dummy Llama-3-8B shapes")
-    p.add_argument("--shape", choices=sorted(LLAMA3_SHAPES), default="8b",
-                   help="Llama-3 shapes of the dummy model (default: %(default)s)")
+    p.add_argument("--shape", choices=[*sorted(LLAMA3_SHAPES), *FAMILY_SHAPES], default="8b",
+                   help="Llama-3 shapes of the dummy model, or another family's (benchmarks.common.FAMILY_SHAPES) "
+                        "(default: %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="layers of the dummy model (default: the shape's)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size of every server (default: %(default)s); results go to "
@@ -591,13 +595,18 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"bench_serving_gpu: error: {exc}", file=sys.stderr)
                 return 2
-            hidden, mlp, heads, kv_heads, full_layers = LLAMA3_SHAPES[args.shape]
-            layers = args.layers or full_layers
-            model = str(llama3_dir(Path(tmp) / f"llama3-{args.shape}-shapes", args.shape, layers, 49152))
+            if args.shape in FAMILY_SHAPES:
+                path, shapes = family_dir(Path(tmp) / f"{args.shape}-shapes", args.shape, args.layers, 49152)
+                model = str(path)
+                shapes += ", vocab 49,152: the tokenizer's"
+            else:
+                hidden, mlp, heads, kv_heads, full_layers = LLAMA3_SHAPES[args.shape]
+                layers = args.layers or full_layers
+                model = str(llama3_dir(Path(tmp) / f"llama3-{args.shape}-shapes", args.shape, layers, 49152))
+                shapes = (f"Llama-3-{args.shape.upper()} shapes ({layers} layers, hidden {hidden}, MLP {mlp}, GQA "
+                          f"{heads}/{kv_heads}, head dim 128, vocab 49,152: the tokenizer's)")
             model_argv = ["--model", model, "--load-format", "dummy", "--tokenizer", tokenizer]
-            desc = (f"Llama-3-{args.shape.upper()} shapes ({layers} layers, hidden {hidden}, MLP {mlp}, GQA "
-                    f"{heads}/{kv_heads}, head dim 128, vocab 49,152: the tokenizer's), dummy "
-                    f"{dtype or 'float32'} weights, the default model's tokenizer ({tokenizer})")
+            desc = f"{shapes}, dummy {dtype or 'float32'} weights, the default model's tokenizer ({tokenizer})"
         else:
             model_argv = ["--model", args.model, *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
             desc = f"model {args.model}"
