@@ -167,6 +167,7 @@ class ServerGroup:
         self._ctx: zmq.asyncio.Context | None = None
         self._serving: asyncio.Task[None] | None = None
         self._schema_lock = asyncio.Lock()
+        self._answering: set[asyncio.Task[None]] = set()
 
     @property
     def shared(self) -> bool:
@@ -246,8 +247,10 @@ class ServerGroup:
         while True:
             frames = await sock.recv_multipart()
             # every request is answered on a task of its own: a schema change (server 0 waits for the
-            # others) must not hold up a metrics pull
-            asyncio.create_task(self._answer(sock, frames, handlers))
+            # others) must not hold up a metrics pull; held here until done (the loop keeps weak references)
+            task = asyncio.create_task(self._answer(sock, frames, handlers))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
 
     async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes], handlers: Handlers) -> None:
         identity, payload = frames[0], frames[-1]
