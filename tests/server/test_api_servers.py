@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from radixrelay.server.api_servers import listening_socket
+from radixrelay.server.api_servers import PEER_EXIT_SLACK_S, ServerGroup, listening_socket
 from tests.runtime.server_process import ServerProcess, cmdline, pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -27,7 +27,7 @@ BODY = {"model": "default", "prompt": "The capital of France is", "max_tokens": 
 PLAIN = """<schema name="plain">
   <module name="preamble">You are a helpful assistant. Answer every question in one short, clear sentence.</module>
 </schema>"""
-FRESH = 16          # requests over connections of their own: all on one server with odds 2**-15
+FRESH = 12          # requests over connections of their own: all on one server with odds 2**-11
 
 
 def fresh(method: str, url: str, **kwargs) -> httpx.Response:
@@ -78,10 +78,10 @@ def test_a_schema_change_reaches_every_server(server):
     base = f"{server.base_url}/v1/schemas"
     made = fresh("POST", base, json={"schema": PLAIN})
     assert made.status_code == 200, made.text
-    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(8)} == {made.json()["digest"]}
+    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(6)} == {made.json()["digest"]}
     again = fresh("POST", base, json={"schema": PLAIN.replace("helpful", "careful")})   # replaces it everywhere
     assert again.status_code == 200 and again.json()["digest"] != made.json()["digest"], again.text
-    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(8)} == {again.json()["digest"]}
+    assert {fresh("GET", f"{base}/plain").json()["digest"] for _ in range(6)} == {again.json()["digest"]}
     bad = fresh("POST", base, json={"schema": "<schema name='x'>"})
     assert bad.status_code == 400 and "error" in bad.json()
     assert fresh("DELETE", f"{base}/plain").json()["deleted"] is True
@@ -129,16 +129,27 @@ def test_sigterm_drains_every_server_then_all_exit(server):
     assert not [p for p in server.runtime_tmp.iterdir() if p.name.startswith("radixrelay-")]
 
 
-def test_a_dead_api_server_stops_the_whole_server(tmp_path):
-    srv = ServerProcess(tmp_path, "--api-servers", "2").wait_ready()
+def test_server_0_sees_a_dead_api_server_and_drains_the_others():
+    """``ServerGroup``'s watch of servers 1..N-1 (processes standing in for them): one that dies is named
+    with its exit code (server 0 then exits 1, as after a runtime death); the others get SIGTERM, and one
+    that outlives its drain is killed."""
+    group = ServerGroup(0, 3)
+    group.peers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+                   subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                     "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                                     "time.sleep(60)"], stdout=subprocess.PIPE)]
     try:
-        [other] = api_server_pids(srv)
-        subprocess.run(["kill", "-KILL", str(other)], check=True)
-        assert srv.proc.wait(30) == 1
-        assert "API server 1" in srv.read_log() and "exited with code -9" in srv.read_log()
-        assert not any(pid_alive(p) for p in srv.child_pids)
+        assert group.peers[1].stdout.readline() == b"ready\n"      # its SIGTERM handler is in place
+        assert group.dead_peer() is None
+        group.peers[0].kill()
+        group.peers[0].wait()
+        assert group.dead_peer() == f"API server 1 (pid {group.peers[0].pid}) exited with code -9"
+        started = time.monotonic()
+        asyncio.run(group.stop_peers(0.5))          # the second ignores SIGTERM: killed after the slack
+        assert group.stopping and group.peers[1].returncode == -9
+        assert time.monotonic() - started < 0.5 + PEER_EXIT_SLACK_S + 5
     finally:
-        srv.stop()
+        group.kill_peers()
 
 
 def test_a_runtime_death_ends_every_api_server(tmp_path):
