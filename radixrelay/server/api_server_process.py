@@ -1,5 +1,6 @@
 """API server 1..N-1 of ``serve --api-servers N``: started by server 0 as
-``python -m radixrelay.server.api_server_process '<ApiServerArgs JSON>'`` once its runtime is ready
+``python -m radixrelay.server.api_server_process`` with its ``ApiServerArgs`` as JSON on stdin (they hold
+the API key: not on the command line, which every user can read) once its runtime is ready
 (``radixrelay.server.api_servers``). It binds the same port, attaches to the runtime, and serves until
 server 0 drains it (SIGTERM), or exits when server 0 or the runtime is gone.
 """
@@ -15,12 +16,12 @@ from radixrelay.server.api_servers import ApiServerArgs
 from radixrelay.server.serve import run_server
 
 
-def main(argv: list[str]) -> int:
-    args = msgspec.json.decode(argv[0], type=ApiServerArgs)
+def main() -> int:
+    args = msgspec.json.decode(sys.stdin.buffer.read(), type=ApiServerArgs)
     logging.basicConfig(level=args.log_level,
                         format=f"%(asctime)s api-server-{args.index}[%(process)d] %(levelname)s %(message)s")
     return run_server(args.engine, args.server, attach=args)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -181,9 +181,14 @@ class ServerGroup:
         assert self.index == 0 and self.shared
         for index in range(1, self.count):
             args = ApiServerArgs(engine, server, index, runtime, info, self.controls, log_level)
-            self.peers.append(subprocess.Popen(
-                [sys.executable, "-m", "radixrelay.server.api_server_process", msgspec.json.encode(args).decode()],
-                stdin=subprocess.DEVNULL))
+            # the arguments on stdin, not the command line: they hold the API key, which every user of the
+            # machine could read in the process list
+            proc = subprocess.Popen([sys.executable, "-m", "radixrelay.server.api_server_process"],
+                                    stdin=subprocess.PIPE)
+            self.peers.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(msgspec.json.encode(args))
+            proc.stdin.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         for index in range(1, self.count):
             while True:

@@ -27,6 +27,7 @@ BODY = {"model": "default", "prompt": "The capital of France is", "max_tokens": 
 PLAIN = """<schema name="plain">
   <module name="preamble">You are a helpful assistant. Answer every question in one short, clear sentence.</module>
 </schema>"""
+KEY = "k-7f3a9c2e"
 FRESH = 12          # requests over connections of their own: all on one server with odds 2**-11
 
 
@@ -152,16 +153,22 @@ def test_server_0_sees_a_dead_api_server_and_drains_the_others():
         group.kill_peers()
 
 
-def test_a_runtime_death_ends_every_api_server(tmp_path):
-    """The scheduler killed while streams run on both servers: each server fails its requests with an
-    error (server 1 sees the death by the runtime's heartbeats), /health turns 503, every process exits."""
+def test_a_runtime_death_ends_every_api_server(tmp_path, monkeypatch):
+    """With an API key (from the environment): every server asks for it, and server 1 was not given it
+    on its command line (every user can read those). Then the scheduler killed while streams run on both
+    servers: each server fails its requests with an error (server 1 sees the runtime's process gone),
+    every process exits."""
+    monkeypatch.setenv("RADIXRELAY_API_KEY", KEY)
     srv = ServerProcess(tmp_path, "--api-servers", "2").wait_ready()
     try:
         [other] = api_server_pids(srv)
+        assert KEY not in cmdline(other) and KEY not in cmdline(srv.proc.pid)
+        refused = [fresh("POST", f"{srv.base_url}/v1/completions", json=BODY).status_code for _ in range(8)]
+        assert refused == [401] * 8
         outcomes: list[str] = []
 
         def stream() -> None:
-            client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+            client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
             try:
                 for _ in client.completions.create(**{**BODY, "max_tokens": 400}, stream=True,
                                                    extra_body={"ignore_eos": True}):
