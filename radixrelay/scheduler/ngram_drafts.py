@@ -11,8 +11,9 @@ polynomial hashes; a hit is checked against the tokens, so a collision costs a m
 wrong one (and a wrong draft would only be rejected by verification).
 
 Cost on this project's 2-core CPU: indexing 112K tokens (n = 2..4) ~0.1 s, which is the dict inserts; then
-~0.07 ms per appended token and ~0.02 ms per proposal. So a long prompt is indexed when a request first
-speculates, off the path of its admission.
+~0.07 ms per appended token and ~0.02 ms per proposal: a long prompt is best indexed when its request first
+speculates, not on the path of its admission. (Not wired into the scheduler yet: speculative decoding's
+step model comes first.)
 """
 
 from __future__ import annotations

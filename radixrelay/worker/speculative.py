@@ -16,7 +16,8 @@ Greedy requests pass one-hot p (their argmax): a draft is kept while it is the a
 at the first mismatch is the argmax, so the output is token-identical with speculation off.
 
 The randomness is given (``u_accept`` [B, K], ``u_sample`` [B], uniform in [0, 1)): the caller draws it from
-each request's seed and position, so a seeded request draws the same tokens whatever its batch.
+each request's seed and position, so a seeded request draws the same tokens whatever its batch. (Not wired
+into the step yet: speculative decoding's step model, several tokens per request, comes first.)
 """
 
 from __future__ import annotations
