@@ -53,7 +53,9 @@ class AdmittedRequest(msgspec.Struct, frozen=True):
         """The whole initial page list; ``resident(rid)``: the page list of a request the worker holds."""
         if self.pages_from < 0:
             return list(self.pages)
-        return list(resident(self.pages_from)[:self.pages_shared]) + list(self.pages)
+        pages = list(resident(self.pages_from)[:self.pages_shared])
+        pages += self.pages
+        return pages
 
 
 def needs_outputs(sampling: SamplingParams) -> bool:

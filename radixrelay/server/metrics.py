@@ -17,7 +17,7 @@ reported in ``FrontendCounters``, and any stage the scheduler reports in ``Sched
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,15 +68,21 @@ class _RuntimeCollector(Collector):
         yield from _rank_metrics(self.stats.worker)
 
 
-def _stage_metrics(parts: tuple[FrontendCounters | SchedulerStats, ...]) -> Iterator[Metric]:
-    """Request stages of the frontend and of the scheduler (a stage both report adds up), labelled ``stage``."""
+def _sum_stages(parts: Iterable[FrontendCounters | SchedulerStats]) -> tuple[dict[str, float], dict[str, int]]:
+    """Request stages' seconds and counts added up over ``parts`` (a stage several report adds up)."""
     seconds: dict[str, float] = {}
     counts: dict[str, int] = {}
     for part in parts:
         for stage, value in part.stage_seconds.items():
             seconds[stage] = seconds.get(stage, 0.0) + value
-        for stage, value in part.stage_counts.items():
-            counts[stage] = counts.get(stage, 0) + value
+        for stage, count in part.stage_counts.items():
+            counts[stage] = counts.get(stage, 0) + count
+    return seconds, counts
+
+
+def _stage_metrics(parts: tuple[FrontendCounters | SchedulerStats, ...]) -> Iterator[Metric]:
+    """Request stages of the frontend and of the scheduler (a stage both report adds up), labelled ``stage``."""
+    seconds, counts = _sum_stages(parts)
     family = SummaryMetricFamily(f"{PREFIX}_request_stage_seconds", "Host seconds of requests' stages, by stage: "
                                  "the server's parse (body read and JSON decode), render (chat template), tokenize "
                                  "(encoding or checking token ids, fitting to the context), submit (hand-off to the "
@@ -137,10 +143,10 @@ class _SharedCollector(Collector):
         if not self.peers:
             yield from self.own.collect()
             return
-        families = {f.name: f for f in share_families(self.own)}
+        own = share_families(self.own)
+        families = {f.name: f for f in own}
         merged: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-        for share in [FamilyShare(f.name, f.type, f.documentation, f.samples) for f in families.values()] + \
-                [f for peer in self.peers for f in peer.families]:
+        for share in own + [f for peer in self.peers for f in peer.families]:
             families.setdefault(share.name, share)
             values = merged.setdefault(share.name, {})
             for sample in share.samples:
@@ -168,13 +174,7 @@ def share_families(registry: CollectorRegistry) -> list[FamilyShare]:
 def merge_frontends(parts: list[FrontendCounters]) -> FrontendCounters:
     """Several servers' frontend counters as one: counts and seconds add up, the longest pause is the
     longest of all."""
-    stage_seconds: dict[str, float] = {}
-    stage_counts: dict[str, int] = {}
-    for part in parts:
-        for stage, value in part.stage_seconds.items():
-            stage_seconds[stage] = stage_seconds.get(stage, 0.0) + value
-        for stage, count in part.stage_counts.items():
-            stage_counts[stage] = stage_counts.get(stage, 0) + count
+    stage_seconds, stage_counts = _sum_stages(parts)
     gcs = [p.gc for p in parts]
     gc = GcStats(sum(g.seconds for g in gcs), sum(g.collections for g in gcs),
                  sum(g.full_collections for g in gcs), max((g.longest_s for g in gcs), default=0.0),
@@ -232,15 +232,11 @@ class ServerMetrics:
         server's request stages; ``precision``: what each part of the model runs in
         (``radixrelay_precision_info``); ``peers``: the other API servers' shares, added to this one's."""
         peers = peers or []
-        self._runtime.stats = stats
+        own = self.frontend(FrontendCounters()) if stats is None else stats.frontend
+        frontend = merge_frontends([own, *(p.frontend for p in peers)])
+        self._runtime.stats = None if stats is None else msgspec.structs.replace(stats, frontend=frontend)
         self._runtime.precision = precision or {}
-        if stats is None:
-            frontend = merge_frontends([self.frontend(FrontendCounters()), *(p.frontend for p in peers)])
-            self._runtime.stages = (frontend,)
-        else:
-            frontend = merge_frontends([stats.frontend, *(p.frontend for p in peers)])
-            self._runtime.stats = msgspec.structs.replace(stats, frontend=frontend)
-            self._runtime.stages = (frontend, stats.scheduler)
+        self._runtime.stages = (frontend,) if stats is None else (frontend, stats.scheduler)
         self._shared.peers = peers
         try:
             return generate_latest(self.registry)

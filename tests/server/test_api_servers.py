@@ -92,6 +92,7 @@ def test_a_schema_change_reaches_every_server(server):
 
 
 def test_clients_that_leave_abort_their_requests_on_both_servers(server):
+    """Clients that give up: their requests end on the runtime and leave no KV held."""
     long = {**BODY, "max_tokens": 4000, "ignore_eos": True}
     for _ in range(4):
         with pytest.raises(httpx.TimeoutException):
@@ -99,11 +100,13 @@ def test_clients_that_leave_abort_their_requests_on_both_servers(server):
                 http.post(f"{server.base_url}/v1/completions", json=long)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        running = samples(fresh("GET", f"{server.base_url}/metrics").text, "num_requests_running")
-        if running[""] == 0:
+        text = fresh("GET", f"{server.base_url}/metrics").text
+        running, idle = samples(text, "num_requests_running"), samples(text, "kv_idle_baseline")
+        if running[""] == 0 and idle[""] == 1:
             break
         time.sleep(0.1)
     assert running[""] == 0
+    assert idle[""] == 1                 # their KV pages and radix locks given back, whichever server took them
 
 
 def test_sigterm_drains_every_server_then_all_exit(server):
