@@ -217,10 +217,10 @@ class ServerGroup:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
 
-    async def stop_peers(self, drain_timeout: float) -> None:
-        """Drain the others (SIGTERM) and wait for them to exit; killed past the drain and its slack."""
+    async def stop_peers(self, drain_timeout: float, slack: float = PEER_EXIT_SLACK_S) -> None:
+        """Drain the others (SIGTERM) and wait for them to exit; killed past the drain and ``slack``."""
         self.signal_peers()
-        deadline = time.monotonic() + drain_timeout + PEER_EXIT_SLACK_S
+        deadline = time.monotonic() + drain_timeout + slack
         while any(p.poll() is None for p in self.peers) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
         for proc in self.peers:

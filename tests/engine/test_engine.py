@@ -133,7 +133,7 @@ def test_a_burst_over_a_long_cached_document_matches_one_at_a_time(engine):
     doc = " ".join(f"fact{i} is {i * 7 % 13}." for i in range(160))
     assert len(engine.tokenizer.encode(doc)) > 16 * (SHARED_PAGES_BY_REF + 4)
     questions = [f"{doc} Question {q}: what is fact{q * 11}?" for q in range(4)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     runs = []
     for together in (False, True):
         assert engine.flush_cache()

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from radixrelay.server.api_servers import PEER_EXIT_SLACK_S, ServerGroup, listening_socket
+from radixrelay.server.api_servers import ServerGroup, listening_socket
 from tests.runtime.server_process import ServerProcess, cmdline, pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -149,9 +149,9 @@ def test_server_0_sees_a_dead_api_server_and_drains_the_others():
         group.peers[0].wait()
         assert group.dead_peer() == f"API server 1 (pid {group.peers[0].pid}) exited with code -9"
         started = time.monotonic()
-        asyncio.run(group.stop_peers(0.5))          # the second ignores SIGTERM: killed after the slack
+        asyncio.run(group.stop_peers(0.5, slack=0.5))   # the second ignores SIGTERM: killed after the slack
         assert group.stopping and group.peers[1].returncode == -9
-        assert time.monotonic() - started < 0.5 + PEER_EXIT_SLACK_S + 5
+        assert time.monotonic() - started < 0.5 + 0.5 + 5
     finally:
         group.kill_peers()
 
