@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from radixrelay.attention.metadata import to_device
+
 
 class KVCache:
     def __init__(
@@ -82,6 +84,24 @@ class KVCache:
             k, v = fake_quantize_kv(k, k_scale), fake_quantize_kv(v, v_scale)
         write_slots(self.k[layer_id], slots, k)
         write_slots(self.v[layer_id], slots, v)
+
+    def copy_page_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each (source page, destination page, n): the first ``n`` slots of the source page copied
+        into the destination's, K and V of every layer (a reused partial page: ``StepPlan.page_copies``).
+        One gather and one scatter along the slot dimension for all of them, on the current stream, after
+        any KV tier load still writing a layer (``layer_ready``)."""
+        if not copies:
+            return
+        if self.layer_ready is not None:
+            for layer in range(self.num_layers):
+                self.wait_for_layer(layer)
+        ps = self.page_size
+        src = [s * ps + i for s, _, n in copies for i in range(n)]
+        dst = [d * ps + i for _, d, n in copies for i in range(n)]
+        index = to_device(src + dst, torch.int64, self.device)
+        src_slots, dst_slots = index[:len(src)], index[len(src):]
+        buffer = self.buffer.view(torch.uint8) if self.buffer.element_size() == 1 else self.buffer
+        buffer.index_copy_(2, dst_slots, buffer.index_select(2, src_slots))
 
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()

@@ -114,6 +114,9 @@ class StepPlan(msgspec.Struct, frozen=True):
     decodes: list[int] = []                 # rids computing one token: their last known token
     cascade: CascadePlan | None = None      # shared levels of the decode rows (radixrelay.protocol.cascade)
     transfers: KVTransfers | None = None    # KV tier copies (None: none)
+    # partial pages reused (``CacheManager.reuse_partial_page``): (source page, destination page, n), the first
+    # n positions of the source copied into the destination's, every layer, before the forward
+    page_copies: list[tuple[int, int, int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):

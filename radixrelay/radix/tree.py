@@ -192,6 +192,30 @@ class RadixTree:
         node, matched, _, node_end = self._walk(token_ids, salt, split=False, start=start, length=length)
         return ((node, node_end) if node is not None and node.parent is not None else None), matched
 
+    def partial_page(self, token_ids: Tokens, node: RadixNode | None, pos: int, limit: int,
+                     salt: str | None = None) -> tuple[RadixNode, int] | None:
+        """Where a whole-page match ends (at ``node``, ending at position ``pos``; None: nothing
+        matched, the salt's root), the child of that node whose first page begins with the longest run of
+        ``token_ids[pos:pos + limit]`` and that run's length (>= 1), or None. A copy of those leading
+        tokens' KV spares computing them again: the page-granular match stops one page short of a
+        prompt that diverges mid-page (a question after a document whose last token it merged with).
+        One vectorized compare of every child's first page (the children's dict keys are those bytes)."""
+        ps = self.page_size
+        parent = node if node is not None else self._roots.get(salt)
+        if parent is None or not parent.children or limit <= 0:
+            return None
+        m = min(limit, ps)
+        want = as_tokens(token_ids, pos + m)[pos:pos + m]
+        if len(want) < m:
+            return None
+        keys = list(parent.children)
+        firsts = np.frombuffer(b"".join(keys), dtype=TOKEN_DTYPE).reshape(len(keys), ps)[:, :m]
+        runs = np.logical_and.accumulate(firsts == want, axis=1).sum(axis=1)
+        best = int(runs.argmax())
+        if not runs[best]:
+            return None
+        return parent.children[keys[best]], int(runs[best])
+
     def _attached(self, node: RadixNode, salt: str | None) -> bool:
         """Whether ``node`` is still in the tree, under ``salt``'s root. O(depth)."""
         ps = self.page_size

@@ -75,6 +75,13 @@ class CacheManager:
         self._cooling: deque[tuple[int, list[int]]] = deque()   # (newest step in flight when freed, pages)
         self._num_cooling = 0
         self._warm: dict[int, int] = {}      # page -> that step: taken from cooling early, in the free pool
+        # Partial pages reused by the plan being built (``reuse_partial_page``): the copies the worker makes
+        # before its forward, (source page, destination page, tokens), and the nodes holding the sources,
+        # locked until the step is processed (then no copy of theirs is pending on the device).
+        self._page_copies: list[tuple[int, int, int]] = []
+        self._copy_locks: list[RadixNode] = []
+        self._copy_locks_in_flight: deque[tuple[int, list[RadixNode]]] = deque()   # (step, nodes)
+        self.partial_page_tokens = 0         # cumulative tokens copied from partial pages instead of computed
 
     @property
     def available_pages(self) -> int:
@@ -99,11 +106,17 @@ class CacheManager:
 
     def step_planned(self, step_id: int) -> None:
         self._planned = step_id
+        if self._copy_locks:
+            self._copy_locks_in_flight.append((step_id, self._copy_locks))
+            self._copy_locks = []
 
     def step_processed(self, step_id: int) -> None:
         """Step ``step_id``'s output was processed: its kernels (and every earlier step's) are done."""
         self._processed = step_id
         self._uncool(step_id)
+        while self._copy_locks_in_flight and self._copy_locks_in_flight[0][0] <= step_id:
+            for node in self._copy_locks_in_flight.popleft()[1]:
+                self.tree.unlock(node)
         if self._warm:
             self._warm = {p: s for p, s in self._warm.items() if s > step_id}
 
@@ -163,6 +176,35 @@ class CacheManager:
             hold.lock_node = matched.node
             hold.kv_len = hold.kv_committed = matched.num_tokens
         told_at_match(req, hold.num_shared_pages)        # the tree holds (and events told) the match
+
+    def reuse_partial_page(self, req: Request) -> int:
+        """After ``req``'s admission (its whole-page match locked, promoted, its own pages added): when a
+        cached page continues its match with some of its next tokens (the match is page-granular: a prompt
+        that diverges mid-page stops a page short), plan a copy of those tokens' KV into ``req``'s first
+        own page and count them as cached (``kv_len``, ``kv_committed``): the worker makes the copy before
+        the step's forward (``StepPlan.page_copies``), so the step computes only the tokens after them.
+        The source page's node stays locked until that step is processed (no eviction, tier load or reuse
+        of the page races the copy). Returns the tokens reused (0: none)."""
+        hold, ps = req.hold, self.page_size
+        pos = hold.num_shared_pages * ps
+        if (self.config.disable_radix_cache or req.modules or hold.kv_len != pos
+                or len(hold.pages) <= hold.num_shared_pages):
+            return 0
+        found = self.tree.partial_page(req.token_ids, hold.lock_node, pos, req.reusable_prefix - pos, req.salt)
+        if found is None:
+            return 0
+        node, n = found
+        self.tree.lock(node, req.priority)
+        self._copy_locks.append(node)
+        self._page_copies.append((node.pages[0], hold.pages[hold.num_shared_pages], n))
+        hold.kv_len = hold.kv_committed = pos + n
+        self.partial_page_tokens += n
+        return n
+
+    def take_page_copies(self) -> list[tuple[int, int, int]]:
+        """The partial-page copies of the plan being built (``reuse_partial_page``), handed over once."""
+        copies, self._page_copies = self._page_copies, []
+        return copies
 
     def missing_modules(self, req: Request) -> list[ModuleSpan]:
         """The spans of a modular request that the tree does not hold whole."""

@@ -159,6 +159,7 @@ class PrefillManager:
             self.stages.add("queue", now - req.arrived_s)
         added = cache.add_pages(req, need)
         assert added  # need <= available_pages
+        cache.reuse_partial_page(req)          # a cached page's leading tokens: copied, not computed
         req.phase = Phase.RUNNING
         req.prefill_len = len(req.token_ids)
         if req.cached_tokens is None:

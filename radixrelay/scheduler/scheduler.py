@@ -346,6 +346,7 @@ class Scheduler:
             decodes=[r.rid for r in dec.decodes],
             cascade=cascade,
             transfers=self._take_transfers(),
+            page_copies=self.cache.take_page_copies(),
         )
         self.cache.advance(pre.extends, dec.decodes)
         for req in samplers.values():

@@ -198,9 +198,11 @@ class ModelRunner:
             if plan.transfers is not None and self.tiers is None:
                 raise ValueError("the plan carries KV tier transfers but this worker has no tiers")
             if self.tiers is None:
+                self.kv_cache.copy_page_prefixes(plan.page_copies)
                 return self._launch(plan, start)
             if plan.transfers is not None:
                 self.tiers.apply(plan.step_id, plan.transfers)    # loads: layer l before layer l's attention
+            self.kv_cache.copy_page_prefixes(plan.page_copies)   # after the loads of the layers they read
             rows = bool(plan.extends or plan.decodes)
             if rows and not plan.extends:
                 self.tiers.wait_for_loads()     # a decode step's graph cannot wait layer by layer: all before

@@ -145,6 +145,26 @@ def test_a_burst_over_a_long_cached_document_matches_one_at_a_time(engine):
     assert runs[0] == runs[1]
 
 
+def test_a_prompt_that_diverges_mid_page_reuses_the_pages_leading_tokens(engine):
+    """The tree matches whole pages; a prompt that leaves a cached one mid-page has that page's leading
+    tokens copied into its own first page (``CacheManager.reuse_partial_page``) instead of computed:
+    its cached tokens are not a page multiple, and its greedy completion equals the same prompt's with
+    nothing cached, in a batch where several such prompts copy from the same page together."""
+    doc = engine.tokenizer.encode(" ".join(f"note{i} says {i * 5 % 11}." for i in range(20)))[:45]
+    prompts = [doc[:40 + k] + [1000 + 37 * k + j for j in range(6)] for k in range(3)]   # part at 40, 41, 42
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert engine.flush_cache()
+    alone = [engine.generate([p], params)[0] for p in prompts if engine.flush_cache()]
+    assert all(o.cached_tokens == 0 for o in alone)
+    assert engine.flush_cache()
+    engine.generate([doc], SamplingParams(max_tokens=5, ignore_eos=True))   # 49 computed: pages [0, 48) cached
+    before = engine.computed_tokens
+    reused = engine.generate(prompts, params)
+    assert [o.cached_tokens for o in reused] == [40, 41, 42]
+    assert engine.computed_tokens - before == sum(6 + 5 for _ in prompts)   # new prompt tokens, decodes
+    assert [o.token_ids for o in reused] == [o.token_ids for o in alone]
+
+
 def _stops(outs) -> int:
     """Decode steps that sampled a stop token (counted in completion_tokens, not token_ids)."""
     return sum(o.completion_tokens - len(o.token_ids) for o in outs)

@@ -3,7 +3,8 @@
 Two two-turn chat sessions (~60-word histories, ~75 tokens: past the 64 tokens a request reads from
 disk at least) run on a device KV pool of 12 pages of 16 tokens, one request at a time. Greedy outputs
 must equal those of recompute token for token: turn 1 runs on empty tiers, and turn 2 first runs under
-another cache salt (which shares no page with anything: every token computed, ``cached_tokens`` 0); that
+another cache salt (which shares nothing with the unsalted sessions: every token computed but the
+leading ones its second session shares with its first); that
 run also fills the device pool, which pushes the sessions' histories out of the device cache, so the
 unsalted turn 2 reads them back from the tiers.
 
@@ -98,9 +99,11 @@ def restart_run(host_run, disk_dir):
 
 
 def test_references_are_recomputed(host_run):
-    """Turn 1 ran on empty tiers and the salted turn 2 shared no page: both are recompute's outputs."""
-    assert all(o.cached_tokens == 0 and len(o.token_ids) == GREEDY.max_tokens for o in host_run["turn1"])
-    assert all(o.cached_tokens == 0 for o in host_run["recompute"])
+    """Turn 1 ran on empty tiers and the salted turn 2 shared nothing with it: both are recompute's outputs
+    (within each, the second session reuses only the leading tokens of the first one's first page,
+    "Session ", a partial page copied)."""
+    assert all(o.cached_tokens < 16 and len(o.token_ids) == GREEDY.max_tokens for o in host_run["turn1"])
+    assert all(o.cached_tokens < 16 for o in host_run["recompute"])
 
 
 def test_multi_turn_host_memory_tier(host_run):
@@ -151,7 +154,7 @@ def test_corrupt_pages_are_misses(host_run, restart_run):
     assert after["tier_read_failed_pages"] > 0
     assert after["tier_disk_hit_tokens"] == before["tier_disk_hit_tokens"]
     assert after["tier_host_hit_tokens"] == before["tier_host_hit_tokens"]
-    assert all(out.cached_tokens == 0 for out in restart_run["missed"])
+    assert all(out.cached_tokens < 16 for out in restart_run["missed"])    # no page served: "Session " copied
 
 
 def test_other_page_size_is_another_namespace(tmp_path):

@@ -155,6 +155,10 @@ class TierWorker:
             self.table[app.rid].pages.extend(app.pages)
         if plan.transfers is not None:
             self._apply(plan.step_id, plan.transfers)
+        ps = self.page_size
+        for src, dst, n in plan.page_copies:        # reused partial pages: after the loads, before computing
+            for j in range(n):
+                self.device[dst * ps + j] = self.device.get(src * ps + j)
         rids = []
         for ext in plan.extends:
             row = self.table[ext.rid]

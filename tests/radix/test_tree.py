@@ -227,3 +227,22 @@ def test_salts_never_share_nodes_even_for_equal_tokens():
     assert t.match_prefix(tokens, salt="a").pages == [3, 4, 5]
     assert t.match_prefix(tokens, salt="").node is None          # "" is its own namespace, not None's
     t.check_integrity()
+
+
+def test_partial_page_finds_the_child_with_the_longest_leading_run():
+    t = RadixTree(4)
+    t.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
+    t.insert([1, 2, 3, 4, 5, 6, 9, 9], [10, 12])
+    t.insert([1, 2, 3, 4, 5, 0, 0, 0, 1, 1, 1, 1], [10, 13, 14])
+    node = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 0]).node       # whole pages: [1, 2, 3, 4]
+    assert node is not None and t.match_prefix([1, 2, 3, 4, 5, 6, 7, 0]).num_tokens == 4
+    found = t.partial_page([1, 2, 3, 4, 5, 6, 7, 0], node, 4, 4)
+    assert found is not None and found[0].pages[0] == 11 and found[1] == 3      # 5, 6, 7 of page 11
+    found = t.partial_page([1, 2, 3, 4, 5, 6, 7, 0], node, 4, 2)                 # at most 2 may be reused
+    assert found is not None and found[1] == 2 and found[0].pages[0] in (11, 12)
+    assert t.partial_page([1, 2, 3, 4, 8], node, 4, 1) is None                    # no child starts with 8
+    assert t.partial_page([1, 2, 3, 4, 5], node, 4, 0) is None
+    found = t.partial_page([1, 2, 7], None, 0, 3)                                 # nothing matched: the root
+    assert found is not None and found[1] == 2 and found[0].pages[0] == 10
+    assert t.partial_page([1, 2, 3], None, 0, 3, salt="other") is None           # another namespace
+    t.check_integrity()

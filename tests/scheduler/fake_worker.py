@@ -4,7 +4,8 @@ It follows the StepPlan contract like a real worker and simulates the KV cache: 
 position t of a request writes a hash of ``token_ids[: t + 1]`` (what real KV depends on) into slot
 ``pages[t // ps] * ps + t % ps``; before computing it checks that every earlier position's slot
 holds exactly that request's prefix hash, so a wrong page list, a page reused too early or a
-cached prefix that is not what it claims to be fails the test. KV tier transfers are simulated too:
+cached prefix that is not what it claims to be fails the test. Reused partial pages
+(``StepPlan.page_copies``) are copied slot by slot before the step computes. KV tier transfers are simulated too:
 a save copies pages' slots into host slots, a load copies them back (and the save is acknowledged
 with the step). Steps run when ``step`` is called; a driver that holds outputs back (overlap) says
 which steps are still in flight (``delivered``), and a load that may start beside them
@@ -60,6 +61,7 @@ class FakeWorker:
     host: dict[tuple[int, int], tuple[int | None, int | None]] = field(default_factory=dict)  # (slot, i) -> KV
     written_by: dict[int, int] = field(default_factory=dict)   # page -> the last step that computed into it
     in_flight: set[int] = field(default_factory=set)           # steps run whose outputs were not delivered
+    copied_from: dict[int, int] = field(default_factory=dict)  # page -> the last step that copied from it
 
     def delivered(self, step_id: int) -> None:
         """The driver handed step ``step_id``'s output to the scheduler: the step is done on the device."""
@@ -71,6 +73,15 @@ class FakeWorker:
         for rid in plan.released:
             del self.table[rid]
         acks = self._transfers(plan.step_id, plan.transfers) if plan.transfers is not None else None
+        ps = self.page_size
+        for src, dst, n in plan.page_copies:            # reused partial pages, before the forward (and before
+        # an admission's cached tokens are read back from its pages)
+            assert 0 < n <= ps and src != dst
+            for i in range(n):
+                self.kv[dst * ps + i] = self.kv.get(src * ps + i)
+                self.slot_tokens[dst * ps + i] = self.slot_tokens.get(src * ps + i)
+            self.copied_from[src] = plan.step_id
+            self.written_by[dst] = plan.step_id
         for adm in plan.admitted:
             assert adm.rid not in self.table
             row = _Row([], adm.page_list(lambda r: self.table[r].pages), restarts=self.span_starts.get(adm.rid, frozenset()))
@@ -110,6 +121,9 @@ class FakeWorker:
                 writer = self.written_by.get(page)
                 assert writer is None or writer == step_id or writer not in self.in_flight, \
                     f"a load starting at once into page {page}, which step {writer} (in flight) writes"
+                reader = self.copied_from.get(page)
+                assert reader is None or reader not in self.in_flight, \
+                    f"a load starting at once into page {page}, which step {reader} (in flight) copies from"
             for i in range(ps):
                 self.kv[page * ps + i], self.slot_tokens[page * ps + i] = self.host.get((slot, i), (None, None))
         return KVAcks(saved_steps=[step_id]) if t.saves else None

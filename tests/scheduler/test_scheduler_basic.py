@@ -297,3 +297,31 @@ def test_short_shared_prefixes_are_sent_whole():
         sched.add_request(rid, doc + [rid], SamplingParams(max_tokens=1))
     plan = sched.schedule()
     assert plan is not None and [a.pages_from for a in plan.admitted] == [-1, -1]
+
+
+def test_a_prompt_leaving_a_cached_page_mid_page_copies_its_leading_tokens():
+    """The match is page-granular; the tokens of the next cached page that a prompt shares are copied
+    (``StepPlan.page_copies``) and counted as cached, the page's node stays locked (never evicted,
+    loaded into or reused) until the step that copies from it is processed, and the fake worker checks
+    every position's KV when it computes past them."""
+    sched, worker = make(page_size=4, kv_tokens=64)
+    doc = list(range(100, 110))
+    sched.add_request(1, doc, SamplingParams(max_tokens=4))
+    drive(sched, worker)
+    assert sched.stats().cached_tokens == 12         # 10 prompt + 3 fed outputs: 3 whole pages
+    prompt = doc[:6] + [7, 7, 7]                     # shares page 0 whole and 2 tokens of page 1
+    sched.add_request(2, prompt, SamplingParams(max_tokens=2))
+    plan = sched.schedule()
+    source = worker.plans[0].admitted[0].pages[1]
+    (copy,) = plan.page_copies
+    assert copy == (source, plan.admitted[0].pages[1], 2)
+    assert [(e.start, e.num_tokens) for e in plan.extends] == [(6, 3)]
+    node = sched.cache.tree.match_prefix(doc, length=8).node
+    assert node.lock_ref == 1                         # the copy's source, held while the step is in flight
+    run = Run()
+    collect(run, sched.process_output(worker.step(plan)))
+    assert node.lock_ref == 0
+    drive(sched, worker, run)
+    assert run.finals[2].cached_tokens == 6 and sched.cache.partial_page_tokens == 2
+    assert run.tokens[2] == expected_outputs(2, prompt, 2)
+    sched.check_integrity()
