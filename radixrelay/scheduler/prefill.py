@@ -97,7 +97,8 @@ class PrefillManager:
             if not self._admit(req, reserved if running or out.admitted else None, start):
                 break
             out.admitted.append(req)
-            computing.add(self._next_page_key(req, req.hold.kv_len))
+            # page-aligned like the running ones' keys: a reused partial page leaves kv_len mid-page
+            computing.add(self._next_page_key(req, req.hold.num_shared_pages * self.config.page_size))
             reserved += self.reserve_pages(req)
             budget -= self._extend(out, req, budget)
         self._remove(waiting, out.admitted)

@@ -216,6 +216,24 @@ def test_concurrent_identical_prompts_compute_the_prefix_once():
     assert run.finals[2].cached_tokens == 8 and run.finals[2].finish_reason == "length"
 
 
+def test_identical_prompts_leaving_a_cached_page_mid_page_compute_their_pages_once():
+    """Two identical prompts that reuse a partial page of a cached one: the second still waits for the
+    first's prefill (the key of the page being computed is page-aligned, not at the copy's end)."""
+    sched, worker = make(page_size=4, kv_tokens=128)
+    sched.add_request(1, list(range(100, 112)), SamplingParams(max_tokens=2))
+    drive(sched, worker)                               # caches [100 .. 111]: 3 pages
+    prompt = list(range(100, 106)) + list(range(7, 19))   # 6 shared (2 of page 1), then 3 more pages
+    sched.add_request(2, prompt, SamplingParams(max_tokens=2))
+    sched.add_request(3, prompt, SamplingParams(max_tokens=2))
+    plan = sched.schedule()
+    assert [a.rid for a in plan.admitted] == [2] and len(plan.page_copies) == 1
+    run = Run()
+    collect(run, sched.process_output(worker.step(plan)))
+    drive(sched, worker, run)
+    assert run.finals[2].cached_tokens == 6 and run.finals[3].cached_tokens == 16
+    sched.check_integrity()
+
+
 def test_shifted_prefix_must_be_whole_pages_inside_the_prompt():
     """A truncated prompt's shifted prefix (radix/truncation.py) that is not whole pages, or sits
     outside the prompt, is refused with a message instead of corrupting page keys later."""
