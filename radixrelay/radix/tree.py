@@ -57,7 +57,7 @@ _EMPTY = np.empty(0, dtype=TOKEN_DTYPE)          # a root's key
 
 class RadixNode:
     __slots__ = ("node_id", "key", "pages", "children", "parent", "lock_ref", "last_access", "salt", "page_keys",
-                 "pin_ref", "priority")
+                 "pin_ref", "priority", "first_pages")
 
     def __init__(self, node_id: int, key: np.ndarray, pages: list[int],
                  parent: RadixNode | None, salt: str | None = None) -> None:
@@ -76,6 +76,9 @@ class RadixNode:
         # Lower KV tiers' content keys of ``pages`` (``radix.page_keys``), once computed; None before.
         # They name the prefix ending at each page, so they hold as long as the node does.
         self.page_keys: list[bytes] | None = None
+        # The children's keys and their first pages as one int32 array [len(children), page_size], made by
+        # ``partial_page`` and dropped when a child is added or removed (a split keeps the key set).
+        self.first_pages: tuple[list[bytes], np.ndarray] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -199,7 +202,8 @@ class RadixTree:
         ``token_ids[pos:pos + limit]`` and that run's length (>= 1), or None. A copy of those leading
         tokens' KV spares computing them again: the page-granular match stops one page short of a
         prompt that diverges mid-page (a question after a document whose last token it merged with).
-        One vectorized compare of every child's first page (the children's dict keys are those bytes)."""
+        One vectorized compare of every child's first page (the children's dict keys are those bytes, kept
+        as one array on the node while its children stay the same)."""
         ps = self.page_size
         parent = node if node is not None else self._roots.get(salt)
         if parent is None or not parent.children or limit <= 0:
@@ -208,13 +212,16 @@ class RadixTree:
         want = as_tokens(token_ids, pos + m)[pos:pos + m]
         if len(want) < m:
             return None
-        keys = list(parent.children)
-        firsts = np.frombuffer(b"".join(keys), dtype=TOKEN_DTYPE).reshape(len(keys), ps)[:, :m]
-        runs = np.logical_and.accumulate(firsts == want, axis=1).sum(axis=1)
-        best = int(runs.argmax())
-        if not runs[best]:
+        if parent.first_pages is None:
+            keys = list(parent.children)
+            parent.first_pages = keys, np.frombuffer(b"".join(keys), dtype=TOKEN_DTYPE).reshape(len(keys), ps)
+        keys, firsts = parent.first_pages
+        rows = np.flatnonzero(firsts[:, 0] == want[0])          # the children that share a first token
+        if not len(rows):
             return None
-        return parent.children[keys[best]], int(runs[best])
+        runs = np.logical_and.accumulate(firsts[rows, :m] == want, axis=1).sum(axis=1)
+        best = int(runs.argmax())
+        return parent.children[keys[rows[best]]], int(runs[best])
 
     def _attached(self, node: RadixNode, salt: str | None) -> bool:
         """Whether ``node`` is still in the tree, under ``salt``'s root. O(depth)."""
@@ -270,6 +277,7 @@ class RadixTree:
             if not node.children and node.lock_ref == 0:
                 self._evictable_leaves.discard(node)
             node.children[leaf.key[:ps].tobytes()] = leaf
+            node.first_pages = None
             self._evictable_leaves.add(leaf)
             self._cached_tokens += len(leaf.key)
             self._evictable_tokens += len(leaf.key)
@@ -341,6 +349,7 @@ class RadixTree:
             if self.on_evict is not None:
                 self.on_evict(leaf)
             del parent.children[leaf.key[:self.page_size].tobytes()]
+            parent.first_pages = None
             self._evictable_leaves.discard(leaf)
             self._cached_tokens -= len(leaf.key)
             self._evictable_tokens -= len(leaf.key)
@@ -373,6 +382,9 @@ class RadixTree:
         for salt, root in self._roots.items():
             if root.salt != salt or root.parent is not None or len(root.key) or root.pages:
                 raise AssertionError(f"RadixTree: bad root for salt {salt!r}")
+        for node in [*self._roots.values(), *self.nodes()]:
+            if node.first_pages is not None and node.first_pages[0] != list(node.children):
+                raise AssertionError(f"RadixTree: {node}'s first pages are stale")
         for node in self.nodes():
             parent = node.parent
             if not isinstance(node.key, np.ndarray) or node.key.dtype != TOKEN_DTYPE or node.key.ndim != 1:

@@ -246,3 +246,17 @@ def test_partial_page_finds_the_child_with_the_longest_leading_run():
     assert found is not None and found[1] == 2 and found[0].pages[0] == 10
     assert t.partial_page([1, 2, 3], None, 0, 3, salt="other") is None           # another namespace
     t.check_integrity()
+
+
+def test_partial_page_sees_children_added_split_and_evicted():
+    t = RadixTree(2)
+    t.insert([1, 2, 3, 4], [10, 11])
+    node = t.match_prefix([1, 2, 9, 9]).node                      # splits: [1, 2] -> [3, 4]
+    assert t.partial_page([1, 2, 3, 7], node, 2, 2)[1] == 1
+    t.insert([1, 2, 5, 6], [10, 12])                              # a new child
+    assert t.partial_page([1, 2, 5, 7], node, 2, 2)[0].pages == [12]
+    t.check_integrity()
+    t.match_prefix([1, 2, 5, 6])
+    t.evict(1)                                                    # the least recent leaf: [3, 4]
+    assert t.partial_page([1, 2, 3, 7], node, 2, 2) is None
+    t.check_integrity()
