@@ -128,7 +128,7 @@ def write_tokenizer(dest: Path) -> None:
     """The default model's tokenizer metadata alone as a GGUF file (~2 MB, no tensors)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
 
     reader = GGUFReader(str(resolve_model_path("default")), "r")
     writer = GGUFWriter(str(dest), str(reader.fields["general.architecture"].contents()))
@@ -231,7 +231,7 @@ def engine_tokenizer(options: dict[str, Any]):
     """The tokenizer an Engine built with ``options`` loads (to build prompts before starting it)."""
     import radixrelay.text.tokenizer as tk
     from radixrelay.config import EngineConfig
-    from radixrelay.model.registry import tokenizer_path
+    from radixrelay.model.model_registry import tokenizer_path
 
     keys = ("model", "tokenizer", "load_format")
     return tk.load_tokenizer(tokenizer_path(EngineConfig(**{k: v for k, v in options.items() if k in keys})))

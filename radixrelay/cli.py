@@ -349,9 +349,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.net.connections import ConnectionLimits
-    from radixrelay.router.app import RouterConfig, run_router
+    from radixrelay.router.router_app import RouterConfig, run_router
     from radixrelay.router.prompt import PromptKeys
     from radixrelay.router.replicas import check_replica_url
     from radixrelay.text.chat_template import ChatTemplate

@@ -34,7 +34,7 @@ import numpy as np
 from radixrelay import modules
 from radixrelay.admission import Admission, Budget, Limits
 from radixrelay.config import EngineConfig
-from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
+from radixrelay.model.model_registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.modules.compose import ComposedPrompt
 from radixrelay.modules.registry import SchemaInfo, SchemaRegistry
 from radixrelay.outputs import RequestOutput

@@ -13,7 +13,7 @@ import pytest
 from radixrelay import Engine, SamplingParams
 from radixrelay.cli import _api_key, _parser, generate_prompt, main
 from radixrelay.config import EngineConfig
-from radixrelay.model.registry import tokenizer_path
+from radixrelay.model.model_registry import tokenizer_path
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import load_tokenizer
 from tests.runtime.server_process import ServerProcess

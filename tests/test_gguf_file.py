@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixrelay.gguf_file import GGUFError, GGUFFile, read_metadata
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.model.weights_gguf import dequantize
 
 gguf = pytest.importorskip("gguf")

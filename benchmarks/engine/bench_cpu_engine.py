@@ -119,7 +119,7 @@ def main() -> None:
 
     from radixrelay import Engine, SamplingParams
     from radixrelay.model.cpu_gemm import cpu_gemm_mode
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -46,7 +46,7 @@ CONFIGS = {"fp8 weights": Precision(weights="fp8", emulate=True),
 
 
 def text_tokens(limit: int) -> list[int]:
-    from radixrelay.model.registry import tokenizer_path
+    from radixrelay.model.model_registry import tokenizer_path
 
     ids = load_tokenizer(tokenizer_path(EngineConfig())).encode(TEXT.read_text())
     if len(ids) < limit + 1:

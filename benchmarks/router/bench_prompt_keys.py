@@ -49,7 +49,7 @@ def _index(keys: list[bytes]):
 
 
 def run(lengths: list[int], repeats: int) -> list[dict[str, Any]]:
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.radix.page_keys import chain_seed, extend_keys
     from radixrelay.router.prompt import PromptKeys
     from radixrelay.text.chat_template import ChatTemplate

@@ -98,8 +98,8 @@ async def _send(url: str, bodies: list[bytes], rate: float, seed: int) -> list[f
 def decisions_per_second(bodies: list[dict], seconds: float = 3.0) -> tuple[float, float]:
     """(decisions per second with the prompt's keys computed, per second of the index lookup alone), in
     this process, one core: a router over 4 replicas whose index holds every tenant."""
-    from radixrelay.model.registry import resolve_model_path
-    from radixrelay.router.app import Router, RouterConfig
+    from radixrelay.model.model_registry import resolve_model_path
+    from radixrelay.router.router_app import Router, RouterConfig
     from radixrelay.router.prompt import PromptKeys
     from radixrelay.text.chat_template import ChatTemplate
     from radixrelay.text.tokenizer import load_tokenizer

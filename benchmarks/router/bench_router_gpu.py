@@ -36,8 +36,8 @@ import numpy as np
 
 from benchmarks.common import RESULTS, ROOT, Server, default_tokenizer, llama3_8b_dir
 from radixrelay.bench.arrivals import arrival_times
-from radixrelay.bench.client import ClientConfig
-from radixrelay.bench.metrics import SLO, summarize
+from radixrelay.bench.http_client import ClientConfig
+from radixrelay.bench.summary import SLO, summarize
 from radixrelay.bench.provenance import device_slug, source_commit
 from radixrelay.bench.runner import run_sessions_parallel, token_counter
 from radixrelay.bench.workloads import MultiTenant

@@ -65,7 +65,7 @@ def encoders(before: str | None) -> dict[str, Callable[[Any], Any]]:
 
 
 def run(lengths: list[int], repeats: int, threads: list[int], before: str | None) -> list[dict[str, Any]]:
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.chat_template import ChatTemplate
     from radixrelay.text.tokenizer import load_tokenizer
 

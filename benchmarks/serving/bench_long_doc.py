@@ -468,7 +468,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def _server_tokenizer(arg: str):
     """The server's tokenizer, to build prompts here (its encode, decode and BOS)."""
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path(arg))

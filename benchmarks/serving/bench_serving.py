@@ -8,7 +8,7 @@ The implementation lives in ``radixrelay.bench``; ``--help`` lists every option 
 
 import sys
 
-from radixrelay.bench.cli import main
+from radixrelay.bench.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -65,8 +65,8 @@ from benchmarks.common import (
     write_tokenizer,
 )
 from radixrelay.bench.arrivals import arrival_times
-from radixrelay.bench.client import BenchClient, ClientConfig
-from radixrelay.bench.metrics import SLO, summarize
+from radixrelay.bench.http_client import BenchClient, ClientConfig
+from radixrelay.bench.summary import SLO, summarize
 from radixrelay.bench.provenance import device_slug, source_commit
 from radixrelay.bench.runner import run_sessions, run_sessions_parallel, token_counter
 from radixrelay.bench.workloads import Agent, MultiTurn, SharedPrefix, Tree, Workload, words

@@ -81,19 +81,19 @@ class _Info:
 def stages(lengths: list[int], repeats: int, page_size: int) -> list[dict[str, Any]]:
     import msgspec
 
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.protocol.messages import (
         FrontendMessage, GenerateRequest, RuntimeMessage, TokenUpdate, UpdateBatch, WorkerCommand, WorkerStep,
         decoder, encoder,
     )
     from radixrelay.radix.truncation import Truncated
     from radixrelay.scheduler import Scheduler
-    from radixrelay.scheduler.config import SchedulerConfig
+    from radixrelay.scheduler.scheduler_config import SchedulerConfig
     from radixrelay.server import openai_protocol as oa
     from radixrelay.server import serving
     from radixrelay.text.chat_template import ChatTemplate
     from radixrelay.server.grammar_check import GrammarCheck
-    from radixrelay.server.metrics import ServerMetrics
+    from radixrelay.server.prometheus_metrics import ServerMetrics
     from radixrelay.text.tokenizer import load_tokenizer
     from radixrelay.protocol.step import StepOutput
 
@@ -216,7 +216,7 @@ def scheduler_stages(lengths: list[int], repeats: int, page_size: int, host_kv_g
         unpack_token_ids = TokenTable(VOCAB).unpack
     from radixrelay.sampling_params import SamplingParams
     from radixrelay.scheduler import Scheduler
-    from radixrelay.scheduler.config import SchedulerConfig
+    from radixrelay.scheduler.scheduler_config import SchedulerConfig
 
     enc, dec = encoder().encode, decoder(FrontendMessage).decode
     step_encode, step_decode = encoder().encode, decoder(WorkerCommand).decode

@@ -41,7 +41,7 @@ import transformers
 import xgrammar as xgr
 
 from benchmarks.common import RESULTS, ROOT
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 BATCH = 32  # matchers per batched mask fill

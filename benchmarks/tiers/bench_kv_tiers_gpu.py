@@ -34,8 +34,8 @@ import numpy as np
 
 from benchmarks.common import RESULTS, Server, default_tokenizer, llama3_8b_dir, scrape
 from radixrelay.bench.arrivals import arrival_times
-from radixrelay.bench.client import BenchClient, ClientConfig
-from radixrelay.bench.metrics import SLO, summarize
+from radixrelay.bench.http_client import BenchClient, ClientConfig
+from radixrelay.bench.summary import SLO, summarize
 from radixrelay.bench.provenance import device_slug
 from radixrelay.bench.runner import run_sessions, token_counter
 from radixrelay.bench.workloads import MultiTurn, words

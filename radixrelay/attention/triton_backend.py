@@ -25,7 +25,7 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns
 from radixrelay.kernels import CascadePlan, plan_cascade
 from radixrelay.kernels._common import KernelLaunch
-from radixrelay.kernels.cascade import CascadeDecode, CascadeHost
+from radixrelay.kernels.cascade_decode import CascadeDecode, CascadeHost
 from radixrelay.kernels.extend import Extend
 from radixrelay.kernels.fa3_node import fa3_cache_usable
 from radixrelay.kernels.merge import bind_merge_into_rows

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from radixrelay.bench.metrics import RequestRecord
+from radixrelay.bench.summary import RequestRecord
 
 Run = dict[str, Any]
 _LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))

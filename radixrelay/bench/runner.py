@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from radixrelay.bench.client import BenchClient, ClientConfig, Message, Reply
-from radixrelay.bench.metrics import RequestRecord
+from radixrelay.bench.http_client import BenchClient, ClientConfig, Message, Reply
+from radixrelay.bench.summary import RequestRecord
 from radixrelay.bench.workloads import Session, Turn, estimate_tokens
 
 
@@ -41,7 +41,7 @@ def token_counter(tokenizer: str | None) -> TokenCounter:
     file), or the tokenizer-free estimate when None."""
     if tokenizer is None:
         return TokenCounter("estimate", estimate_tokens)
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
     tok = load_tokenizer(resolve_model_path(tokenizer))
     return TokenCounter("tokenizer", lambda text: len(tok.encode(text, add_special_tokens=False)), tokenizer)

@@ -14,7 +14,7 @@ A run of ``tokens`` KV positions shared by ``n`` decode requests is read once in
 Calibration: end to end with CUDA graphs, cascade forced on over a grid of one shared prefix x batch
 (benchmarks/results/engine/throughput_h200.md): steps saving fewer than ``min_saved_tokens`` tie or
 lose against flat decode, steps saving more always win; that threshold is stricter than the
-kernel-only rule (``radixrelay.kernels.cascade.worth_cascading``: attention alone, no per-step cost),
+kernel-only rule (``radixrelay.kernels.cascade_decode.worth_cascading``: attention alone, no per-step cost),
 and the default model is never less strict than that rule per step (tests/cascade/test_planner.py).
 ``min_group_saved`` is set so that the serving benchmark's tree (problems x samples) gets its second
 level while groups of short problems stay in the suffixes (benchmarks/results/HISTORY.md).

@@ -16,7 +16,7 @@ behaviour, as are index tensors that disagree with each other (e.g. q_indptr[-1]
 Each module also has a ``*_reference`` in pure torch (float64 by default, CPU or GPU).
 """
 
-from radixrelay.kernels.cascade import (CascadePlan, cascade_decode_attention, cascade_decode_attention_reference,
+from radixrelay.kernels.cascade_decode import (CascadePlan, cascade_decode_attention, cascade_decode_attention_reference,
                                         plan_cascade, worth_cascading)
 from radixrelay.kernels.extend import extend_attention, extend_attention_reference
 from radixrelay.kernels.merge import merge_attention_states, merge_attention_states_reference

@@ -13,7 +13,7 @@
 See docs/lang.md.
 """
 
-from radixrelay.lang.backend import Backend, CallMeta, Usage, set_default_backend
+from radixrelay.lang.runtime_backend import Backend, CallMeta, Usage, set_default_backend
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.errors import BackendError, ProgramError
 from radixrelay.lang.expr import assistant, assistant_begin, assistant_end, gen, select, system, user

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from radixrelay.lang import scoring
-from radixrelay.lang.backend import CallMeta, Generation, Usage
+from radixrelay.lang.runtime_backend import CallMeta, Generation, Usage
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.errors import BackendError
 from radixrelay.lang.expr import Gen

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Protocol
 
-from radixrelay.lang.backend import Backend, default_backend
+from radixrelay.lang.runtime_backend import Backend, default_backend
 from radixrelay.lang.state import ProgramRun, ProgramState
 
 

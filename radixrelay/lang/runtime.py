@@ -22,7 +22,7 @@ import httpx
 
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.openai_compat import OpenAICompatible
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import load_tokenizer
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, overload
 
-from radixrelay.lang.backend import Backend, CallMeta
+from radixrelay.lang.runtime_backend import Backend, CallMeta
 from radixrelay.lang.errors import BackendError, Origin, ProgramError, caller_origin
 from radixrelay.lang.expr import Expr, Gen, Role, RoleBlock, RoleEdge, Select
 

@@ -17,18 +17,18 @@ One step, end to end::
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixrelay.model.config import ModelConfig, RopeScaling
+    from radixrelay.model.model_config import ModelConfig, RopeScaling
     from radixrelay.model.llama import LlamaForCausalLM
     from radixrelay.model.loader import load_model
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "RopeScaling", "load_model", "resolve_model_path"]
 
-# Imported lazily: torch-free processes (scheduler, HTTP server) use ``registry`` and ``config``
+# Imported lazily: torch-free processes (scheduler, HTTP server) use ``model_registry`` and ``model_config``
 # without paying for torch.
 _HOMES = {
-    "ModelConfig": "config", "RopeScaling": "config", "LlamaForCausalLM": "llama",
-    "load_model": "loader", "resolve_model_path": "registry",
+    "ModelConfig": "model_config", "RopeScaling": "model_config", "LlamaForCausalLM": "llama",
+    "load_model": "loader", "resolve_model_path": "model_registry",
 }
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from radixrelay.gguf_file import GGUFFile, TensorInfo
-from radixrelay.model.config import ModelConfig
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_config import ModelConfig
+from radixrelay.model.model_registry import resolve_model_path
 
 
 def read_model_config(model: str, load_format: str = "auto") -> ModelConfig:

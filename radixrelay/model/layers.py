@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.attention.kv_cache import write_slots
-from radixrelay.model.config import ModelConfig, RopeScaling
+from radixrelay.model.model_config import ModelConfig, RopeScaling
 from radixrelay.model.cpu_gemm import linear
 
 _fused_mode = "auto"

@@ -25,7 +25,7 @@ from torch import nn
 from radixrelay.attention import AttentionBackend, ForwardBatch, KVCache
 from radixrelay.attention.backend import LayerAttention
 from radixrelay.kernels.fp8 import E4M3, QuantizedRows
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 from radixrelay.model.cpu_gemm import linear, uses_onednn
 from radixrelay.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, fused
 from radixrelay.model.moe import Experts, SparseMoE, expert_shard

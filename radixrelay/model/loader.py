@@ -13,13 +13,13 @@ from typing import Literal
 import torch
 
 from radixrelay.model.architectures import architecture
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 from radixrelay.model.config_files import detect_format, gguf_file, is_gguf, read_hf_config
 from radixrelay.model.layers import uninitialised_parameters
 from radixrelay.model.llama import LlamaForCausalLM
 from radixrelay.model.parallel import TensorParallel
 from radixrelay.model.quantization import Precision
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.model.weights_gguf import open_gguf
 from radixrelay.model.weights_hf import iter_safetensors_weights
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrelay.kernels.grouped_experts import combine, grouped_experts
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 from radixrelay.model.cpu_gemm import linear
 from radixrelay.model.layers import Linear, fused
 from radixrelay.model.parallel import TensorParallel

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 
 
 class AllReduceClock:

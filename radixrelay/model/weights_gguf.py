@@ -27,7 +27,7 @@ import torch
 
 from radixrelay.gguf_file import GGUFFile
 from radixrelay.model.architectures import architecture
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 from radixrelay.model.config_files import CONFIG_TENSORS, gguf_config, tensor_shape
 
 _LAYER_NAMES = {

@@ -9,7 +9,7 @@ collection per process (``GcStats``). ``RuntimeStats`` nests them, with the KV a
 Each field says once what it is, in its annotation: ``counter(...)`` (cumulative since start) or
 ``gauge(...)`` (a current value), with its description and, where they differ from the field's name, its
 name and its Prometheus name; a nested counters struct is a ``part(...)``, whose ``prefix`` goes before
-the names of its fields. ``readings(stats)`` walks them: ``/metrics`` (``radixrelay.server.metrics``) and
+the names of its fields. ``readings(stats)`` walks them: ``/metrics`` (``radixrelay.server.prometheus_metrics``) and
 ``Engine.stats()`` (``stats_values``) are derived from it, so a new field is a new metric and a new stats key. Names:
 
     Engine.stats() key   the parts' prefixes, then its name (the field's)    (tier_load_s, worker_gc_seconds)

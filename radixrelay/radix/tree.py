@@ -112,7 +112,7 @@ class RadixTree:
         self._evictable_tokens = 0
         self._pinned_tokens = 0
         # Called with each leaf eviction is about to detach (its path to the root still intact): KV
-        # events (``radixrelay.scheduler.kv_events``).
+        # events (``radixrelay.scheduler.kv_event_hook``).
         self.on_evict: Callable[[RadixNode], None] | None = None
 
     # -- statistics --------------------------------------------------------------------------

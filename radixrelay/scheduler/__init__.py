@@ -3,7 +3,7 @@
 ``radixrelay.protocol``."""
 
 from radixrelay.scheduler.cascade_hook import CascadePlanner
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.scheduler import Scheduler
 
 __all__ = ["CascadePlanner", "Scheduler", "SchedulerConfig"]

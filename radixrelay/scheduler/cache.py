@@ -43,10 +43,10 @@ from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.allocator import PageAllocator
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import KVHold, Request
-from radixrelay.scheduler.kv_events import KVEventHook, Publisher, told_at_match
+from radixrelay.scheduler.kv_event_hook import KVEventHook, Publisher, told_at_match
 from radixrelay.scheduler.pins import PinTable
 from radixrelay.scheduler.tier_coordinator import TierCoordinator
 from radixrelay.scheduler.match_hint import peek

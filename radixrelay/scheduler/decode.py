@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixrelay.scheduler.cache import CacheManager
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.request import Request
 
 

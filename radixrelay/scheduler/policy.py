@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
 from radixrelay.radix.tree import RadixNode, RadixTree
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.match_hint import peek
 

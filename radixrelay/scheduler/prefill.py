@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from radixrelay.protocol.step import ModuleSpan
 from radixrelay.radix.tree import RadixNode
 from radixrelay.scheduler.cache import CacheManager
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.policy import by_priority, order_waiting
 from radixrelay.scheduler.request import Phase, Request
 from radixrelay.scheduler.stages import StageTimes

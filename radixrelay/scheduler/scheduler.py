@@ -34,12 +34,12 @@ from radixrelay.protocol.step import (
 )
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tokens import TokenArray, as_tokens
-from radixrelay.scheduler.kv_events import Publisher
+from radixrelay.scheduler.kv_event_hook import Publisher
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler.audit import audit_kv
 from radixrelay.scheduler.cache import CacheManager
 from radixrelay.scheduler.cascade_hook import CascadeHook, CascadePlanner
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.decode import DecodeManager
 from radixrelay.scheduler.prefill import PrefillManager
 from radixrelay.scheduler.request import Phase, Request

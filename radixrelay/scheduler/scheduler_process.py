@@ -41,7 +41,7 @@ import zmq
 from radixrelay.cascade.planner import CascadePlanner, make_cascade_planner
 from radixrelay.config import EngineConfig
 from radixrelay.env import gc_mode, overlap_depth, step_log_path
-from radixrelay.model.registry import tokenizer_path
+from radixrelay.model.model_registry import tokenizer_path
 from radixrelay.protocol.messages import (
     AbortRequest, ChildArgs, FlushCacheReply, FlushCacheRequest, FrontendMessage, GenerateRequest, RejectReason,
     RequestRejected, RequestUpdate, RuntimeFailed, RuntimeReady, ShutdownRequest, StatsReply, StatsRequest,
@@ -56,7 +56,7 @@ from radixrelay.proc.child import POLL_MS, FrameDecoder, bind_pull, connect_push
 from radixrelay.proc.gc_control import GcControl
 from radixrelay.scheduler.step_log import StepLog
 from radixrelay.protocol.token_ids import unpack_token_ids
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.frontend_outboxes import FrontendOutboxes
 from radixrelay.scheduler.scheduler import Scheduler
 from radixrelay.text.tokenizer import load_tokenizer

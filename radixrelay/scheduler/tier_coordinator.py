@@ -29,7 +29,7 @@ from collections.abc import Callable
 from radixrelay.protocol.kv import KVAcks, KVTransfers
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.tier_costs import TierCosts

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixrelay.config import EngineConfig, ServerConfig
 from radixrelay.env import gc_mode
 from radixrelay.modules.registry import SchemaRegistry
-from radixrelay.model.registry import check_tokenizer_vocab, tokenizer_path
+from radixrelay.model.model_registry import check_tokenizer_vocab, tokenizer_path
 from radixrelay.radix.truncation import Truncation
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.proc.gc_control import FRONTEND_FULL_EVERY_S, FRONTEND_POLL_S, GcControl
@@ -42,7 +42,7 @@ from radixrelay.server.api_servers import (
 )
 from radixrelay.server.grammar_check import GrammarCheck
 from radixrelay.protocol.stats import FrontendCounters
-from radixrelay.server.metrics import ServerMetrics
+from radixrelay.server.prometheus_metrics import ServerMetrics
 from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("radixrelay.server")

@@ -59,7 +59,7 @@ from radixrelay.server import openai_protocol as oa
 from radixrelay.server import prompt_pins
 from radixrelay.server.prompt_pins import retention_pins
 from radixrelay.text.chat_template import ChatTemplate
-from radixrelay.server.metrics import ServerMetrics
+from radixrelay.server.prometheus_metrics import ServerMetrics
 from radixrelay.text.output_text import OutputAssembler
 from radixrelay.server.sse import DONE, EventStreamResponse, event
 from radixrelay.server.grammar_check import GrammarCheck

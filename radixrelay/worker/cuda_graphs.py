@@ -47,7 +47,7 @@ from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.metadata import ForwardBatch, SharedRuns, to_device
 from radixrelay.attention.triton_backend import TritonBackend
 from radixrelay.kernels import CascadePlan
-from radixrelay.kernels.cascade import OWN_ALIGN, CascadeHost, CascadeLaunch, cascade_launch, merge_index
+from radixrelay.kernels.cascade_decode import OWN_ALIGN, CascadeHost, CascadeLaunch, cascade_launch, merge_index
 from radixrelay.kernels.decode_rows import RowAdvance, advance_decode_rows
 from radixrelay.kernels.host_staging import upload
 from radixrelay.kernels.row_patch import PageScatter, RowPatcher, patch_rows, scatter_pages

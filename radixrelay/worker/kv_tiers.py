@@ -780,7 +780,7 @@ def kv_namespace(cfg, mc, kv: KVCache) -> str:
     never serves another model's or layout's KV."""
     import os
 
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.json"))

@@ -20,7 +20,7 @@ With a model given, also its FP8 layers' split-K products and its routed experts
 launch per block size and expert shape).
 
 ("alone": the own-KV decode with the GPU to itself; "beside": next to the shared node on the side stream,
-``cascade.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside light nodes; the out dtype is the model's where one
+``cascade_decode.OWN_BESIDE``, or ``OWN_BESIDE_LIGHT`` beside light nodes; the out dtype is the model's where one
 split writes the result directly, fp32 where splits or cascade levels go to a parts buffer.) Each variant is launched once, on a few tokens of the
 real KV cache (read only; outputs go to scratch tensors), through the same launch functions serving uses.
 
@@ -42,7 +42,7 @@ import torch
 
 from radixrelay.attention.kv_cache import KVCache
 from radixrelay.attention.triton_backend import TritonBackend
-from radixrelay.kernels import cascade, extend, host_copy, jit_counter, merge, paged_decode, shared_node
+from radixrelay.kernels import cascade_decode, extend, host_copy, jit_counter, merge, paged_decode, shared_node
 from radixrelay.kernels.jit_counter import JitCounts
 
 logger = logging.getLogger(__name__)
@@ -193,8 +193,8 @@ def serving_variants(dims: AttentionDims, kv_cache: KVCache, *, overlap: bool = 
     """One launch per kernel variant serving can hit (see the module docstring), on dummy inputs over the
     first layer's cache. Cascaded and flat decode first, then extend and the prefill cascade."""
     s = _Scratch(dims, kv_cache)
-    alone = [("alone", cascade.OWN_ALONE)]
-    beside = [("beside", cascade.OWN_BESIDE), ("beside light", cascade.OWN_BESIDE_LIGHT)] if overlap else []
+    alone = [("alone", cascade_decode.OWN_ALONE)]
+    beside = [("beside", cascade_decode.OWN_BESIDE), ("beside light", cascade_decode.OWN_BESIDE_LIGHT)] if overlap else []
     out = []
     # own KV of a cascade (fp32 parts), flat decode with splits (fp32), flat decode in one split (model dtype)
     for (how, options), dtype in [*((o, torch.float32) for o in alone + beside), (alone[0], s.dtype)]:
@@ -256,7 +256,7 @@ class _Scratch:
         o, lse = self._parts(1, 1 if out_dtype == self.dtype else 2, out_dtype)
         paged_decode.launch_splits(self._q(1), self.k, self.v, self._pages(tokens)[None, :], self.page_size,
                                    self._i32([0]), self._i32([tokens]), self.sm_scale, o, lse, self.dims.group,
-                                   cascade.OWN_ALIGN, **options)
+                                   cascade_decode.OWN_ALIGN, **options)
 
     def shared(self, config: tuple[int, int, int, int], kv_tma: bool, out_dtype: torch.dtype) -> None:
         block_n = config[1]

@@ -34,7 +34,7 @@ from radixrelay.kernels.fa3_node import resolve_node_kernel
 from radixrelay.model.loader import default_dtype, load_model
 from radixrelay.model.parallel import FAST_ALL_REDUCES, AllReduceClock, TensorParallel
 from radixrelay.model.quantization import Precision
-from radixrelay.model.registry import tokenizer_path
+from radixrelay.model.model_registry import tokenizer_path
 from radixrelay.protocol.messages import (
     ChildArgs, RuntimeFailed, WorkerCommand, WorkerReady, WorkerStep, WorkerStepDone, encoder,
 )

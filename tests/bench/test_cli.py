@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from radixrelay.bench import report
-from radixrelay.bench.cli import main
+from radixrelay.bench.command import main
 from tests.bench.test_metrics import record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_argparse_rejects(args):
 
 
 def fake_run(rate: float, ttft: float) -> report.Run:
-    from radixrelay.bench.metrics import SLO, summarize
+    from radixrelay.bench.summary import SLO, summarize
     records = [record(ttft=ttft, e2e=ttft + 400.0), record(ttft=2 * ttft, e2e=2 * ttft + 400.0)]
     return report.make_run(rate, summarize(records, 1.0, SLO(ttft_ms=150.0)), records)
 

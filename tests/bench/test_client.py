@@ -8,7 +8,7 @@ import socket
 
 import httpx
 
-from radixrelay.bench.client import STREAMS_PER_POOL, BenchClient, ClientConfig, render_prompt, served_model
+from radixrelay.bench.http_client import STREAMS_PER_POOL, BenchClient, ClientConfig, render_prompt, served_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixrelay.bench.metrics import SLO, RequestRecord, stats, summarize
+from radixrelay.bench.summary import SLO, RequestRecord, stats, summarize
 
 
 def record(ok=True, ttft=100.0, e2e=500.0, completion=5, prompt=20, cached=10, itl=(100.0,) * 4,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from radixrelay.bench import report
-from radixrelay.bench.client import BenchClient, ClientConfig
-from radixrelay.bench.metrics import SLO, RequestRecord, summarize, turn_summary
+from radixrelay.bench.http_client import BenchClient, ClientConfig
+from radixrelay.bench.summary import SLO, RequestRecord, summarize, turn_summary
 from radixrelay.bench.runner import run_sessions, token_counter
 from radixrelay.bench.workloads import MultiTurn, estimate_tokens, make_workload
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import numpy as np
 
-from radixrelay.bench.client import BenchClient, ClientConfig
+from radixrelay.bench.http_client import BenchClient, ClientConfig
 from radixrelay.bench.runner import run_sessions, token_counter
 from radixrelay.bench.workloads import Session, Turn
 

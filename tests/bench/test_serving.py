@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from radixrelay.bench.cli import main
+from radixrelay.bench.command import main
 from tests.runtime.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)

@@ -20,7 +20,7 @@ def rng(seed: int = 0) -> np.random.Generator:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
     return load_tokenizer(resolve_model_path("default"))
 

@@ -106,7 +106,7 @@ def test_tma_node_path_in_serving_eager_and_graphs(llama_bf16_d128, monkeypatch)
     """A 700-token prompt, then 40 samples under it: the allocator gives the prompt consecutive pages,
     the 40 x 4 folded rows take the shared-node kernel's TMA path (Hopper), eagerly and in CUDA graphs,
     and the logits stay within bf16 error of flat attention."""
-    from radixrelay.kernels import cascade as cascade_mod
+    from radixrelay.kernels import cascade_decode as cascade_mod
     from radixrelay.kernels import shared_node
 
     if not shared_node.tma_capable(torch.device("cuda")):

@@ -121,7 +121,7 @@ def test_modes():
 
 
 def test_cost_model_is_at_least_as_strict_as_the_kernels_rule():
-    from radixrelay.kernels.cascade import worth_cascading
+    from radixrelay.kernels.cascade_decode import worth_cascading
 
     for n in (2, 16, 32, 64, 128, 256, 512):
         for tokens in (16, 512, 1024, 2048, 4096, 8192, 16384):

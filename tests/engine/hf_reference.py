@@ -17,7 +17,7 @@ def _hf_model():
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
 
     path = resolve_model_path("default")
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

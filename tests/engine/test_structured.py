@@ -118,7 +118,7 @@ def test_unconstrained_batch_mates_are_unchanged(runs):
 def test_greedy_departs_from_unconstrained_only_where_the_grammar_forbids(runs):
     outs, greedy = runs[0], runs[2]
     _, params = _requests()
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
 
     engine = GrammarEngine(load_tokenizer(resolve_model_path("default")))

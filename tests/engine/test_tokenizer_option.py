@@ -10,7 +10,7 @@ import pytest
 from radixrelay import Engine, SamplingParams
 from radixrelay.cli import _engine_config, _parser
 from radixrelay.config import EngineConfig
-from radixrelay.model.registry import resolve_model_path, tokenizer_path
+from radixrelay.model.model_registry import resolve_model_path, tokenizer_path
 
 DEFAULT_VOCAB = 49152          # SmolLM2's tokenizer
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from radixrelay.kernels import cascade_decode_attention, cascade_decode_attention_reference, plan_cascade
-from radixrelay.kernels.cascade import LIGHT_NODE_TOKENS, OWN_BESIDE, OWN_BESIDE_LIGHT
+from radixrelay.kernels.cascade_decode import LIGHT_NODE_TOKENS, OWN_BESIDE, OWN_BESIDE_LIGHT
 from tests.kernels.helpers import DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table
 
 

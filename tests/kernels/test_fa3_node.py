@@ -15,7 +15,7 @@ import torch
 
 from radixrelay.config import EngineConfig
 from radixrelay.kernels import cascade_decode_attention, cascade_decode_attention_reference, fa3_node, plan_cascade
-from radixrelay.kernels.cascade import merge_index
+from radixrelay.kernels.cascade_decode import merge_index
 from radixrelay.kernels.fa3_node import resolve_node_kernel, varlen_reference
 from tests.kernels.helpers import DEVICE, assert_close_attention, int32
 from tests.kernels.test_cascade import contiguous_real_size, run_case

@@ -11,7 +11,7 @@ from radixrelay.kernels.rms_norm import rms_norm, rms_norm_reference
 from radixrelay.kernels.rope_store import rope_and_store
 from radixrelay.kernels.silu_mul import silu_mul, silu_mul_reference
 from radixrelay.model import ModelConfig, RopeScaling, load_model
-from radixrelay.model.config import ModelConfig as _Cfg
+from radixrelay.model.model_config import ModelConfig as _Cfg
 from radixrelay.model.layers import RotaryEmbedding, rope_and_store_reference, set_fused_kernels
 from tests.kernels.helpers import DEVICE, tolerance
 

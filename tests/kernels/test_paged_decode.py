@@ -6,7 +6,7 @@ import torch
 
 from radixrelay.kernels import paged_decode_attention, paged_decode_attention_reference
 from radixrelay.kernels import paged_decode as decode_mod
-from radixrelay.kernels.cascade import OWN_BESIDE, OWN_BESIDE_LIGHT
+from radixrelay.kernels.cascade_decode import OWN_BESIDE, OWN_BESIDE_LIGHT
 from tests.kernels.helpers import (DEVICE, assert_close_attention, int32, make_cache, page_lists, page_table,
                                    poisoned)
 

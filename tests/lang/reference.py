@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.text.tokenizer import Tokenizer, load_tokenizer
 
 

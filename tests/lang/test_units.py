@@ -11,7 +11,7 @@ import pytest
 
 import radixrelay.lang as rl
 from radixrelay.lang import scoring
-from radixrelay.lang.backend import CallMeta, Generation
+from radixrelay.lang.runtime_backend import CallMeta, Generation
 from radixrelay.lang.chat import RoleMarkers
 from radixrelay.lang.expr import Gen
 from radixrelay.text.chat_template import ChatTemplate
@@ -156,7 +156,7 @@ def test_a_program_calls_another_on_the_same_state():
 
 
 def test_no_default_backend_is_an_error_not_a_hang(monkeypatch):
-    from radixrelay.lang import backend as backend_module
+    from radixrelay.lang import runtime_backend as backend_module
 
     monkeypatch.setattr(backend_module, "_default", [])
 

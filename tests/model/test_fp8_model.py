@@ -173,7 +173,7 @@ def test_fp8_changes_the_tiers_page_keys():
 
 
 def test_the_precision_is_in_the_metrics():
-    from radixrelay.server.metrics import ServerMetrics
+    from radixrelay.server.prometheus_metrics import ServerMetrics
 
     parts = Precision(weights="fp8", kv="fp8", emulate=True).describe(torch.bfloat16)
     text = ServerMetrics().render(None, parts).decode()

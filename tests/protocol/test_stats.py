@@ -19,7 +19,7 @@ from radixrelay.protocol.stats import (
     CascadeCounters, GcStats, KVAudit, RuntimeStats, SchedulerStats, WorkerCounters, counter, field_specs, readings,
 )
 from radixrelay.protocol.step import StepOutput
-from radixrelay.server.metrics import ServerMetrics
+from radixrelay.server.prometheus_metrics import ServerMetrics
 
 # Exposition names of the runtime's metrics before the counters became nested structs (docs/metrics.md).
 COUNTERS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixrelay.router.index import PrefixIndex
-from radixrelay.router.policy import LOAD_TOKENS, Candidate, choose
+from radixrelay.router.routing import LOAD_TOKENS, Candidate, choose
 from radixrelay.router.replicas import check_replica_url
 
 K = [bytes([i]) * 16 for i in range(8)]
@@ -50,8 +50,8 @@ def test_replica_urls():
 
 
 def test_requests_with_one_prompt_cache_key_go_to_one_replica():
-    from radixrelay.router.app import Router, RouterConfig
-    from radixrelay.router.policy import CacheKeyAffinity
+    from radixrelay.router.router_app import Router, RouterConfig
+    from radixrelay.router.routing import CacheKeyAffinity
 
     router = Router(RouterConfig(("http://a:1", "http://b:1", "http://c:1")), prompt_keys=None)
     for replica in router.pool.replicas:

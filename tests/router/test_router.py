@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Three tenants: an odd count, so that the replicas each tenant's later requests must go to (the one
 # that computed its prefix) differ from what alternating between the two would give. Each system prompt
-# is ~280 tokens: more than one request in flight is worth (LOAD_TOKENS, radixrelay/router/policy.py), so
+# is ~280 tokens: more than one request in flight is worth (LOAD_TOKENS, radixrelay/router/routing.py), so
 # a replica's load as last reported does not outweigh the prefix it holds.
 TENANTS = [f"You are the assistant of tenant {t}. " + " ".join(f"rule{t}x{i} applies;" for i in range(40))
            for t in range(3)]

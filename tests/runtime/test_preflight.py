@@ -11,7 +11,7 @@ import pytest
 
 from radixrelay import Engine
 from radixrelay.config import EngineConfig
-from radixrelay.model.config import ModelConfig
+from radixrelay.model.model_config import ModelConfig
 from radixrelay.runtime.preflight import check_startup
 
 

@@ -1,4 +1,4 @@
-"""KV events from the scheduler (``scheduler/kv_events.py``) through a real redis-server to a router's
+"""KV events from the scheduler (``scheduler/kv_event_hook.py``) through a real redis-server to a router's
 index: what the radix tree holds after prefill, release, eviction and a flush is what the index says
 the replica holds, salts apart."""
 

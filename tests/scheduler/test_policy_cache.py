@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from radixrelay.radix.tree import RadixTree
 from radixrelay.sampling_params import SamplingParams
-from radixrelay.scheduler.config import SchedulerConfig
+from radixrelay.scheduler.scheduler_config import SchedulerConfig
 from radixrelay.scheduler.policy import order_waiting
 from radixrelay.scheduler.request import Request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from radixrelay.protocol.cascade import DecodeRow
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from radixrelay.scheduler.config import SchedulePolicy
+from radixrelay.scheduler.scheduler_config import SchedulePolicy
 from tests.scheduler.fake_worker import FakeWorker, drive
 
 A = [1] * 8            # two cached system prompts of different lengths

@@ -20,7 +20,7 @@ from radixrelay.protocol.step import StepOutput
 from radixrelay.radix.tiers import KVTiers
 from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
-from radixrelay.scheduler.config import SchedulePolicy
+from radixrelay.scheduler.scheduler_config import SchedulePolicy
 from tests.scheduler.fake_worker import FakeWorker, Run, collect
 
 EOS = 0

@@ -17,7 +17,7 @@ WRITERS = {
     "lpm_match": {"scheduler/policy.py"},
     "host_hint": {"scheduler/tier_coordinator.py"},
     "skipped_fetch": {"scheduler/tier_coordinator.py"},
-    "events_told": {"scheduler/kv_events.py"},
+    "events_told": {"scheduler/kv_event_hook.py"},
 }
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
 

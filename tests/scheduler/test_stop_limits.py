@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.sampling_params import MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, SamplingParams
 from radixrelay.scheduler.request import Request
 from radixrelay.scheduler.stop import StopChecker

@@ -334,7 +334,7 @@ def test_server_equals_offline_engine(client):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixrelay.model.registry import resolve_model_path
+    from radixrelay.model.model_registry import resolve_model_path
     from radixrelay.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path("default"))

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from radixrelay.structured.spec import MAX_REPETITION
 from radixrelay.text.tokenizer import load_tokenizer

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import load_tokenizer
 from tests.server.conftest import HOSTILE_TEMPLATE, MODEL

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.structured import InvalidStructuredOutput, StructuredOutput
 from radixrelay.structured.emptiness import class_is_empty, language_is_empty, unescape_string
 from radixrelay.structured.grammar import GrammarEngine

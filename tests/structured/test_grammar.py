@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from radixrelay.model.registry import resolve_model_path
+from radixrelay.model.model_registry import resolve_model_path
 from radixrelay.structured import InvalidStructuredOutput, StructuredOutput
 from radixrelay.structured.grammar import GrammarEngine
 from radixrelay.structured.spec import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS

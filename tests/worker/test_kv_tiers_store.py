@@ -197,7 +197,7 @@ def _shifted_load(device: str, dtype, tol: float, dest=(8, 9, 10)) -> None:
     """A shifted load rotates the keys by the delta: K computed at position p arrives as K at p + d
     (RoPE of the default-like config), values and other pages untouched; into scattered pages too (the
     load staging buffer: the rotation follows the scatter)."""
-    from radixrelay.model.config import ModelConfig
+    from radixrelay.model.model_config import ModelConfig
     from radixrelay.model.layers import RotaryEmbedding, apply_rope
 
     kv = _cache(device, dtype)

@@ -246,7 +246,7 @@ class ServerMetrics:
 
 def counters_table() -> str:
     """Every metric of the runtime's counters structs as a markdown table: name, ``Engine.stats()`` key,
-    help (``python -m radixrelay.server.metrics``; docs/metrics.md points here for the full list)."""
+    help (``python -m radixrelay.server.prometheus_metrics``; docs/metrics.md points here for the full list)."""
     required = [f for f in msgspec.structs.fields(SchedulerStats) if f.required]
     zero = RuntimeStats(SchedulerStats(*[0] * len(required)))
     rows = {}

@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.router.index import PrefixIndex
-from radixrelay.router.policy import MODES, CacheKeyAffinity, Candidate, choose
+from radixrelay.router.routing import MODES, CacheKeyAffinity, Candidate, choose
 from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
 from radixrelay.router import upstream

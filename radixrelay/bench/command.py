@@ -22,8 +22,8 @@ import numpy as np
 
 from radixrelay.bench import plots, report
 from radixrelay.bench.arrivals import arrival_times
-from radixrelay.bench.client import BenchClient, ClientConfig, served_model
-from radixrelay.bench.metrics import SLO, summarize
+from radixrelay.bench.http_client import BenchClient, ClientConfig, served_model
+from radixrelay.bench.summary import SLO, summarize
 from radixrelay.bench.runner import TokenCounter, run_sessions, run_sessions_parallel, token_counter
 from radixrelay.bench.workloads import WORKLOADS, Workload, describe_workloads, make_workload
 
