@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.server_process import short_temp_dir
+from tests.runtime.server_process import short_temp_dir, tiny_model_args
 
 
 def _cuda_available() -> bool:
@@ -45,3 +45,9 @@ def short_tmp() -> Iterator[Path]:
     path = short_temp_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    """``radixrelay serve`` arguments for the tiny dummy model (``tests.runtime.server_process.tiny_model_args``)."""
+    return tiny_model_args(tmp_path_factory.mktemp("tiny-model"))

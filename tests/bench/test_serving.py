@@ -1,4 +1,5 @@
-"""bench_serving against a real ``radixrelay serve`` (the default model on CPU, tiny workloads):
+"""bench_serving against a real ``radixrelay serve`` (on CPU, tiny workloads; the tiny dummy model of
+``tests/runtime/server_process.py``, served as ``default``: the figures do not depend on its words):
 every workload completes with sane figures, the cache shows up in ``cached_tokens``, sweeps and
 comparisons write their plots, and server-side errors become failed requests."""
 
@@ -34,8 +35,8 @@ EXTRA = {  # cover both endpoints, non-streaming and a concurrency limit along t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("bench"), "--kv-cache-tokens", "8192")
+def server(tmp_path_factory, tiny_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("bench"), *tiny_model, "--kv-cache-tokens", "8192")
     try:
         yield srv.wait_ready()
     finally:

@@ -1,4 +1,5 @@
-"""``radixrelay router`` in front of two real servers of the default model (CPU), through the official
+"""``radixrelay router`` in front of two real servers (CPU; the tiny dummy model of
+``tests/runtime/server_process.py``: routing does not depend on the model's words), through the official
 ``openai`` client: repeated prefixes of several tenants go to the replica that holds them (checked by
 the replicas' ``cached_tokens``), salts do not share routes, streams pass through as the replica sends
 them, a client that disconnects aborts its request on the replica, a killed replica leaves the pool
@@ -44,8 +45,8 @@ def key_file(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, store, key_file):
-    servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), "--kv-cache-tokens", "8192",
+def replicas(tmp_path_factory, store, key_file, tiny_model):
+    servers = [ServerProcess(tmp_path_factory.mktemp(f"replica{i}"), *tiny_model, "--kv-cache-tokens", "8192",
                              "--kv-events", store.url, "--kv-events-key-file", key_file) for i in range(2)]
     try:
         yield [s.wait_ready() for s in servers]
@@ -223,7 +224,7 @@ def test_a_killed_replica_leaves_the_pool_and_its_stream_ends(replicas, tmp_path
     router = RouterProcess(tmp_path, *(s.base_url for s in replicas), mode="round-robin")
     try:
         client = router.client()
-        params = dict(model="default", max_tokens=400, temperature=0, stream=True,
+        params = dict(model="default", max_tokens=4000, temperature=0, stream=True,
                       extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": "Tell a story."}])
         first = client.chat.completions.create(**{**params, "max_tokens": 8})    # replica 0: short
         second = client.chat.completions.create(**params)                        # replica 1: long

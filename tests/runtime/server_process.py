@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,25 @@ from pathlib import Path
 import httpx
 
 STARTUP_TIMEOUT = 180.0
+# A tiny Llama (2 layers, width 64) with the default model's vocabulary and context, for tests of the
+# server's processes, faults, limits and HTTP behaviour, whose assertions do not depend on what the model
+# says: random weights (``--load-format dummy``, seeded: every server gets the same), the default model's
+# tokenizer and chat template. A start-up loads no checkpoint and fills no large KV pool, and a decode
+# step costs milliseconds, not the default model's ~75 ms on one CPU thread (~5 CPU-s less per start).
+TINY_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "tie_word_embeddings": False}
+
+
+def tiny_model_args(directory: Path) -> tuple[str, ...]:
+    """``radixrelay serve`` arguments serving the tiny model (``TINY_MODEL_CONFIG``, written to
+    ``directory``) as ``default``, so that requests name the model as they do on a default server."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
+    return ("--model", str(directory), "--load-format", "dummy", "--tokenizer", "default",
+            "--served-model-name", "default")
 
 
 def short_temp_dir() -> Path:

@@ -1,4 +1,6 @@
-"""Faults under load, against the real server (default model, real processes, real ZMQ).
+"""Faults under load, against the real server (real processes, real ZMQ; the tiny dummy model of
+``tests/runtime/server_process.py``: what is tested here does not depend on what the model says, and its
+steps cost milliseconds, so the loads are long in tokens and cheap).
 
 Which faults recover and which end the server:
 
@@ -20,9 +22,10 @@ Which faults recover and which end the server:
   retraction makes room, every request completes with the greedy tokens of a large pool.
 
 A server start costs seconds of CPU: the tests that leave their server running share one per
-configuration (``shared``, the default; ``small``, a 4-page KV pool), and the file's last two tests
+configuration (``shared``, the default; ``small``, an 8-page KV pool), and the file's last two tests
 end those with their faults (the killed scheduler, the stopped worker) instead of starting their own.
-The loads are as small as still keep every request in flight when its fault strikes.
+Every request that a fault must find in flight asks for far more tokens than the fault needs to strike
+(at a few ms per step, a short one could end before it).
 
 No scenario may hang: every wait has a timeout. The servers run with one torch thread
 (OMP_NUM_THREADS=1): on two cores the client and the server would otherwise oversubscribe the CPU,
@@ -60,10 +63,11 @@ BODY = {"model": "default", "temperature": 0, "ignore_eos": True}
 PROBE = httpx.Client(timeout=30)
 
 
-def start_server(tmp: Path, *args: str) -> ServerProcess:
+def start_server(tmp: Path, model: tuple[str, ...], *args: str) -> ServerProcess:
+    """A server of ``model`` (the ``tiny_model`` fixture's arguments) with ``args``, ready."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
-        srv = ServerProcess(tmp, *args)
+        srv = ServerProcess(tmp, *model, *args)
         try:
             _wait_healthy(srv)
             return srv.wait_ready()          # at once now (or, if the server died, its retry or error)
@@ -101,13 +105,14 @@ class SharedServer:
     (``take``: no longer shared then, so a later ``get`` starts another one and the tests stay
     independent of their order)."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> None:
-        self._tmp, self._name, self._args = tmp_path_factory, name, args
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, name: str, model: tuple[str, ...],
+                 *args: str) -> None:
+        self._tmp, self._name, self._model, self._args = tmp_path_factory, name, model, args
         self._srv: ServerProcess | None = None
 
     def get(self) -> ServerProcess:
         if self._srv is None:
-            self._srv = start_server(self._tmp.mktemp(self._name), *self._args)
+            self._srv = start_server(self._tmp.mktemp(self._name), self._model, *self._args)
         return self._srv
 
     def take(self) -> ServerProcess:
@@ -120,10 +125,10 @@ class SharedServer:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """A default server: corrupted frames, the large-pool reference of the oversubscription test,
-    then the stopped worker."""
-    servers = SharedServer(tmp_path_factory, "faults")
+def shared(tmp_path_factory, tiny_model):
+    """A default server (32K KV tokens): corrupted frames, the large-pool reference of the
+    oversubscription test, then the stopped worker."""
+    servers = SharedServer(tmp_path_factory, "faults", tiny_model)
     try:
         yield servers
     finally:
@@ -131,9 +136,9 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A server with a 4-page KV pool: the oversubscription test, then the killed scheduler."""
-    servers = SharedServer(tmp_path_factory, "small-kv", "--kv-cache-tokens", str(OVERSUB_POOL_TOKENS))
+def small(tmp_path_factory, tiny_model):
+    """A server with an 8-page KV pool: the oversubscription test, then the killed scheduler."""
+    servers = SharedServer(tmp_path_factory, "small-kv", tiny_model, "--kv-cache-tokens", str(OVERSUB_POOL_TOKENS))
     try:
         yield servers
     finally:
@@ -235,7 +240,7 @@ def _assert_clean_exit(srv: ServerProcess) -> None:
 async def _chat_streams(base_url: str, n: int, fault) -> None:
     """``n`` streaming chats; once every one has its first event, ``fault()`` runs (in a thread)
     while they stream; then every stream ends within a bound (a dead server ends them at once)."""
-    body = {"model": "default", "temperature": 0, "ignore_eos": True, "max_tokens": 400, "stream": True}
+    body = {"model": "default", "temperature": 0, "ignore_eos": True, "max_tokens": 4000, "stream": True}
     started = [asyncio.Event() for _ in range(n)]
 
     async def chat(i: int) -> None:
@@ -260,19 +265,19 @@ async def _chat_streams(base_url: str, n: int, fault) -> None:
 
 
 @pytest.mark.parametrize("term_first", [False, True], ids=["kill", "term-then-kill"])
-def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_path, term_first):
-    """kill -9 of the server process (or SIGTERM, then kill -9 a second into the drain) while 8
+def test_killed_server_leaves_no_runtime_process_and_no_socket_directory(tmp_path, tiny_model, term_first):
+    """kill -9 of the server process (or SIGTERM, then kill -9 half a second into the drain) while 8
     chats stream: within 5 s neither runtime child is alive (checked by pid) and the socket
     directory is gone. Children notice their parent's death on their own and always exit."""
-    srv = start_server(tmp_path)
+    srv = start_server(tmp_path, tiny_model)
     gone_after: list[float] = []
 
     def kill_server() -> None:
         if term_first:
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
+            time.sleep(0.5)
         srv.proc.kill()
-        srv.proc.wait(10)
+        assert srv.proc.wait(10) == -signal.SIGKILL        # killed, not exited on its own (drain over)
         killed = time.monotonic()
         while time.monotonic() - killed < 5.0:
             if not any(pid_alive(p) for p in srv.child_pids) and not socket_dirs(srv):
@@ -315,7 +320,7 @@ async def _queue_then(srv: ServerProcess, fault) -> list[Outcome]:
         flags = [asyncio.Event() for _ in range(RUNNING_STREAMS)]
         tasks = []
         for i, out in enumerate(outs):
-            body = {**BODY, "prompt": f"Story number {i}: once upon a time", "max_tokens": 400}
+            body = {**BODY, "prompt": f"Story number {i}: once upon a time", "max_tokens": 4000}
             if out.stream:
                 tasks.append(asyncio.create_task(_stream(http, url, body, out, flags[i])))
             else:
@@ -331,14 +336,14 @@ async def _queue_then(srv: ServerProcess, fault) -> list[Outcome]:
     return outs
 
 
-def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line_per_request(tmp_path):
+def test_worker_death_with_a_long_queue_turns_health_503_first_and_logs_one_line_per_request(tmp_path, tiny_model):
     """kill -9 of the worker with 3 streams and 1 non-streaming request running and 176 requests
     queued behind them: /health answers 503 within 2 s of the kill and no probe waits more than 1 s
     (failing the requests never holds the event loop); every request, running or queued, ends with a
     clean error; the server exits 1 with no orphan and no socket directory (outcome: clean exit, the
     KV state died with the worker); the server's log holds at most one traceback and exactly one
     line per failed request."""
-    srv = start_server(tmp_path, "--max-running-requests", str(RUNNING))
+    srv = start_server(tmp_path, tiny_model, "--max-running-requests", str(RUNNING))
     probes: list[tuple[float, float, int]] = []       # (since the kill, latency, status)
 
     def kill_worker_and_probe() -> None:
@@ -413,7 +418,7 @@ def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(shared)
     [ipc_dir] = socket_dirs(srv)
     frames = bad_frames()
     before = metric(srv.base_url, "malformed_frames_total")
-    outs = asyncio.run(under_load(srv.base_url, 16, lambda: send_frames(ipc_dir, frames)))
+    outs = asyncio.run(under_load(srv.base_url, 128, lambda: send_frames(ipc_dir, frames)))
     for out in outs:
         assert out.error is None and out.status == 200, (out.status, out.events[-2:])
         if out.stream:
@@ -439,11 +444,11 @@ def test_corrupted_frames_on_every_inbox_are_dropped_and_serving_goes_on(shared)
 
 OVERSUB_PROMPTS = [f"Item {i}: a list of the colours of the rainbow, with a short note on each colour and on where "
                    "it sits in the bow" for i in range(4)]
-OVERSUB_TOKENS = 8             # + 28 prompt tokens - 1: 35 positions, 3 pages of 16; 4 requests: 12 pages
-# 4 pages: a third of the demand. Two requests are admitted together (2 prompt pages each, and their
-# decode reserve fits in them) and both need a third page 4 tokens on: the newer one is retracted, to
-# resume from its 4 tokens once the other finishes; the same again for the last two.
-OVERSUB_POOL_TOKENS = 64
+OVERSUB_TOKENS = 69            # + 28 prompt tokens - 1: 96 positions, 6 pages of 16; 4 requests: 24 pages
+# 8 pages: a third of the demand. Requests are admitted while their prompt pages and decode reserve (a
+# share of max_tokens) fit, and outgrow the pool as they decode: the newest are retracted, to resume from
+# their tokens once others finish. (The pool also holds the scheduler fault's requests of 110 tokens.)
+OVERSUB_POOL_TOKENS = 128
 
 
 async def _greedy_all(base_url: str) -> list[tuple[int, list[str]] | str]:
@@ -461,7 +466,7 @@ async def _greedy_all(base_url: str) -> list[tuple[int, list[str]] | str]:
 
 
 def test_kv_oversubscribed_3x_completes_with_unchanged_greedy_outputs(shared, small):
-    """A 64-token KV pool (4 pages) and 4 concurrent requests needing 3 pages each (3x the pool):
+    """A 128-token KV pool (8 pages) and 4 concurrent requests needing 6 pages each (3x the pool):
     every request completes, without errors, with the same greedy tokens as on a 32K-token pool;
     retraction did the work (the counter moved) and the small server ends at its idle baseline."""
     reference = asyncio.run(_greedy_all(shared.get().base_url))
@@ -480,7 +485,7 @@ def test_kv_oversubscribed_3x_completes_with_unchanged_greedy_outputs(shared, sm
 
 
 def test_kill_scheduler_under_load_exits_cleanly(small):
-    """kill -9 of the scheduler with a stream and a non-streaming request in flight (on the 4-page
+    """kill -9 of the scheduler with a stream and a non-streaming request in flight (on the 8-page
     server: its requests' decode reserve admits few, and the fault needs no more): every request ends
     with a clean error, /health turns 503 within 2 s, the server exits 1 with no orphan and no socket
     directory. Outcome: clean exit (no recovery: the request table died with the scheduler). The
@@ -488,7 +493,7 @@ def test_kill_scheduler_under_load_exits_cleanly(small):
     srv = small.take()
     try:
         assert len(srv.child_pids) == 2
-        outs = asyncio.run(under_load(srv.base_url, 40, lambda: _kill_and_watch_health(srv, "scheduler"),
+        outs = asyncio.run(under_load(srv.base_url, 110, lambda: _kill_and_watch_health(srv, "scheduler"),
                                       streams=1, plain=1))
         _assert_clean_errors(outs, "scheduler")
         _assert_clean_exit(srv)
@@ -513,7 +518,7 @@ def test_stopped_worker_under_load_turns_health_503_within_two_seconds(shared):
 
     try:
         assert len(srv.child_pids) == 2
-        outs = asyncio.run(under_load(srv.base_url, 400, stop_worker_and_watch_health))
+        outs = asyncio.run(under_load(srv.base_url, 2000, stop_worker_and_watch_health))
         for out in outs:
             assert out.error is None, out.error
             if out.stream:

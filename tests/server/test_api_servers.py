@@ -2,6 +2,9 @@
 
 Every request here goes over a connection of its own, so the kernel spreads them over both servers
 (``SO_REUSEPORT``); ``radixrelay_api_server_requests_total{server=...}`` says which server took each.
+The servers run the tiny dummy model (``tests/runtime/server_process.py``): what is tested here does not
+depend on the model's words, and its steps take milliseconds, so streams that must be in flight when
+something happens ask for hundreds of tokens and the tests wait for their first chunks, not for a time.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def api_server_pids(srv: ServerProcess) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("api-servers"), "--api-servers", "2")
+def server(tmp_path_factory, tiny_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("api-servers"), *tiny_model, "--api-servers", "2")
     try:
         yield srv.wait_ready()
     finally:
@@ -110,24 +113,30 @@ def test_clients_that_leave_abort_their_requests_on_both_servers(server):
 
 
 def test_sigterm_drains_every_server_then_all_exit(server):
-    """Streams in flight on both servers finish; then every process exits and the socket directory goes."""
-    long = {**BODY, "max_tokens": 48}
-    results: list[str] = []
+    """Streams in flight on both servers finish (each whole: every token it asked for); then every
+    process exits and the socket directory goes."""
+    long = {**BODY, "max_tokens": 300}
+    results: list[tuple[str, int]] = []
+    started = threading.Barrier(7)           # the six streams, each with its first chunk, and the test
 
     def stream() -> None:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-        chunks = client.completions.create(**long, stream=True, extra_body={"ignore_eos": True})
-        parts = [c.choices[0].text for c in chunks if c.choices]
-        results.append("".join(parts))
+        chunks = iter(client.completions.create(**long, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        parts = [next(chunks).choices[0].text]
+        started.wait(60)
+        rest = list(chunks)
+        parts += [c.choices[0].text for c in rest if c.choices]
+        results.append(("".join(parts), rest[-1].usage.completion_tokens))
 
     threads = [threading.Thread(target=stream) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    started.wait(60)
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
-    assert len(results) == 6 and all(results)
+    assert len(results) == 6 and all(text and used == long["max_tokens"] for text, used in results), results
     assert server.proc.wait(60) == 0
     assert not any(pid_alive(p) for p in server.child_pids)
     assert not [p for p in server.runtime_tmp.iterdir() if p.name.startswith("radixrelay-")]
@@ -156,25 +165,29 @@ def test_server_0_sees_a_dead_api_server_and_drains_the_others():
         group.kill_peers()
 
 
-def test_a_runtime_death_ends_every_api_server(tmp_path, monkeypatch):
+def test_a_runtime_death_ends_every_api_server(tmp_path, monkeypatch, tiny_model):
     """With an API key (from the environment): every server asks for it, and server 1 was not given it
     on its command line (every user can read those). Then the scheduler killed while streams run on both
     servers: each server fails its requests with an error (server 1 sees the runtime's process gone),
     every process exits."""
     monkeypatch.setenv("RADIXRELAY_API_KEY", KEY)
-    srv = ServerProcess(tmp_path, "--api-servers", "2").wait_ready()
+    srv = ServerProcess(tmp_path, *tiny_model, "--api-servers", "2").wait_ready()
     try:
         [other] = api_server_pids(srv)
         assert KEY not in cmdline(other) and KEY not in cmdline(srv.proc.pid)
         refused = [fresh("POST", f"{srv.base_url}/v1/completions", json=BODY).status_code for _ in range(8)]
         assert refused == [401] * 8
         outcomes: list[str] = []
+        started = threading.Barrier(7)           # the six streams, each with its first chunk, and the test
 
         def stream() -> None:
             client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
             try:
-                for _ in client.completions.create(**{**BODY, "max_tokens": 400}, stream=True,
-                                                   extra_body={"ignore_eos": True}):
+                chunks = iter(client.completions.create(**{**BODY, "max_tokens": 4000}, stream=True,
+                                                        extra_body={"ignore_eos": True}))
+                next(chunks)
+                started.wait(60)
+                for _ in chunks:
                     pass
                 outcomes.append("finished")
             except (openai.APIError, httpx.HTTPError) as exc:
@@ -183,7 +196,7 @@ def test_a_runtime_death_ends_every_api_server(tmp_path, monkeypatch):
         threads = [threading.Thread(target=stream) for _ in range(6)]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        started.wait(60)
         subprocess.run(["kill", "-KILL", str(srv.child("scheduler"))], check=True)
         for t in threads:
             t.join(60)

@@ -1,6 +1,7 @@
-"""Connection limits of a real ``radixrelay serve`` (the default model): half-sent requests are closed by
-the read deadline while /health answers and the log stays small; past ``--max-connections``, a 503; a
-slow but whole body and a stream longer than the deadline are untouched (issue 57)."""
+"""Connection limits of a real ``radixrelay serve`` (the tiny dummy model of ``tests/runtime/server_process.py``:
+the limits do not depend on the model): half-sent requests are closed by the read deadline while /health
+answers and the log stays small; past ``--max-connections``, a 503; a slow but whole body and a stream
+longer than the deadline are untouched (issue 57)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ HALF_SENT = 1500
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model):
     raise_fd_limit(CAP + 200)
-    srv = ServerProcess(tmp_path_factory.mktemp("connection_limits"), "--kv-cache-tokens", "4096",
+    srv = ServerProcess(tmp_path_factory.mktemp("connection_limits"), *tiny_model, "--kv-cache-tokens", "4096",
                         "--request-read-timeout", str(DEADLINE_S), "--max-connections", str(CAP))
     try:
         yield srv.wait_ready()
@@ -87,9 +88,9 @@ def test_a_slow_but_whole_body_within_the_deadline_is_answered(server):
 
 
 def test_a_stream_longer_than_the_deadline_is_not_cut(server):
-    """The stream is read for twice the deadline (the server still generating: 1,000 tokens take longer
+    """The stream is read for twice the deadline (the server still generating: 4,000 tokens take longer
     here), then left; nothing in it is an error and the server never closed it."""
-    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
+    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
             "stream": True}
     chunks_after_deadline = 0
     with httpx.Client(base_url=server.base_url, timeout=30) as client:

@@ -1,6 +1,9 @@
 """Server lifecycle with real processes: queue limit (429), SIGTERM drain, worker death.
 
-Each scenario that ends its server gets its own small one (1024 KV tokens, short generations).
+Each scenario that ends its server gets its own small one (1024 KV tokens), of the tiny dummy model
+(``tests/runtime/server_process.py``: the model's words do not matter here, and a start-up costs less).
+Its steps take milliseconds, so the requests that must still run when something happens to them ask
+for hundreds of tokens.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ def wait_exit(srv: ServerProcess, timeout: float) -> int:
 
 
 @pytest.fixture(scope="module")
-def drain_server(tmp_path_factory):
+def drain_server(tmp_path_factory, tiny_model):
     """Serves the queue-limit test, then the SIGTERM test ends it (tests run in file order)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("drain"), "--kv-cache-tokens", "1024",
+    srv = ServerProcess(tmp_path_factory.mktemp("drain"), *tiny_model, "--kv-cache-tokens", "1024",
                         "--max-running-requests", "1", "--max-queued-requests", "1",
                         "--drain-timeout", "60")
     try:
@@ -76,7 +79,7 @@ def drain_server(tmp_path_factory):
 
 
 def test_full_queue_gets_429(drain_server):
-    readers = [StreamReader(drain_server.base_url, 24) for _ in range(4)]
+    readers = [StreamReader(drain_server.base_url, 200) for _ in range(4)]
     for r in readers:
         r.start()
     for r in readers:
@@ -94,7 +97,7 @@ def test_full_queue_gets_429(drain_server):
 
 def test_sigterm_drains_in_flight_then_exits_cleanly(drain_server):
     srv = drain_server
-    reader = StreamReader(srv.base_url, 48)
+    reader = StreamReader(srv.base_url, 600)
     reader.start()
     assert reader.started.wait(60) and reader.status == 200
     srv.proc.send_signal(signal.SIGTERM)
@@ -114,8 +117,8 @@ def test_sigterm_drains_in_flight_then_exits_cleanly(drain_server):
 
 
 @pytest.fixture
-def doomed_server(tmp_path):
-    srv = ServerProcess(tmp_path, "--kv-cache-tokens", "1024")
+def doomed_server(tmp_path, tiny_model):
+    srv = ServerProcess(tmp_path, *tiny_model, "--kv-cache-tokens", "1024")
     try:
         yield srv.wait_ready()
     finally:
@@ -124,11 +127,11 @@ def doomed_server(tmp_path):
 
 def test_worker_death_fails_requests_and_exits(doomed_server):
     srv = doomed_server
-    stream = StreamReader(srv.base_url, 300)
+    stream = StreamReader(srv.base_url, 900)
     stream.start()
     result: dict[str, httpx.Response] = {}
     plain = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
-        f"{srv.base_url}/v1/completions", json={**BODY, "max_tokens": 300}, timeout=120)), daemon=True)
+        f"{srv.base_url}/v1/completions", json={**BODY, "max_tokens": 900}, timeout=120)), daemon=True)
     plain.start()
     assert stream.started.wait(60) and stream.status == 200
     os.kill(srv.child("worker"), signal.SIGKILL)

@@ -1,6 +1,8 @@
 """Prompts far over the context, on a real server: a burst of multi-megabyte prompts is refused with
 400s while /health and normal requests keep being answered at once, and the server's memory comes
-back afterwards; a prompt a little over the context still gets the exact token count."""
+back afterwards; a prompt a little over the context still gets the exact token count. The server runs
+the tiny dummy model of ``tests/runtime/server_process.py`` (the default model's tokenizer and context:
+what is tested is the frontend's)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ from tests.runtime.server_process import ServerProcess
 from tests.text.test_tokenizer import default_gguf
 
 pytestmark = pytest.mark.timeout(600)
-CONTEXT = 8192                     # the default model's
+CONTEXT = 8192                     # the default model's, and the tiny model's
 BURST = 8
 PROMPT_CHARS = 3_600_000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("long"), "--kv-cache-tokens", "4096")
+def server(tmp_path_factory, tiny_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("long"), *tiny_model, "--kv-cache-tokens", "4096")
     try:
         yield srv.wait_ready()
     finally:

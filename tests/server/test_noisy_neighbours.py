@@ -122,9 +122,11 @@ def test_limited_neighbours_cost_a_short_request_nothing_measurable(server, clie
         assert ratio[name] < 1.2, (name, ratio, times)
 
 
-def test_a_grammar_over_its_budget_is_a_400_for_its_request_alone(tmp_path, monkeypatch):
+def test_a_grammar_over_its_budget_is_a_400_for_its_request_alone(tmp_path, monkeypatch, tiny_model):
+    """On the tiny dummy model (``tests/runtime/server_process.py``): the budget is the grammar's, not
+    the model's."""
     monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "0.000001")       # no grammar keeps this budget
-    srv = ServerProcess(tmp_path, "--kv-cache-tokens", "2048")
+    srv = ServerProcess(tmp_path, *tiny_model, "--kv-cache-tokens", "2048")
     try:
         _ready(srv)
         body = {"model": "default", "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
