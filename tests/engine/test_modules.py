@@ -40,7 +40,7 @@ SCHEMA = (
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(page_size=16) as eng:
+    with Engine(page_size=16, kv_cache_tokens=4096) as eng:      # (not the CPU default's 32K tokens to zero)
         eng.register_schema(SCHEMA)
         yield eng
 
