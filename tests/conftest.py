@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.server_process import short_temp_dir, tiny_model_args
+from tests.runtime.server_process import short_temp_dir, tiny_model_args, write_tiny_model
 
 
 def _cuda_available() -> bool:
@@ -48,6 +48,13 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dummy model's directory (``tests.runtime.server_process.TINY_MODEL_CONFIG``): an Engine's
+    ``model``, with ``TINY_ENGINE``'s arguments."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> tuple[str, ...]:
     """``radixrelay serve`` arguments for the tiny dummy model (``tests.runtime.server_process.tiny_model_args``)."""
-    return tiny_model_args(tmp_path_factory.mktemp("tiny-model"))
+    return tiny_model_args(tiny_model_dir)

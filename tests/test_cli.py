@@ -16,7 +16,7 @@ from radixrelay.config import EngineConfig
 from radixrelay.model.model_registry import tokenizer_path
 from radixrelay.text.chat_template import ChatTemplate
 from radixrelay.text.tokenizer import load_tokenizer
-from tests.runtime.server_process import ServerProcess
+from tests.runtime.server_process import TINY_ENGINE, ServerProcess
 
 
 def _help(*args: str) -> str:
@@ -68,10 +68,10 @@ def test_bad_api_key_file_is_a_clear_error(tmp_path, capsys):
     assert "holds no key" in capsys.readouterr().err
 
 
-def test_server_takes_its_key_from_a_file(tmp_path):
+def test_server_takes_its_key_from_a_file(tmp_path, tiny_model):
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
-    server = ServerProcess(tmp_path, "--api-key-file", str(key_file), "--kv-cache-tokens", "2048")
+    server = ServerProcess(tmp_path, *tiny_model, "--api-key-file", str(key_file), "--kv-cache-tokens", "2048")
     try:
         server.wait_ready()
         assert "s3cret" not in " ".join(server.proc.args)
@@ -92,10 +92,13 @@ def test_generate_prompt_is_the_chat_template_unless_raw():
         tokenizer.encode("[Hi]", add_special_tokens=False)
 
 
-def test_generate_prints_the_answer_to_the_chat_rendered_prompt(capsys):
-    assert main(["generate", "--kv-cache-tokens", "2048", "--max-tokens", "8", "--prompt", "Hi"]) == 0
+def test_generate_prints_the_answer_to_the_chat_rendered_prompt(capsys, tiny_model_dir):
+    """On the tiny dummy model (``tests/runtime/server_process.py``) with the default model's tokenizer and
+    chat template: the printed text is the Engine's greedy answer to the rendered prompt, whatever it says."""
+    model = ["--model", str(tiny_model_dir), "--load-format", "dummy", "--tokenizer", "default"]
+    assert main(["generate", *model, "--kv-cache-tokens", "2048", "--max-tokens", "8", "--prompt", "Hi"]) == 0
     printed = capsys.readouterr().out
-    with Engine(kv_cache_tokens=2048) as engine:
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=2048) as engine:
         ids = generate_prompt(engine.tokenizer, "Hi", raw=False)
         expected = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
     assert printed == expected.text + "\n"

@@ -29,11 +29,20 @@ TINY_MODEL_CONFIG = {
     "tie_word_embeddings": False}
 
 
-def tiny_model_args(directory: Path) -> tuple[str, ...]:
-    """``radixrelay serve`` arguments serving the tiny model (``TINY_MODEL_CONFIG``, written to
-    ``directory``) as ``default``, so that requests name the model as they do on a default server."""
+# The rest of an Engine's (or EngineConfig's) arguments for the tiny model: ``model=str(directory)``.
+TINY_ENGINE = {"load_format": "dummy", "tokenizer": "default"}
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """``directory`` holding the tiny model's ``config.json``."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
+    return directory
+
+
+def tiny_model_args(directory: Path) -> tuple[str, ...]:
+    """``radixrelay serve`` arguments serving the tiny model in ``directory`` (``write_tiny_model``) as
+    ``default``, so that requests name the model as they do on a default server."""
     return ("--model", str(directory), "--load-format", "dummy", "--tokenizer", "default",
             "--served-model-name", "default")
 

@@ -21,7 +21,7 @@ from radixrelay.protocol.messages import (
 from radixrelay.protocol.step import ExtendItem, PromptLogprobsChunk, StepOutput, StepPlan, TokenLogprobs
 from radixrelay.runtime.async_client import AsyncRuntimeClient
 from radixrelay.sampling_params import SamplingParams
-from tests.runtime.server_process import pid_alive
+from tests.runtime.server_process import TINY_ENGINE, pid_alive
 
 pytestmark = pytest.mark.timeout(240)
 PACKAGE = Path(__file__).resolve().parents[2] / "radixrelay"
@@ -50,13 +50,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_async_client_end_to_end(short_tmp, monkeypatch):
+def test_async_client_end_to_end(short_tmp, monkeypatch, tiny_model_dir):
+    """On the tiny dummy model (``tests/runtime/server_process.py``): token ids in, token ids out."""
     monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
-    asyncio.run(_end_to_end(short_tmp))
+    asyncio.run(_end_to_end(short_tmp, tiny_model_dir))
 
 
-async def _end_to_end(tmp_path: Path) -> None:
-    client = await AsyncRuntimeClient.start(EngineConfig(kv_cache_tokens=512, page_size=16))
+async def _end_to_end(tmp_path: Path, model: Path) -> None:
+    client = await AsyncRuntimeClient.start(EngineConfig(model=str(model), **TINY_ENGINE, kv_cache_tokens=512,
+                                                         page_size=16))
     processes = client._processes
     pids = [p.pid for p in processes.children.values()]
     try:

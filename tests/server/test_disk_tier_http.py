@@ -1,9 +1,10 @@
-"""The disk KV tier behind a real ``radixrelay serve`` (default model, CPU): entries that are not the
+"""The disk KV tier behind a real ``radixrelay serve`` (CPU; the tiny dummy model of
+``tests/runtime/server_process.py``: pages are pages whatever the model says): entries that are not the
 server's own page files (a FIFO, a symlink, a directory) in place of page files are misses, and every
 request is still served; an unsafe ``--disk-kv-path`` stops ``serve`` at once with a message saying
 how to fix it.
 
-Six prompts (~75 tokens each) on a device pool of 40 pages of 16 tokens and a tiny host tier: a
+Six prompts (~75 tokens each) on a device pool of 40 pages of 16 tokens and a host tier of 29 pages: a
 ~440-token unrelated prompt pushes them out of the device and host tiers, so asking them again reads
 their pages back from disk.
 """
@@ -29,6 +30,9 @@ PROMPTS = [f"Session {i} log: " + " ".join(random.Random(i).choice(WORDS) for _ 
            for i in range(6)]
 DISTRACTOR = " ".join(f"note{i} alpha beta" for i in range(90))
 REQUEST_TIMEOUT = 120.0
+# the tiny model's page: 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 4 bytes
+PAGE_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+HOST_PAGES = 29
 
 
 def _complete(base_url: str, prompt: str) -> str:
@@ -48,10 +52,10 @@ def _page_files(root: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def disk_server(tmp_path_factory):
+def disk_server(tmp_path_factory, tiny_model):
     disk = tmp_path_factory.mktemp("kv-disk")
-    srv = ServerProcess(tmp_path_factory.mktemp("disk-srv"), "--kv-cache-tokens", str(16 * 40),
-                        "--host-kv-gib", "0.02", "--disk-kv-path", str(disk))
+    srv = ServerProcess(tmp_path_factory.mktemp("disk-srv"), *tiny_model, "--kv-cache-tokens", str(16 * 40),
+                        "--host-kv-gib", str(HOST_PAGES * PAGE_BYTES / (1 << 30)), "--disk-kv-path", str(disk))
     try:
         yield srv.wait_ready(), disk
     finally:

@@ -1,5 +1,7 @@
 """Prompt schemas over HTTP on a real server: /v1/schemas (register, list, show, delete, errors) and
-completions / chat completions with ``prompt_schema``, driven by the official openai client."""
+completions / chat completions with ``prompt_schema``, driven by the official openai client. The server
+runs the tiny dummy model of ``tests/runtime/server_process.py`` (the default model's tokenizer: what is
+checked is token counts and greedy outputs alike, not their words)."""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ FAR = ('<schema name="far"><module name="filler">' + "lorem ipsum " * 300 + '</m
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("schemas"), "--kv-cache-tokens", "4096", "--max-n", "4",
+def server(tmp_path_factory, tiny_model):
+    # the last --served-model-name given wins: this one, not tiny_model's
+    srv = ServerProcess(tmp_path_factory.mktemp("schemas"), *tiny_model, "--kv-cache-tokens", "4096", "--max-n", "4",
                         "--context-length", str(CONTEXT), "--served-model-name", MODEL)
     try:
         yield srv.wait_ready()

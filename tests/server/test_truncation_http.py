@@ -1,6 +1,7 @@
 """``--truncation`` over HTTP with the official client: a conversation that outgrows the context is
 served with its oldest tokens dropped (and its cached KV re-positioned from host memory) instead of
-refused; a max_tokens no truncation can make room for is still a 400."""
+refused; a max_tokens no truncation can make room for is still a 400. The server runs the tiny dummy
+model of ``tests/runtime/server_process.py`` (what is tested is which tokens are kept, not their words)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("trunc"), "--kv-cache-tokens", "1024", "--context-length",
+def client(tmp_path_factory, tiny_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("trunc"), *tiny_model, "--kv-cache-tokens", "1024", "--context-length",
                         str(CONTEXT), "--truncation", "0.5", "--host-kv-gib", "0.05")
     try:
         srv.wait_ready()
@@ -47,7 +48,7 @@ def test_max_tokens_beyond_any_truncation_is_a_400(client):
 
 def test_a_huge_prompt_is_truncated_holding_only_what_it_keeps(client):
     api, srv = client
-    words = " ".join(f"w{i % 977}x{i % 13}" for i in range(300_000))     # ~2.6 MB, ~900K tokens
+    words = " ".join(f"w{i % 977}x{i % 13}" for i in range(100_000))     # ~0.9 MB, ~300K tokens: 1,000 contexts
     out = api.completions.create(model="default", prompt=words + " The end.", max_tokens=8, temperature=0)
     assert 8 < out.usage.prompt_tokens and out.usage.prompt_tokens + 8 <= CONTEXT
     assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
