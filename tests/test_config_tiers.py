@@ -7,6 +7,7 @@ import pytest
 
 from radixrelay.cli import _engine_config, _parser
 from radixrelay.config import EngineConfig
+from tests.runtime.server_process import TINY_ENGINE
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -38,9 +39,10 @@ def test_tiers_need_the_radix_cache(tmp_path):
     EngineConfig(disable_radix_cache=True, host_kv_gib=0.0)
 
 
-def test_a_disk_tier_alone_on_the_cpu_gets_host_memory_to_stage_through(tmp_path):
+def test_a_disk_tier_alone_on_the_cpu_gets_host_memory_to_stage_through(tmp_path, tiny_model_dir):
     """``--disk-kv-path`` without ``--host-kv-gib`` on the CPU, where host memory defaults to none, once gave no
-    disk tier and no word of it: it now gets ``CPU_DISK_STAGING_GIB`` of host memory (split across ranks)."""
+    disk tier and no word of it: it now gets ``CPU_DISK_STAGING_GIB`` of host memory (split across ranks).
+    The Engine runs the tiny dummy model (``tests/runtime/server_process.py``): only its tiers are looked at."""
     import torch
 
     from radixrelay import Engine
@@ -52,6 +54,6 @@ def test_a_disk_tier_alone_on_the_cpu_gets_host_memory_to_stage_through(tmp_path
     assert host_tier_bytes(EngineConfig(disk_kv_path=disk), cpu) == int(CPU_DISK_STAGING_GIB * (1 << 30))
     assert host_tier_bytes(EngineConfig(disk_kv_path=disk, tp=2), cpu) == int(CPU_DISK_STAGING_GIB * (1 << 30)) // 2
     assert host_tier_bytes(EngineConfig(disk_kv_path=disk, host_kv_gib=0.25), cpu) == 1 << 28
-    with Engine(kv_cache_tokens=2048, disk_kv_path=disk) as engine:
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=2048, disk_kv_path=disk) as engine:
         stats = engine.stats()
         assert stats["tier_host_pages"] > 0 and stats["tier_disk_pages"] > 0, stats
