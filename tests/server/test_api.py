@@ -1,7 +1,12 @@
 """The OpenAI-compatible server as a real process, driven by the official openai client.
 
-One server for the whole module (start-up loads the model); every test leaves it idle. Death,
-drain and queue limits have their own servers in ``test_lifecycle.py``.
+One server for the whole module; every test leaves it idle. It runs the tiny dummy model of
+``tests/runtime/server_process.py`` (the default model's tokenizer, chat template and context, random
+weights): what is tested is the API, and greedy outputs agree with each other and with an offline
+Engine of the same model whatever the words are. The one test that needs the model's own end of text
+(``min_tokens`` holding EOS back) runs on the session's hostile-input server (``conftest.py``: the
+default model, also served as "relay"). Death, drain and queue limits have their own servers in
+``test_lifecycle.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.runtime.server_process import ServerProcess
+from tests.runtime.server_process import TINY_ENGINE, ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 API_KEY = "test-key-123"
@@ -24,8 +29,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("api"), "--kv-cache-tokens", "4096",
+def server(tmp_path_factory, tiny_model):
+    # the last --served-model-name given wins: "relay", not tiny_model's
+    srv = ServerProcess(tmp_path_factory.mktemp("api"), *tiny_model, "--kv-cache-tokens", "4096",
                         "--api-key", API_KEY, "--max-n", str(MAX_N),
                         "--max-body-bytes", str(BODY_CAP), "--served-model-name", "relay")
     try:
@@ -292,7 +298,7 @@ def _assert_kv_freed(http: httpx.Client) -> None:
     assert m["radixrelay_kv_used_pages"] == 0          # aborted: nothing kept, nothing leaked
 
 
-LONG_BODY = {"model": "relay", "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+LONG_BODY = {"model": "relay", "prompt": "Write a long story about a dragon.", "max_tokens": 4000,
              "temperature": 0, "ignore_eos": True}
 
 
@@ -314,14 +320,14 @@ def test_disconnect_while_waiting_for_a_full_response_frees_kv(server, http):
     _assert_kv_freed(http)
 
 
-def test_server_equals_offline_engine(client):
+def test_server_equals_offline_engine(client, tiny_model_dir):
     from radixrelay import Engine, SamplingParams
 
     served = [c.text for c in client.completions.create(model="relay", prompt=PROMPTS, max_tokens=8, temperature=0,
                                                         extra_body={"ignore_eos": True}).choices]
     echoed = client.completions.create(model="relay", prompt=PROMPTS, max_tokens=1, temperature=0, echo=True,
                                        logprobs=1).choices
-    with Engine(kv_cache_tokens=2048) as engine:
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=2048) as engine:
         offline = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         prompt_logprobs = [o.prompt_logprobs for o in engine.generate(
             PROMPTS, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))]
@@ -476,9 +482,22 @@ def test_errors_leave_metrics_consistent(http):
     assert re.search(r"radixrelay_kv_total_pages \d", http.get("/metrics").text)
 
 
-def test_logit_bias_and_min_tokens(client, http):
+@pytest.fixture(scope="module")
+def model_client(hostile_server):
+    """A client of the session's hostile-input server: the default model, whose answers end (EOS)."""
+    return openai.OpenAI(base_url=f"{hostile_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def model_http(hostile_server):
+    with httpx.Client(base_url=hostile_server.base_url, timeout=120) as h:
+        yield h
+
+
+def test_logit_bias_and_min_tokens(model_client, model_http):
     """OpenAI's ``logit_bias`` (string token ids) bans and forces tokens; ``min_tokens`` (extra body)
-    holds EOS back."""
+    holds EOS back. On the default model (``model_client``): an answer that ends by itself."""
+    client, http = model_client, model_http
     prompt = "The capital of France is"
     plain = client.completions.create(model="relay", prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
     first = plain.choices[0].logprobs.tokens[0]
