@@ -20,6 +20,7 @@ import pytest
 from radixrelay import Engine, SamplingParams
 from radixrelay.structured import StructuredOutput
 from radixrelay.structured.grammar import GrammarEngine
+from tests.runtime.server_process import TINY_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -152,18 +153,20 @@ def test_bad_constraints_raise_before_submitting(large):
     assert large.generate(["x"], SamplingParams(max_tokens=4, temperature=0))[0].error is None
 
 
-def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch, runs):
+def test_a_grammar_over_its_time_budget_fails_its_request_alone(monkeypatch, tiny_model_dir):
     """With a budget no grammar can keep (1e-6 ms per token), each constrained request ends once its
     window of 16 tokens is full, with the budget's error; its unconstrained batch mate runs to its
-    length as if alone (as the same request ran without constrained mates on ``large``)."""
+    length as if alone (as the same request then runs alone, under a cache salt: computed afresh). The
+    budget is the grammar's, whatever the model: the Engine runs the tiny dummy model of
+    ``tests/runtime/server_process.py``."""
     monkeypatch.setenv("RADIXRELAY_GRAMMAR_BUDGET_MS", "0.000001")
     long_string = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100}},
                    "required": ["story"]}
     constrained = SamplingParams(max_tokens=64, temperature=0, structured=StructuredOutput.json_schema(long_string))
-    with Engine(model="default", kv_cache_tokens=2048) as engine:
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=2048) as engine:
         hot, mate = engine.generate([PROMPTS[0], PROMPTS[1]], [constrained, MATE])
         failures = engine.stats()["grammar_budget_failures"]
-    alone = runs[1][1]                             # PROMPTS[1] with MATE, unconstrained batch
+        [alone] = engine.generate([PROMPTS[1]], MATE, cache_salt="alone")
     assert hot.finish_reason == "abort"
     assert hot.error is not None and "structured output too costly" in hot.error and "per token" in hot.error
     assert 15 <= hot.completion_tokens < 64        # the 16th mask is charged before its token is sampled

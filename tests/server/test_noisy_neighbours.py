@@ -5,6 +5,9 @@ neighbours: in at least one pass the short request's time beside each limited ne
 of its time beside the plain one of the same pass); a grammar past its time budget ends its own
 request with a 400 and nothing else.
 
+The side-by-side measurements run on the session's hostile-input server (``conftest.py``: the default
+model, served as "relay"; idle between tests), not on a server of their own.
+
 The tests' own HTTP calls go through long-lived clients: ``httpx.get`` and friends build a client, and
 an SSL context with it, per call (~40 ms of CPU), and the start-up wait polls."""
 
@@ -19,11 +22,12 @@ import pytest
 from radixrelay.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from radixrelay.structured.spec import MAX_REPETITION
 from tests.runtime.server_process import STARTUP_TIMEOUT, ServerProcess
+from tests.server.conftest import MODEL
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
-NEIGHBOUR = {"model": "default", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+NEIGHBOUR = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
              "stream": True}
 # The largest stop list allowed, none of which matches (every string holds a character the model's
 # text never has beside the others).
@@ -55,12 +59,9 @@ def _ready(srv: ServerProcess) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("neighbours"), "--kv-cache-tokens", "4096")
-    try:
-        yield _ready(srv)
-    finally:
-        srv.stop()
+def server(hostile_server):
+    """The default model with a 4,096-token KV pool (``tests/server/conftest.py``)."""
+    return hostile_server
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def _short_request_beside(base_url: str, neighbour: dict, clients: tuple[httpx.C
     assert started.wait(120) and not refused, f"the neighbour produced no tokens: {refused}"
     t0 = time.perf_counter()
     r = short.post(f"{base_url}/v1/completions", json={
-        "model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
         "ignore_eos": True})
     elapsed = time.perf_counter() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
