@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
             arrive[int(f[2])] = t
         elif f[0] == "step":
             rids = [int(x) for x in f[7].split(",")] if len(f) > 7 and f[7] else []
-            steps.append((t, int(f[2]), int(f[3]), int(f[4]), int(f[5]), int(f[6]), rids))
+            pages = int(f[8]) if len(f) > 8 else -1
+            steps.append((t, int(f[2]), int(f[3]), int(f[4]), int(f[5]), int(f[6]), rids, pages))
         elif f[0] == "done":
             done[int(f[2])] = (t, float(f[3]), float(f[4]))
     print(f"burst of {stream['size']} x {stream['out']} at {args.tokens} tokens ({args.form}): "
@@ -54,10 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"arrivals at the scheduler (after send): {_quantiles([t - t0 for t in arrive.values()])}")
     first_step = {}
     print(f"{'t ms':>8} {'step':>6} {'decode':>6} {'ext req':>7} {'ext tok':>7} {'waiting':>7} "
-          f"{'done ms':>8} {'dev ms':>7} {'busy ms':>7}")
-    for t, sid, dec, ereq, etok, waiting, rids in steps:
+          f"{'pages':>7} {'done ms':>8} {'dev ms':>7} {'busy ms':>7}")
+    for t, sid, dec, ereq, etok, waiting, rids, pages in steps:
         out = done.get(sid)
-        print(f"{1e3 * (t - t0):8.1f} {sid:6d} {dec:6d} {ereq:7d} {etok:7d} {waiting:7d} "
+        print(f"{1e3 * (t - t0):8.1f} {sid:6d} {dec:6d} {ereq:7d} {etok:7d} {waiting:7d} {pages:7d} "
               + (f"{1e3 * (out[0] - t0):8.1f} {1e3 * out[2]:7.2f} {1e3 * out[1]:7.2f}" if out else ""))
         for rid in rids:
             first_step.setdefault(rid, (t, out[0] if out else None))

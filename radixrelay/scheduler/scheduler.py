@@ -47,8 +47,9 @@ from radixrelay.scheduler.stop import Detokenize, StopChecker
 
 
 MAX_PINS = 4          # pinned prefixes one request may ask for (Anthropic's limit on cache marks)
-# An admission whose locked cached prefix has at least this many pages takes them by reference from a request
-# admitted before it in the same plan that locked the same node (``AdmittedRequest.pages_from``)
+# An admission whose locked cached prefix has at least this many pages in common with that of a request admitted
+# before it in the same plan (the path to a node both paths pass through) takes them by reference from it
+# (``AdmittedRequest.pages_from``)
 SHARED_PAGES_BY_REF = 64
 
 # An internal request computing a module span: its prompt's KV is the point; the one token sampled
@@ -501,24 +502,44 @@ class Scheduler:
 
     def _admission(self, req: Request, sources: dict[int, Request]) -> AdmittedRequest:
         """The worker needs the tokens it will compute, not the cached prefix (O(new tokens)); nor the page ids
-        of a cached prefix that a request admitted before it in this plan holds too (``sources``: lock node
-        id -> the first admitted request that locked it)."""
+        of a cached prefix that a request admitted before it in this plan holds too (``sources``: tree node
+        id -> the first request of this plan whose locked path passes through it; see ``_page_source``)."""
         offset = 0 if needs_all_tokens(req.sampling) else req.hold.kv_len
         if needs_outputs(req.sampling):
             offset = min(offset, req.num_prompt)
         sp = req.sampling
         ban = (sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.config.eos_token_ids)))
                if sp.min_tokens > req.num_outputs else [])
-        hold, source = req.hold, None
-        if hold.lock_node is not None and not hold.module_nodes and hold.num_shared_pages >= SHARED_PAGES_BY_REF:
-            source = sources.setdefault(id(hold.lock_node), req)
-        if source is None or source is req:
+        hold = req.hold
+        source, shared = self._page_source(req, sources)
+        if source is None:
             return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, list(hold.pages), req.sampling,
                                    offset, req.rope_runs, ban)
-        # both lock the same node: their first num_shared_pages pages are that path's (KVHold's invariant)
-        shared = hold.num_shared_pages
         return AdmittedRequest(req.rid, req.token_ids[offset:], req.num_prompt, hold.pages[shared:], req.sampling,
                                offset, req.rope_runs, ban, pages_from=source.rid, pages_shared=shared)
+
+    @staticmethod
+    def _page_source(req: Request, sources: dict[int, Request]) -> tuple[Request | None, int]:
+        """(an earlier admission of the plan whose page list starts with ``req``'s first ``shared`` pages,
+        ``shared``), or (None, 0). The first ``num_shared_pages`` pages of a hold are the tree path to its lock
+        node (KVHold's invariant), so two holds whose paths pass through one node agree on the pages up to
+        it. The walk goes up from ``req``'s lock node to the deepest node an earlier admission passed
+        through, registering ``req`` for the nodes below it (its whole page list is on the worker once
+        admitted); it stops where fewer than ``SHARED_PAGES_BY_REF`` pages remain above. Questions over one
+        document whose last page each holds a different token (locking different one-page children of the
+        document's node) share the document's pages this way."""
+        hold = req.hold
+        node, end = hold.lock_node, hold.num_shared_pages
+        if node is None or hold.module_nodes:
+            return None, 0
+        # a split of a node keeps its object as the lower part, ending where it did: ids stay valid in a plan
+        while node.parent is not None and end >= SHARED_PAGES_BY_REF:
+            source = sources.setdefault(id(node), req)
+            if source is not req:
+                return source, end
+            end -= len(node.pages)
+            node = node.parent
+        return None, 0
 
     def _retract(self, req: Request) -> None:
         del self._running[req.rid]

@@ -150,7 +150,8 @@ class SchedulerLoop:
         if self.step_log is not None:
             self.step_log.step(plan.step_id, len(plan.decodes), len(plan.extends), extend_tokens,
                                self.scheduler.num_waiting,
-                               [e.rid for e in plan.extends if e.sample])
+                               [e.rid for e in plan.extends if e.sample],
+                               sum(len(a.pages) for a in plan.admitted) + sum(len(a.pages) for a in plan.page_appends))
         if plan.decodes:
             c.decode_steps += 1
             if not plan.extends:

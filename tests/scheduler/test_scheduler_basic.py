@@ -306,6 +306,37 @@ def test_a_burst_over_a_long_cached_prefix_sends_its_pages_once():
         assert run.tokens[rid] == expected_outputs(rid, prompt, 3)
 
 
+def test_questions_locking_different_children_of_a_document_share_its_pages():
+    """Each question's last cached page differs (a document whose last token merges with the question's
+    first, cached from earlier turns): the admissions of one plan lock different one-page children of
+    the document's node, and still take the document's pages by reference from the first of them
+    (``pages_from``, ``pages_shared`` = the document's pages); the page lists are the holds, outputs exact."""
+    from radixrelay.scheduler.scheduler import SHARED_PAGES_BY_REF
+
+    sched, worker = make(page_size=2, kv_tokens=2048)
+    doc = [(7 * i) % 97 for i in range(2 * SHARED_PAGES_BY_REF + 10)]       # a whole number of pages
+    tails = {rid: [200 + rid, 300 + rid] for rid in range(2, 8)}             # each question's own last page
+    for rid, tail in tails.items():                                         # cached: doc + tail, whole pages
+        sched.add_request(100 + rid, doc + tail + [1, 2], SamplingParams(max_tokens=1))
+        drive(sched, worker)
+    prompts = {rid: doc + tail + [rid, rid + 1, rid + 2] for rid, tail in tails.items()}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=3))
+    plan = sched.schedule()
+    assert plan is not None and [a.rid for a in plan.admitted] == list(prompts)
+    locks = {sched._running[rid].hold.lock_node for rid in prompts}
+    assert len(locks) == len(prompts)                                       # six different lock nodes
+    first, *rest = plan.admitted
+    holds = {rid: list(sched._running[rid].hold.pages) for rid in prompts}
+    assert first.pages_from == -1 and first.pages == holds[2]
+    for adm in rest:
+        assert adm.pages_from == 2 and adm.pages_shared == len(doc) // 2
+        assert adm.page_list({2: first.pages}.__getitem__) == holds[adm.rid]
+    run = drive_from(sched, worker, plan)
+    for rid, prompt in prompts.items():
+        assert run.tokens[rid] == expected_outputs(rid, prompt, 3)
+
+
 def test_short_shared_prefixes_are_sent_whole():
     sched, worker = make(page_size=4)
     doc = list(range(40))
