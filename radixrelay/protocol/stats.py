@@ -248,6 +248,10 @@ class WorkerCounters(msgspec.Struct):
         "KV token reads saved by the prefill cascade: (members - 1) x tokens per run and step.")] = 0
     prefill_long_prefix_runs: Annotated[int, counter("Long cached prefixes of short extends read split along "
                                                      "their length.")] = 0
+    masked_steps_deferred: Annotated[int, counter(
+        "Steps with structured-output rows launched before the previous step's tokens were known: their masking "
+        "and sampling were queued after the previous step's output was sent, so the grammars' host work is off "
+        "the path to the next plan.")] = 0
     grammar_budget_failures: Annotated[int, counter(
         "Requests failed because their grammar took more host time than its budget (RADIXRELAY_GRAMMAR_BUDGET_MS; "
         "over HTTP a 400 request_too_costly); their batch mates went on.")] = 0

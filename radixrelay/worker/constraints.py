@@ -135,6 +135,10 @@ class Constraints:
         failed, self._failed = self._failed, []
         return failed
 
+    def waits_for_tokens(self) -> bool:
+        """Whether the next ``mask`` waits for sampled tokens not yet read (a step still on the device)."""
+        return bool(self._pending)
+
     def sampled(self, rids: list[int], tokens: Callable[[], list[int]]) -> None:
         """A step sampled ``rids``; ``tokens()`` returns their tokens (waiting for the device)."""
         rows = [self._matchers.get(rid) for rid in rids]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter, gt, mul
 
@@ -87,14 +88,23 @@ if TYPE_CHECKING:   # cuda_graphs imports the Triton kernels; a torch-only worke
 
 
 class LaunchedStep:
-    """A step queued on the device; ``finish()`` waits for its results (once)."""
+    """A step queued on the device; ``finish()`` waits for its results (once).
+
+    A step with constrained rows launched while the previous step's tokens are not yet known is
+    *deferred* (``deferred``): its forward is queued, its masking and sampling are not, because the masks
+    need the previous tokens. ``complete()`` queues them; the worker loop first sends the older steps'
+    outputs (the scheduler plans the next step meanwhile) and then completes it, so the grammar work is
+    off the path from one step's output to the next plan. ``finish()`` and ``host_tokens()`` complete a
+    deferred step first; ``ready()`` is False until it is completed."""
 
     def __init__(self, step_id: int, *, rids: list[int] | None = None, tokens: torch.Tensor | None = None,
                  logprobs: LogprobsTensors | None = None, num_logprobs: tuple[int | None, ...] = (),
                  prompt: list[PendingPromptLogprobs] | None = None, error: str | None = None,
                  launch_s: float = 0.0, events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
-                 failed: list[tuple[int, str]] | None = None) -> None:
+                 failed: list[tuple[int, str]] | None = None,
+                 deferred: Callable[[], LaunchedStep] | None = None) -> None:
         self.step_id = step_id
+        self._deferred = deferred      # queues the masking and sampling; returns the step they make
         self.rids = rids or []
         self._failed = failed or []    # (rid, why): requests failed alone (a grammar over its budget)
         self._tokens, self._logprobs, self._num_logprobs = tokens, logprobs, num_logprobs   # host copies
@@ -105,17 +115,35 @@ class LaunchedStep:
         self.device_s = 0.0            # device time of the step (CUDA), known after finish()
         self.capture_s = 0.0           # of launch_s: capturing CUDA graphs (set by the worker loop)
 
+    @property
+    def deferred(self) -> bool:
+        return self._deferred is not None
+
+    def complete(self) -> None:
+        """Queue a deferred step's masking and sampling (nothing for a step that is not deferred)."""
+        if self._deferred is None:
+            return
+        make, self._deferred = self._deferred, None
+        done = make()
+        self.rids, self._failed, self._error = done.rids, done._failed, done._error
+        self._tokens, self._logprobs, self._num_logprobs = done._tokens, done._logprobs, done._num_logprobs
+        self._prompt, self._events = done._prompt, done._events
+
     def host_tokens(self) -> list[int]:
         """The sampled tokens, waiting for the device if needed (grammar matchers read them)."""
+        self.complete()
         if self._events is not None:
             self._events[1].synchronize()
         return [] if self._tokens is None else self._tokens.tolist()
 
     def ready(self) -> bool:
         """Whether ``finish()`` would return without waiting for the device."""
+        if self._deferred is not None:
+            return False
         return self._events is None or self._events[1].query()
 
     def finish(self) -> StepOutput:
+        self.complete()
         if self._error is not None:
             return StepOutput(self.step_id, [], [], error=self._error)
         try:
@@ -275,7 +303,23 @@ class ModelRunner:
     def _sample(self, step_id: int, samplers: list[int], decoding: list[Resident], logits: torch.Tensor,
                 prompt: list[PendingPromptLogprobs], launch_s: float, events) -> LaunchedStep:
         """Queue the sampling of ``samplers`` (extends that sample, then every decode; ``logits``: one row
-        each) and the copies of the results to the host."""
+        each) and the copies of the results to the host; deferred (``LaunchedStep.deferred``) when a
+        constrained row's mask needs tokens of a step still on the device."""
+        if not (samplers and self.constraints and self.constraints.waits_for_tokens()):
+            return self._sampled(step_id, samplers, decoding, logits, prompt, launch_s, events)
+
+        def deferred() -> LaunchedStep:
+            try:
+                return self._sampled(step_id, samplers, decoding, logits, prompt, launch_s, events)
+            except Exception as exc:  # noqa: BLE001 - as in launch(): the scheduler turns this into request errors
+                self.device_batch.ran_other()
+                return LaunchedStep(step_id, error=f"{type(exc).__name__}: {exc}")
+
+        self.counters.masked_steps_deferred += 1
+        return LaunchedStep(step_id, launch_s=launch_s, deferred=deferred)
+
+    def _sampled(self, step_id: int, samplers: list[int], decoding: list[Resident], logits: torch.Tensor,
+                 prompt: list[PendingPromptLogprobs], launch_s: float, events) -> LaunchedStep:
         tokens = logprobs = None
         num_logprobs: tuple[int | None, ...] = ()
         if samplers:

@@ -349,6 +349,12 @@ def serve_steps(runner: ModelRunner, inbox: zmq.Socket, outbox: zmq.Socket | Non
             with trace.launch(command.plan.step_id):
                 launched = runner.launch(command.plan)
         plan = command.plan
+        if launched.deferred:                 # its masks need the older steps' tokens: send those first
+            sent = time.perf_counter()
+            while in_flight:
+                send_oldest()
+            start += time.perf_counter() - sent          # the older steps' time, counted as theirs
+            launched.complete()
         launched.capture_s = runner.graph_capture_s - captured     # graphs captured by this launch
         in_flight.append((launched, time.perf_counter() - start, bool(plan.extends or plan.decodes)))
         collector.poll(idle=False)            # a full collection only once FULL_EVERY_S has passed

@@ -140,9 +140,12 @@ def test_greedy_departs_from_unconstrained_only_where_the_grammar_forbids(runs):
 
 def test_identical_with_retraction_and_with_overlap_off(runs):
     """The small pool (overlap on) retracts constrained requests: re-admitted, their grammars replay
-    their outputs, and every token equals the large pool's (overlap off)."""
+    their outputs, and every token equals the large pool's (overlap off). With overlap, steps launched
+    before their predecessor's tokens were known queued their masks and sampling after sending its output
+    (``LaunchedStep.deferred``)."""
     outs, small, stats = runs[0], runs[3], runs[4]
     assert stats["num_retractions"] > 0
+    assert stats["masked_steps_deferred"] > 0
     assert [o.token_ids for o in small] == [o.token_ids for o in outs[:len(small)]]
     assert all(o.finish_reason == "stop" and o.error is None for o in small)
 
