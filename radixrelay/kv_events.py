@@ -13,7 +13,13 @@ counts them). Entries follow ``radixrelay.kv_schema`` (version ``v``, a per-inst
   included) that entered its radix tree, or left it (evicted from the device); at most
   ``kv_schema.MAX_ENTRY_KEYS`` per entry (longer lists are split).
 - ``cleared``: its tree was emptied (``/flush_cache``).
-- ``load``: requests running and waiting, KV use, every second (``scheduler.kv_events.LOAD_EVERY_S``).
+- ``tier_stored`` / ``tier_removed`` (with ``tier``: ``host`` or ``disk``): page keys that entered or left
+  the replica's host-memory or disk tier (a page copied to host memory after its step, written to disk,
+  read back from disk; evicted from either); ``tier_cleared``, then the tier's keys again: a snapshot,
+  every ``scheduler.kv_event_hook.SNAPSHOT_EVERY_S`` and whenever changes came faster than it could
+  follow. A replica started on a disk tier that kept pages announces them this way.
+- ``load``: requests running and waiting, KV use, and the replica's measured rates (prefill, host-memory
+  loads, disk reads; tokens per second), every second (``scheduler.kv_event_hook.LOAD_EVERY_S``).
 
 Each router (``radixrelay router --mode precise --store redis://...``) reads the stream from its start
 (so a restarted router rebuilds what it knew) and then as it grows, keeping per replica the keys it
@@ -85,9 +91,22 @@ class KVEventPublisher:
     def cleared(self) -> None:
         self._event(b"cleared")
 
-    def load(self, running: int, waiting: int, kv_usage: float) -> None:
-        self._event(b"load", load=json.dumps({"running": running, "waiting": waiting,
-                                              "kv_usage": round(min(max(kv_usage, 0.0), 1.0), 4)}).encode())
+    def tier_stored(self, tier: str, keys: list[bytes]) -> None:
+        for i in range(0, len(keys), MAX_ENTRY_KEYS):
+            self._event(b"tier_stored", tier=tier.encode(), keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]))
+
+    def tier_removed(self, tier: str, keys: list[bytes]) -> None:
+        for i in range(0, len(keys), MAX_ENTRY_KEYS):
+            self._event(b"tier_removed", tier=tier.encode(), keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]))
+
+    def tier_cleared(self, tier: str) -> None:
+        self._event(b"tier_cleared", tier=tier.encode())
+
+    def load(self, running: int, waiting: int, kv_usage: float, rates: dict[str, float] | None = None) -> None:
+        """``rates``: of ``kv_schema.RATES``, those measured (tokens per second, > 0)."""
+        body = {"running": running, "waiting": waiting, "kv_usage": round(min(max(kv_usage, 0.0), 1.0), 4)}
+        body.update({name: float(f"{rate:.6g}") for name, rate in (rates or {}).items() if rate > 0})
+        self._event(b"load", load=json.dumps(body).encode())
 
     def _hello(self) -> dict[bytes, bytes]:
         self._hello_at = time.monotonic()

@@ -8,7 +8,14 @@ when the replicas sign (``radixrelay.kv_auth``), ``sig``. Kinds and their own fi
 - ``hello``: ``namespace`` (page keys' model and KV layout), ``page_size``;
 - ``stored`` / ``removed``: ``keys``, concatenated ``KEY_BYTES``-byte page keys;
 - ``cleared``: none;
-- ``load``: ``load``, a JSON object of ``running``, ``waiting`` (requests) and ``kv_usage`` (0-1).
+- ``tier_stored`` / ``tier_removed``: ``tier`` (``host`` or ``disk``) and ``keys``: pages that entered or
+  left a lower KV tier (host memory, disk) of the replica; ``stored``/``removed`` are the device's;
+- ``tier_cleared``: ``tier``: the replica holds nothing in that tier any more (it then announces what it
+  does hold: a snapshot, sent periodically and after events it could not keep track of);
+- ``load``: ``load``, a JSON object of ``running``, ``waiting`` (requests) and ``kv_usage`` (0-1), and
+  optionally the rates the replica measured while serving, in tokens per second: ``prefill_tps``
+  (computing a prompt), ``host_load_tps`` (loading KV from host memory to the device) and
+  ``disk_read_tps`` (reading it from disk into host memory).
 
 ``parse`` turns an entry into an ``Event`` or raises ``Rejected`` with a reason (a short label the router
 counts by): types, ranges, finite numbers and sizes are checked, unknown fields are ignored (later
@@ -28,7 +35,10 @@ from dataclasses import dataclass
 from radixrelay.radix.page_keys import KEY_BYTES
 
 VERSION = 1
-KINDS = ("hello", "stored", "removed", "cleared", "load")
+KINDS = ("hello", "stored", "removed", "cleared", "load", "tier_stored", "tier_removed", "tier_cleared")
+TIERS = ("host", "disk")
+RATES = ("prefill_tps", "host_load_tps", "disk_read_tps")
+MAX_RATE = 1e12                  # tokens per second
 MAX_ENTRY_BYTES = 1 << 20        # all fields' names and values together
 MAX_ENTRY_KEYS = 8192            # page keys in one stored/removed entry (the publisher splits longer lists)
 MAX_NAME_BYTES = 256
@@ -42,7 +52,7 @@ _NUMBER = re.compile(rb"[0-9]{1,20}")
 
 # Reasons ``parse`` refuses an entry for (the index adds its own: signature, unknown replica, replay, ...).
 PARSE_REASONS = ("size", "version", "kind", "replica", "instance", "t", "seq", "namespace", "page_size", "keys",
-                 "load")
+                 "load", "tier")
 
 
 class Rejected(Exception):
@@ -58,6 +68,9 @@ class Load:
     running: int
     waiting: int
     kv_usage: float
+    prefill_tps: float | None = None       # the rates (``RATES``), tokens per second; None: not reported
+    host_load_tps: float | None = None
+    disk_read_tps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +83,8 @@ class Event:
     version: int
     namespace: str = ""            # hello
     page_size: int = 0             # hello
-    keys: tuple[bytes, ...] = ()   # stored, removed
+    keys: tuple[bytes, ...] = ()   # stored, removed, tier_stored, tier_removed
+    tier: str = ""                 # tier_stored, tier_removed, tier_cleared: "host" or "disk"
     load: Load | None = None       # load
 
 
@@ -110,6 +124,10 @@ def parse(fields: Mapping[bytes, bytes]) -> Event:
                      page_size=_page_size(fields.get(b"page_size", b"")))
     if kind in (b"stored", b"removed"):
         return Event(**common, keys=_keys(fields.get(b"keys", b"")))
+    if kind in (b"tier_stored", b"tier_removed"):
+        return Event(**common, tier=_tier(fields.get(b"tier", b"")), keys=_keys(fields.get(b"keys", b"")))
+    if kind == b"tier_cleared":
+        return Event(**common, tier=_tier(fields.get(b"tier", b"")))
     if kind == b"load":
         return Event(**common, load=_load(fields.get(b"load", b"")))
     return Event(**common)
@@ -183,6 +201,13 @@ def _keys(raw: bytes) -> tuple[bytes, ...]:
     return split_keys(raw)
 
 
+def _tier(raw: bytes) -> str:
+    tier = raw.decode("ascii", "replace")
+    if tier not in TIERS:
+        raise Rejected("tier", f"tier={raw[:16]!r} is none of {', '.join(TIERS)}")
+    return tier
+
+
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a number")
 
@@ -201,7 +226,13 @@ def _load(raw: bytes) -> Load:
     usage = value.get("kv_usage", 0.0)
     if not _number(usage) or not 0.0 <= usage <= 1.0:
         raise Rejected("load", f"kv_usage={str(usage)[:24]} is not a number in 0-1")
-    return Load(running, waiting, float(usage))
+    rates = {}
+    for name in RATES:
+        rate = value.get(name)
+        if rate is not None and (not _number(rate) or not 0 < rate <= MAX_RATE):
+            raise Rejected("load", f"{name}={str(rate)[:24]} is not a number in (0, {MAX_RATE:g}]")
+        rates[name] = None if rate is None else float(rate)
+    return Load(running, waiting, float(usage), **rates)
 
 
 def _number(value) -> bool:

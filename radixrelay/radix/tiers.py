@@ -38,6 +38,7 @@ from radixrelay.radix.allocator import PageAllocator
 TierPolicy = Literal["lru", "scheduler"]
 TIER_POLICIES = ("lru", "scheduler")
 MAX_DROPPED = 1 << 16          # keys ``take_dropped`` remembers between calls
+MAX_CHANGES = 1 << 16          # tier changes ``take_changes`` remembers between calls
 
 
 @dataclass
@@ -114,6 +115,39 @@ class KVTiers:
         self._protected: set[bytes] = frozenset()    # look-ahead window (policy "scheduler")
         self._pinned: dict[bytes, int] = {}          # keys of pinned prefixes -> pins holding them (any policy)
         self.counters = TierCounters()
+        # For KV events (``track_changes``): (tier, entered, key) in order since the last ``take_changes``;
+        # ``_lost``: more than MAX_CHANGES came, the log was dropped (a snapshot is due).
+        self._tracking = False
+        self._changes: list[tuple[str, bool, bytes]] = []
+        self._lost = False
+
+    # -- changes, for KV events ------------------------------------------------------------------
+
+    def track_changes(self) -> None:
+        """Keep the log ``take_changes`` returns from now on; its first entries are the disk pages found at
+        start-up (a restarted replica announces what it kept)."""
+        self._tracking = True
+        for key in self._disk:
+            self._changed("disk", True, key)
+
+    def take_changes(self) -> list[tuple[str, bool, bytes]] | None:
+        """What entered (True) or left (False) host memory (``"host"``: a page ready there) and disk since
+        the last call, in order; None when more than ``MAX_CHANGES`` did (follow with ``snapshot``)."""
+        changes, self._changes = self._changes, []
+        if self._lost:
+            self._lost = False
+            return None
+        return changes
+
+    def snapshot(self) -> tuple[list[bytes], list[bytes]]:
+        """(the keys ready in host memory, the keys on disk)."""
+        return [key for key, entry in self._host.items() if entry.state == "ready"], list(self._disk)
+
+    def _changed(self, tier: str, entered: bool, key: bytes) -> None:
+        if self._tracking and not self._lost:
+            self._changes.append((tier, entered, key))
+            if len(self._changes) > MAX_CHANGES:
+                self._changes, self._lost = [], True
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -302,6 +336,7 @@ class KVTiers:
                 entry = self._host.get(key)
                 if entry is not None and entry.state == "saving":
                     entry.state = "ready"
+                    self._changed("host", True, key)
                     self._queue_write(key, entry)
             done.append(step)
         for step in acks.failed_steps:
@@ -312,6 +347,7 @@ class KVTiers:
             self._end_write(key)
             if key not in self._disk:
                 self._disk[key] = None
+                self._changed("disk", True, key)
                 self.counters.written += 1
                 self._trim_disk()
         for key in acks.write_failed:
@@ -320,6 +356,7 @@ class KVTiers:
             entry = self._host.get(key)
             if entry is not None and entry.state == "fetching":
                 entry.state, entry.from_disk = "ready", True
+                self._changed("host", True, key)
                 self._num_fetching -= 1
                 self.counters.read += 1
         for key in acks.read_failed:
@@ -327,7 +364,9 @@ class KVTiers:
             if entry is not None and entry.state == "fetching":
                 self._num_fetching -= 1
                 self._drop(key)
-            self._disk.pop(key, None)
+            if key in self._disk:
+                del self._disk[key]
+                self._changed("disk", False, key)
             self.counters.read_failed += 1
         self.counters.load_s += acks.load_s
         self.counters.load_exposed_s += acks.load_exposed_s
@@ -408,6 +447,8 @@ class KVTiers:
         entry = self._host.pop(key, None)
         if entry is not None:
             self.epoch += 1
+            if entry.state == "ready":
+                self._changed("host", False, key)
             if self._dropped is not None:
                 self._dropped.append(key)
                 if len(self._dropped) > MAX_DROPPED:
@@ -431,5 +472,6 @@ class KVTiers:
     def _trim_disk(self) -> None:
         while len(self._disk) > self.disk_pages:
             key, _ = self._disk.popitem(last=False)
+            self._changed("disk", False, key)
             self._out.disk_deletes.append(key)
             self.counters.disk_evicted += 1

@@ -48,7 +48,8 @@ STALL_S = 5.0            # no successful read for this long: the reader is stall
 EXPIRE_S = 10.0          # a replica silent (no hello or load) for this long: its load and announcement expire
 MAX_SKEW_S = 60.0        # entries dated further ahead of this host's clock are refused
 MAX_ANNOUNCED = 256      # announced (not given) replica names tracked at once
-MAX_REPLICA_KEYS = 1 << 22   # page keys held per replica (a replica's device and host tiers hold far fewer)
+MAX_REPLICA_KEYS = 1 << 22   # page keys held per replica, all tiers (a replica's tiers hold far fewer)
+_NONE: frozenset[bytes] = frozenset()
 READ_COUNT = 1024        # entries per read round trip
 RETRY_S = 0.5            # pause after a failed read (store down) or a reader failure
 EXPIRE_EVERY_S = 1.0
@@ -69,8 +70,16 @@ class ReplicaHoldings:
     load_t: float = 0.0
     namespace: str = ""
     page_size: int = 0
-    keys: set[bytes] = field(default_factory=set)
+    keys: set[bytes] = field(default_factory=set)           # on the device (its radix tree)
+    host: set[bytes] = field(default_factory=set)           # in its host-memory tier
+    disk: set[bytes] = field(default_factory=set)           # in its disk tier
     load: Load | None = None
+
+    def tier(self, name: str) -> set[bytes]:
+        return self.host if name == "host" else self.disk
+
+    def num_keys(self) -> int:
+        return len(self.keys) + len(self.host) + len(self.disk)
 
 
 @dataclass(frozen=True)
@@ -244,14 +253,18 @@ class KVEventIndex:
         if event.kind == "hello":
             held.namespace, held.page_size = event.namespace, event.page_size
             held.heard_t = max(held.heard_t, event.t)
-        elif event.kind == "stored":
-            if len(held.keys) + len(event.keys) > MAX_REPLICA_KEYS:
-                raise Rejected("keys", f"{name} holds {len(held.keys)} page keys; at most {MAX_REPLICA_KEYS} are kept")
-            held.keys.update(event.keys)
+        elif event.kind in ("stored", "tier_stored"):
+            if held.num_keys() + len(event.keys) > MAX_REPLICA_KEYS:
+                raise Rejected("keys", f"{name} holds {held.num_keys()} page keys; at most {MAX_REPLICA_KEYS} are kept")
+            (held.keys if event.kind == "stored" else held.tier(event.tier)).update(event.keys)
         elif event.kind == "removed":
             held.keys.difference_update(event.keys)
+        elif event.kind == "tier_removed":
+            held.tier(event.tier).difference_update(event.keys)
         elif event.kind == "cleared":
             held.keys.clear()
+        elif event.kind == "tier_cleared":
+            held.tier(event.tier).clear()
         elif event.kind == "load" and event.t >= held.load_t:
             held.load, held.load_t = event.load, event.t
             held.heard_t = max(held.heard_t, event.t)
@@ -285,8 +298,8 @@ class KVEventIndex:
         """Announced replicas gone silent lose their holdings (the header stays: replay protection)."""
         self._expired_at = time.monotonic()
         for name, held in self.replicas.items():
-            if name not in self.trust.given and not self._fresh(held, now) and (held.keys or held.load):
-                held.keys, held.load = set(), None
+            if name not in self.trust.given and not self._fresh(held, now) and (held.num_keys() or held.load):
+                held.keys, held.host, held.disk, held.load = set(), set(), set(), None
 
     def _forget_expired(self, now: float) -> None:
         """Forget silent announced replicas entirely, the longest silent first, to make room for one."""
@@ -314,6 +327,14 @@ class KVEventIndex:
                 return 0
             return held.load.running + held.load.waiting
 
+    def reported_rates(self, replica: str) -> Load | None:
+        """``replica``'s latest ``load`` event (its measured rates), None before any or when stale."""
+        with self._lock:
+            held = self.replicas.get(replica)
+            if held is None or held.load is None or time.time() - held.load_t > self.expire_s:
+                return None
+            return held.load
+
     def holds(self, replica: str) -> int:
         with self._lock:
             held = self.replicas.get(replica)
@@ -328,9 +349,18 @@ class KVEventIndex:
         """``matched_tokens`` for each of ``replicas``; the prompt's page keys are computed once per
         (namespace, page size) the replicas use, not once per replica, only as far as the longest match
         among them goes, after those ``KeyMemo`` remembers."""
+        return [device for device, _, _ in self.matched_tiers_many(replicas, token_ids, salt, tiers=False)]
+
+    def matched_tiers_many(self, replicas: list[str], token_ids: Sequence[int] | np.ndarray,
+                           salt: str | None, tiers: bool = True) -> list[tuple[int, int, int]]:
+        """For each of ``replicas``: (tokens of the prompt's leading pages on its device, then of the pages
+        after those in its host-memory tier or on its disk: host, disk). A page on disk only is read into
+        host memory first; the walk stops at the first page no tier holds (``tiers`` False: at the first
+        not on the device)."""
         with self._lock:
             holdings = [self.replicas.get(name) for name in replicas]
-            views = [(h.namespace, h.page_size, h.keys) if h is not None and h.page_size and h.keys else None
+            views = [(h.namespace, h.page_size, h.keys, h.host if tiers else _NONE, h.disk if tiers else _NONE)
+                     if h is not None and h.page_size and (h.keys or (tiers and (h.host or h.disk))) else None
                      for h in holdings]
         tokens = as_tokens(token_ids)
         # layout -> (keys, how many the memo gave, the memo's marks of the prompt)
@@ -338,25 +368,43 @@ class KVEventIndex:
         out = []
         for view in views:
             if view is None:
-                out.append(0)
+                out.append((0, 0, 0))
                 continue
-            namespace, ps, held = view
+            namespace, ps, held, host, disk = view
             layout = (namespace, ps)
             if layout not in found:
                 keys, marks = self.memo.keys((namespace, ps, salt), tokens)
                 found[layout] = (keys, len(keys), marks)
             keys = found[layout][0]
-            n, pages = 0, len(tokens) // ps
-            while n < pages:
-                if n == len(keys):               # hashed as far as the longest match goes, in growing runs
-                    extend_keys(keys, self._seed(namespace, salt), tokens, ps, min(pages, n + 4 + n // 4))
-                n += len(list(takewhile(held.__contains__, islice(keys, n, None))))   # at C speed
-                if n < len(keys):
-                    break
-            out.append(n * ps)
+            seed, pages = self._seed(namespace, salt), len(tokens) // ps
+            n = self._run(keys, 0, pages, held.__contains__, seed, tokens, ps)
+            on_host = on_disk = 0
+            if host or disk:                     # pages past the device's in a lower tier: host first
+                tier = n
+                while tier < pages:
+                    in_host = self._run(keys, tier, pages, host.__contains__, seed, tokens, ps)
+                    on_host += in_host - tier
+                    in_disk = self._run(keys, in_host, pages, disk.__contains__, seed, tokens, ps)
+                    on_disk += in_disk - in_host
+                    if in_disk == tier:
+                        break
+                    tier = in_disk
+            out.append((n * ps, on_host * ps, on_disk * ps))
         for (namespace, ps), (keys, remembered, marks) in found.items():
             self.memo.remember((namespace, ps, salt), tokens, keys, marks, remembered)
         return out
+
+    @staticmethod
+    def _run(keys: list[bytes], n: int, pages: int, held, seed: bytes, tokens: np.ndarray, ps: int) -> int:
+        """The end of the run of pages from ``n`` on whose keys ``held`` says yes to; ``keys`` hashed as
+        far as the run goes, in growing steps."""
+        while n < pages:
+            if n == len(keys):
+                extend_keys(keys, seed, tokens, ps, min(pages, n + 4 + n // 4))
+            n += len(list(takewhile(held, islice(keys, n, None))))   # at C speed
+            if n < len(keys):
+                break
+        return n
 
     def _seed(self, namespace: str, salt: str | None) -> bytes:
         seed = self._seeds.get((namespace, salt))

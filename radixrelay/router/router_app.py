@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from radixrelay.net.connections import ConnectionLimits, uvicorn_options
 from radixrelay.router.index import PrefixIndex
-from radixrelay.router.routing import MODES, CacheKeyAffinity, Candidate, choose
+from radixrelay.router.routing import MODES, CacheKeyAffinity, Candidate, choose, tier_tokens
 from radixrelay.router.kv_index import KVEventIndex
 from radixrelay.router.prompt import PAGE_TOKENS, InvalidPrompt, Prompt, PromptKeys
 from radixrelay.router import upstream
@@ -178,7 +178,9 @@ class Router:
         if events.stalled():
             return None
         try:
-            held = (events.matched_tokens_many([r.url for r in healthy], prompt.token_ids, prompt.salt)
+            urls = [r.url for r in healthy]
+            held = ([tier_tokens(*tiers, events.reported_rates(url))
+                     for url, tiers in zip(urls, events.matched_tiers_many(urls, prompt.token_ids, prompt.salt))]
                     if prompt else [0] * len(healthy))
             # load: this router's requests in flight there, or what the replica last reported running and
             # waiting (other routers' requests included), whichever is larger

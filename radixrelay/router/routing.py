@@ -4,7 +4,9 @@ Modes:
 - ``precise``: as approximate, but matched tokens are the prompt's leading pages the replica reports
   holding (its KV events, ``radixrelay.kv_events``), not what this router sent it, and in flight is the
   larger of this router's requests there and the requests the replica last reported running and waiting
-  (other routers' included; reported every second).
+  (other routers' included; reported every second). Pages past those on its device that the replica
+  holds in host memory or on disk count too, each token at the share of its prefill a load saves
+  (``tier_tokens``: from the replica's reported prefill, host-load and disk-read rates).
 - ``approximate``: each healthy replica scores ``matched_tokens - LOAD_TOKENS x in_flight`` (matched:
   the prompt's leading tokens the router sent it before, ``PrefixIndex``; in flight: this router's
   requests not yet answered there); the best score wins, ties go to the replica with fewer requests in
@@ -22,7 +24,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from radixrelay.kv_schema import Load
+
 MODES = ("precise", "approximate", "round-robin")
+# A token in a replica's host memory, when the replica has reported no rates yet, counts as this share of
+# one on its device (a load from host memory runs several times faster than the prefill it replaces); a
+# token on disk counts only by measured rates.
+HOST_SHARE_UNKNOWN = 0.5
 # Tokens of cached prefix one request in flight is worth: ~ the prefill one queued request costs a replica.
 LOAD_TOKENS = 256
 
@@ -32,6 +40,18 @@ class Candidate:
     replica: str
     matched_tokens: int
     in_flight: int
+
+
+def tier_tokens(device: int, host: int, disk: int, load: Load | None) -> int:
+    """Matched tokens worth ``device`` on the device plus ``host`` in host memory and ``disk`` on disk after
+    them: a lower tier's token counts as the share of its prefill time its load saves, ``1 - t_load /
+    t_prefill`` (a disk page is read into host memory, then loaded), 0 where loading is slower."""
+    host_share, disk_share = HOST_SHARE_UNKNOWN, 0.0
+    if load is not None and load.prefill_tps and load.host_load_tps:
+        host_share = max(0.0, 1.0 - load.prefill_tps / load.host_load_tps)
+        if load.disk_read_tps:
+            disk_share = max(0.0, 1.0 - load.prefill_tps * (1.0 / load.disk_read_tps + 1.0 / load.host_load_tps))
+    return device + int(host * host_share + disk * disk_share)
 
 
 def choose(mode: str, candidates: list[Candidate], turn: int) -> Candidate:

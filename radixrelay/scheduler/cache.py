@@ -70,6 +70,8 @@ class CacheManager:
         # KV events: what enters and leaves the tree, for precise routers (None: not published)
         self.events = (KVEventHook(events, self.tree, self.keys)
                        if events is not None and not config.disable_radix_cache else None)
+        if self.events is not None and self.tiers is not None:      # the lower tiers' pages too
+            self.tiers.store.track_changes()
         # step ids: the newest planned, the newest whose output was processed (in flight between them)
         self._planned = self._processed = -1
         self._cooling: deque[tuple[int, list[int]]] = deque()   # (newest step in flight when freed, pages)
@@ -92,6 +94,11 @@ class CacheManager:
     def num_free_pages(self) -> int:
         """Pages no request or tree node holds (cooling included)."""
         return self.allocator.num_free + self._num_cooling
+
+    def publish_tiers(self) -> None:
+        """KV events: what entered or left host memory and disk since the last call (nothing without both)."""
+        if self.events is not None and self.tiers is not None:
+            self.events.tiers(self.tiers.store)
 
     def flush(self) -> None:
         """Drop every cached prefix of the radix tree (the lower tiers keep theirs); the caller makes sure

@@ -1,5 +1,8 @@
 """The scheduler's side of KV events (``radixrelay.kv_events``): the page keys of what enters the
-radix tree and of what eviction takes out of it, handed to a ``KVEventPublisher`` (which never blocks).
+radix tree and of what eviction takes out of it, of what enters and leaves the lower tiers (host memory,
+disk; ``KVTiers.take_changes``, with a snapshot of both every ``SNAPSHOT_EVERY_S`` and when the tiers lost
+track), and the replica's load with its measured rates, handed to a ``KVEventPublisher`` (which never
+blocks).
 
 Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the
 request's salt), from the same ``ContentKeys`` as the tiers': a node's kept on the node
@@ -13,18 +16,23 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from radixrelay.radix.tiers import KVTiers
 from radixrelay.radix.tree import RadixNode, RadixTree
 from radixrelay.scheduler.content_keys import ContentKeys
 from radixrelay.scheduler.request import Request
 
 LOAD_EVERY_S = 1.0             # load events at most this often
+SNAPSHOT_EVERY_S = 60.0        # the lower tiers' keys announced whole this often (routers that missed entries)
 
 
 class Publisher(Protocol):
     def stored(self, keys: list[bytes]) -> None: ...
     def removed(self, keys: list[bytes]) -> None: ...
     def cleared(self) -> None: ...
-    def load(self, running: int, waiting: int, kv_usage: float) -> None: ...
+    def tier_stored(self, tier: str, keys: list[bytes]) -> None: ...
+    def tier_removed(self, tier: str, keys: list[bytes]) -> None: ...
+    def tier_cleared(self, tier: str) -> None: ...
+    def load(self, running: int, waiting: int, kv_usage: float, rates: dict[str, float] | None = None) -> None: ...
 
 
 def told_at_match(req: Request, num_pages: int) -> None:
@@ -39,6 +47,7 @@ class KVEventHook:
         self.page_size = tree.page_size
         self.keys = keys
         self._load_at = 0.0
+        self._snapshot_at: float | None = None      # the lower tiers' last snapshot (None: none yet)
         tree.on_evict = self._evicted
 
     def stored(self, req: Request, num_pages: int) -> None:
@@ -63,9 +72,33 @@ class KVEventHook:
     def cleared(self) -> None:
         self.publisher.cleared()
 
-    def load(self, running: int, waiting: int, kv_usage: float) -> None:
-        """At most once per ``LOAD_EVERY_S``."""
+    def tiers(self, store: KVTiers) -> None:
+        """What entered or left host memory and disk since the last call, in order (runs of one tier and
+        direction in one entry); instead, a snapshot of both (``tier_cleared``, then the keys held) at the
+        first call, every ``SNAPSHOT_EVERY_S`` and when ``store`` lost track."""
+        changes = store.take_changes()
+        now = time.monotonic()
+        if changes is None or self._snapshot_at is None or now - self._snapshot_at >= SNAPSHOT_EVERY_S:
+            self._snapshot_at = now
+            host, disk = store.snapshot()
+            for tier, keys in (("host", host), ("disk", disk)) if store.has_disk else (("host", host),):
+                self.publisher.tier_cleared(tier)
+                if keys:
+                    self.publisher.tier_stored(tier, keys)
+            return
+        i = 0
+        while i < len(changes):
+            tier, entered, _ = changes[i]
+            j = i + 1
+            while j < len(changes) and changes[j][:2] == (tier, entered):
+                j += 1
+            keys = [key for _, _, key in changes[i:j]]
+            (self.publisher.tier_stored if entered else self.publisher.tier_removed)(tier, keys)
+            i = j
+
+    def load(self, running: int, waiting: int, kv_usage: float, rates: dict[str, float] | None = None) -> None:
+        """At most once per ``LOAD_EVERY_S``; ``rates``: the measured ones (``kv_schema.RATES``)."""
         now = time.monotonic()
         if now - self._load_at >= LOAD_EVERY_S:
             self._load_at = now
-            self.publisher.load(running, waiting, kv_usage)
+            self.publisher.load(running, waiting, kv_usage, rates)

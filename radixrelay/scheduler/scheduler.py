@@ -282,7 +282,8 @@ class Scheduler:
         """KV events: running and waiting requests and KV use (at most once a second; no-op without events)."""
         if self.cache.events is not None:
             used = 1.0 - self.cache.available_pages / max(1, self.config.num_pages)
-            self.cache.events.load(len(self._running), len(self._waiting), used)
+            rates = self._tiers.rates() if self._tiers is not None else None
+            self.cache.events.load(len(self._running), len(self._waiting), used, rates)
 
     def set_cascade_planner(self, planner: CascadePlanner | None) -> None:
         """``planner(rows)`` sees each step's decode rows with their radix paths; its result
@@ -389,6 +390,7 @@ class Scheduler:
         self.cache.step_processed(step.step_id)
         if self._tiers is not None:
             self._tiers.on_acks(out.kv_acks)
+            self.cache.publish_tiers()
         for req in step.samplers.values():
             req.num_pending -= 1
         if out.error is not None:   # fail every request of the step

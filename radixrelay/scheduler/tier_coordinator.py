@@ -309,6 +309,20 @@ class TierCoordinator:
     def has_outgoing(self) -> bool:
         return self.store.has_outgoing()
 
+    def rates(self) -> dict[str, float]:
+        """Of ``kv_schema.RATES``, those measured so far, tokens per second: prefill (device time of prefill
+        steps), loads from host memory (pages loaded over the device seconds of loads), disk reads."""
+        ps, rates = self.config.page_size, {}
+        per_token = self.costs.prefill_s_per_token
+        if per_token:
+            rates["prefill_tps"] = 1.0 / per_token
+        c = self.store.counters
+        if c.load_s > 0 and c.loaded:
+            rates["host_load_tps"] = c.loaded * ps / c.load_s
+        if self.costs.read_pages_per_s:
+            rates["disk_read_tps"] = self.costs.read_pages_per_s * ps
+        return rates
+
     def stats(self) -> dict[str, int | float]:
         """``SchedulerStats`` tier fields."""
         store = self.store

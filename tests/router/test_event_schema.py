@@ -69,7 +69,12 @@ BAD = {                                                       # reason -> entrie
     "namespace": [hello(A, seq=25, namespace=b"\xff\xfe"), hello(A, seq=26, namespace=b"")],
     "size": [hello(A, seq=27, padding=b"p" * (1 << 20))],
     "unknown_replica": [hello("http://intruder.test:1", seq=1)],
+    "tier": [entry("tier_stored", A, seq=28, tier=b"gpu", keys=b"x" * KEY_BYTES), entry("tier_cleared", A, seq=29),
+             entry("tier_removed", A, seq=30, tier=b"HOST", keys=b"x" * KEY_BYTES)],
 }
+BAD["load"] += [_load(A, 31, b'{"running": 1, "waiting": 0, "prefill_tps": -5}'),
+                _load(A, 32, b'{"running": 1, "waiting": 0, "host_load_tps": "fast"}'),
+                _load(A, 33, b'{"running": 1, "waiting": 0, "disk_read_tps": 1e13}')]
 
 
 def test_each_malformed_entry_is_skipped_and_counted_and_reading_goes_on(store, client, caplog):

@@ -16,6 +16,7 @@ from radixrelay.sampling_params import SamplingParams
 from radixrelay.scheduler import Scheduler, SchedulerConfig
 from radixrelay.scheduler.tier_coordinator import FIRST_RUN_PAGES
 from tests.scheduler.fake_worker import FakeWorker, drive
+from tests.scheduler.recording_publisher import RecordingPublisher
 
 PS = 4
 NS = "test-model;page_size=4"
@@ -34,26 +35,6 @@ def reference_keys(namespace: str, salt: str | None, tokens: list[int], page_siz
         prev = h.digest()
         keys.append(prev)
     return keys
-
-
-class Publisher:
-    """A KV-event publisher that keeps what it was told."""
-
-    def __init__(self) -> None:
-        self.stored_log: list[bytes] = []
-        self.removed_log: list[bytes] = []
-
-    def stored(self, keys: list[bytes]) -> None:
-        self.stored_log.extend(keys)
-
-    def removed(self, keys: list[bytes]) -> None:
-        self.removed_log.extend(keys)
-
-    def cleared(self) -> None:
-        pass
-
-    def load(self, running: int, waiting: int, kv_usage: float) -> None:
-        pass
 
 
 @pytest.fixture
@@ -89,7 +70,7 @@ def test_keys_are_the_format_on_disk_and_on_the_wire(salt):
 def test_a_question_over_a_cached_document_hashes_only_its_own_pages(blake2b_calls):
     """Tiers and events on: the document's keys are computed once, when its pages enter the tree; each
     later question hashes its own new pages once, whoever asks (host lookup, save, events)."""
-    pub = Publisher()
+    pub = RecordingPublisher()
     cfg = SchedulerConfig(kv_cache_tokens=512 * PS, page_size=PS, kv_namespace=NS)
     sched = Scheduler(cfg, tiers=KVTiers(512), events=pub)
     worker = FakeWorker(PS, cfg.num_pages)
@@ -144,7 +125,7 @@ def test_pages_found_in_host_memory_are_promoted_with_their_keys_kept_on_the_new
 
 
 def test_kv_events_on_the_wire_are_the_reference_keys_through_eviction_and_salts():
-    pub = Publisher()
+    pub = RecordingPublisher()
     cfg = SchedulerConfig(kv_cache_tokens=24 * PS, page_size=PS, kv_namespace=NS)
     sched, worker = Scheduler(cfg, events=pub), FakeWorker(PS, cfg.num_pages)
     prompts = {1: (list(range(100, 100 + 6 * PS)) + [5], None), 2: (list(range(100, 100 + 6 * PS)) + [5], "s"),
