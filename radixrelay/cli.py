@@ -98,8 +98,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-kv-path", default=None,
                    help="directory for a disk tier below host memory (default: no disk tier); pages are "
                         "keyed by model and KV layout, so a restart with the same path reuses them")
-    t.add_argument("--disk-kv-gib", type=float, default=64.0,
-                   help="disk tier capacity in GiB (default: %(default)s)")
+    t.add_argument("--disk-kv-gib", type=float, default=None,
+                   help="disk tier capacity in GiB; at start-up it must fit the directory's free space plus "
+                        "the files already there (default: 64, or 90%% of that space if less)")
     t.add_argument("--kv-tier-policy", default="scheduler", choices=KV_TIER_POLICIES,
                    help="host-memory eviction: 'scheduler' spares the pages of queued requests, 'lru' "
                         "does not (default: %(default)s)")

@@ -68,9 +68,10 @@ class EngineConfig:
     disable_overlap: bool = False
     # KV tiers below the device (AttentionStore): host memory in GiB (None: on CUDA 40% of available RAM,
     # at most 64 GiB; on the CPU 0, or 1 GiB to stage a disk tier's pages), disk in GiB under
-    # ``disk_kv_path`` (None: no disk tier).
+    # ``disk_kv_path`` (None: no disk tier; ``disk_kv_gib`` None: 64, or 90% of the space available there
+    # if less, ``radix.disk_store.disk_tier_gib``).
     host_kv_gib: float | None = None
-    disk_kv_gib: float = 64.0
+    disk_kv_gib: float | None = None
     disk_kv_path: str | None = None
     kv_tier_policy: str = "scheduler"   # host eviction: "scheduler" (spares queued requests) | "lru"
     # Context window in tokens (None: the model's); at most the model's maximum positions.
@@ -143,7 +144,7 @@ class EngineConfig:
             raise bad("chunked_prefill_tokens", f"must be >= page_size, got {self.chunked_prefill_tokens}")
         if self.host_kv_gib is not None and not 0 <= self.host_kv_gib < 1 << 20:
             raise bad("host_kv_gib", f"must be >= 0 (0: no host tier), got {self.host_kv_gib}")
-        if not 0 <= self.disk_kv_gib < 1 << 30:
+        if self.disk_kv_gib is not None and not 0 <= self.disk_kv_gib < 1 << 30:
             raise bad("disk_kv_gib", f"must be >= 0, got {self.disk_kv_gib}")
         if self.kv_events is not None:
             from radixrelay.kv_events import check_store_url

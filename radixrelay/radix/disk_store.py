@@ -48,6 +48,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import stat
 import struct
 import zlib
@@ -291,3 +292,36 @@ def _kind(st: os.stat_result) -> str:
         if test(mode):
             return name
     return f"a file owned by uid {st.st_uid}"
+
+
+DEFAULT_DISK_GIB = 64.0   # a disk tier's capacity when none is given, if the space available allows
+DISK_SHARE = 0.9          # of the space available, what a default capacity (or a refusal's advice) takes
+
+
+def available_bytes(path: str) -> tuple[int, int]:
+    """(free bytes of the filesystem holding ``path``, or of its nearest existing parent; bytes of the files
+    already under ``path``, pages of an earlier run that this one reuses or deletes)."""
+    where = pathlib.Path(path).expanduser().absolute()
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    kept = 0
+    if where.is_dir():
+        for root, _, files in os.walk(where):
+            for name in files:
+                try:
+                    kept += os.lstat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass          # removed meanwhile
+    return free, kept
+
+
+def disk_tier_gib(path: str, gib: float | None) -> float:
+    """The disk tier's capacity in GiB: ``gib`` when given (checked at start-up by
+    ``runtime.preflight.check_disk_space``), else ``DEFAULT_DISK_GIB`` or ``DISK_SHARE`` of the space
+    available under ``path``, whichever is less."""
+    if gib is not None:
+        return gib
+    free, kept = available_bytes(path)
+    return min(DEFAULT_DISK_GIB, DISK_SHARE * (free + kept) / (1 << 30))

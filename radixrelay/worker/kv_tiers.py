@@ -43,7 +43,7 @@ from radixrelay.attention import KVCache
 from radixrelay.kernels.host_staging import upload
 from radixrelay.model.layers import apply_rope
 from radixrelay.protocol.kv import KVAcks, KVTransfers
-from radixrelay.radix.disk_store import DiskKVStore, rank_namespace
+from radixrelay.radix.disk_store import DiskKVStore, disk_tier_gib, rank_namespace
 from radixrelay.worker.host_memory import pinned_empty, release
 from radixrelay.worker.plane_copy import copy_planes
 
@@ -827,7 +827,7 @@ def build_tiers(cfg, mc, kv: KVCache, rank: int = 0) -> tuple[TierStore | None, 
     disk_pages = 0
     if cfg.disk_kv_path is not None:
         disk = DiskKVStore(cfg.disk_kv_path, rank_namespace(namespace, rank, cfg.tp))
-        disk_pages = int(cfg.disk_kv_gib * (1 << 30)) // cfg.tp // disk.file_bytes(size)
+        disk_pages = int(disk_tier_gib(cfg.disk_kv_path, cfg.disk_kv_gib) * (1 << 30)) // cfg.tp // disk.file_bytes(size)
         if disk_pages < 1:
             disk = None
     store = TierStore(kv, host_pages, disk)

@@ -58,3 +58,24 @@ def test_the_engine_refuses_before_starting_processes(monkeypatch):
     with pytest.raises(ValueError, match="RADIXRELAY_STEP_TIMEOUT_S"):
         Engine(kv_cache_tokens=2048)
     assert time.monotonic() - start < 20                  # no model loaded, no child process started
+
+
+def test_a_disk_tier_larger_than_its_filesystem_is_refused_and_the_default_fits(tmp_path):
+    """A given ``disk_kv_gib`` must fit the free space of the directory's filesystem plus the files already
+    there; the default (None) is 64 GiB or 90% of that space, whichever is less."""
+    from radixrelay.radix.disk_store import DISK_SHARE, available_bytes, disk_tier_gib
+
+    kv = tmp_path / "kv"
+    free, kept = available_bytes(str(kv))                  # not made yet: its parent's filesystem
+    assert kept == 0 and free > 0
+    too_large = (free + (1 << 40)) / (1 << 30)
+    with pytest.raises(ValueError, match=r"\(--disk-kv-gib\) does not fit .* GiB free .* give --disk-kv-gib"):
+        check_startup(EngineConfig(disk_kv_path=str(kv), disk_kv_gib=too_large, host_kv_gib=1.0))
+    check_startup(EngineConfig(disk_kv_path=str(kv), disk_kv_gib=0.001, host_kv_gib=1.0))
+    check_startup(EngineConfig(disk_kv_path=str(kv), host_kv_gib=1.0))        # the default: never refused
+    default = disk_tier_gib(str(kv), None)                 # free space moves a little meanwhile
+    assert default <= 64.0 and abs(default - min(64.0, DISK_SHARE * free / (1 << 30))) < 0.5
+    assert disk_tier_gib(str(kv), 3.0) == 3.0
+    kv.mkdir()
+    (kv / "page.kv").write_bytes(b"x" * 4096)              # files already there count as available
+    assert available_bytes(str(kv))[1] == 4096
