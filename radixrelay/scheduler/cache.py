@@ -407,8 +407,9 @@ class CacheManager:
         unlocked. Its admission then finds them as a device match. A later step that reads or writes them
         does so after the loads: the plan that carries them is one of transfers alone, and the worker
         makes the next step with rows wait for them, layer by layer (``TierStore.after_forward``).
-        Returns the pages loaded."""
+        Returns the pages loaded. Each request is looked at once (``Request.early_load_tried``)."""
         tiers, ps = self.tiers, self.page_size
+        req.early_load_tried = True
         if tiers is None or req.modules or req.shifted_prefix or req.hold.pages or max_pages <= 0:
             return 0
         # the usual case, nothing in host memory past the device match: found from the kept hints, no lock

@@ -6,9 +6,9 @@ Where a key comes from:
 - a page the radix tree holds: its node's (``RadixNode.page_keys``), computed once in the node's life, the
   first time anyone asks for a key of that node or below it, and kept through splits;
 - any other page of a request: hashed here when a tier or an event first asks for it, and kept on the
-  request (``Request.page_keys``: the keys of its leading pages, a prefix of the chain; tokens only grow).
+  request (``Request.prefix_keys``: the keys of its leading pages, a prefix of the chain; tokens only grow).
 
-A request's ``page_keys`` thus begins with its tree path's keys, copied off the nodes (a list copy, C
+A request's ``prefix_keys`` thus begins with its tree path's keys, copied off the nodes (a list copy, C
 speed), and its own pages are hashed at most once: a node made of a request's pages takes the keys the
 request already has (``of_path``'s ``known``). Callers ask only as far as they need (the tier
 coordinator walks host memory page by page and asks for keys in growing runs), so a cached prompt
@@ -68,13 +68,13 @@ class ContentKeys:
         return keys if len(keys) == num_pages else keys[:num_pages]
 
     def ensure(self, req: Request, num_pages: int) -> list[bytes]:
-        """``req.page_keys``, made at least ``num_pages`` long. The part its tree path holds (found by a
+        """``req.prefix_keys``, made at least ``num_pages`` long. The part its tree path holds (found by a
         walk resumed from ``req.tree_hint``) is read off the nodes; only the rest is hashed."""
-        keys = req.page_keys
+        keys = req.prefix_keys
         if len(keys) < num_pages and self.use_tree:
             hint, _ = peek(self.tree, req, num_pages * self.page_size)
             if hint is not None and hint[1] // self.page_size > len(keys):
-                keys = req.page_keys = self.of_node(hint[0], req.salt, keys)
+                keys = req.prefix_keys = self.of_node(hint[0], req.salt, keys)
         if len(keys) < num_pages:
             before = len(keys)
             extend_keys(keys, self.seed(req.salt), req.token_ids, self.page_size, num_pages)
@@ -88,6 +88,6 @@ class ContentKeys:
             at, tokens = req.shifted_at, req.token_ids.array
             previous = np.concatenate([tokens[:at], np.asarray(req.shifted_prefix, dtype=tokens.dtype), tokens[at:]])
             before = len(req.shifted_keys)
-            extend_keys(req.shifted_keys, self.seed(req.salt), previous, self.page_size, num_pages)
+            req.shifted_keys = extend_keys(req.shifted_keys, self.seed(req.salt), previous, self.page_size, num_pages)
             self.hashed_pages += num_pages - before
         return req.shifted_keys[:num_pages]

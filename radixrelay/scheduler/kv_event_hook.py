@@ -6,7 +6,7 @@ blocks).
 
 Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the
 request's salt), from the same ``ContentKeys`` as the tiers': a node's kept on the node
-(``RadixNode.page_keys``), a request's on it (``Request.page_keys``, its tree path's read off the nodes), so
+(``RadixNode.page_keys``), a request's on it (``Request.prefix_keys``, its tree path's read off the nodes), so
 a prefix is hashed once whichever needs it first, and a request over a cached prefix hashes only its own
 new pages.
 """

@@ -97,7 +97,7 @@ class Request:
     prompt_logprob_pos: int = 0                 # positions that gave their prompt logprob
     # -- KV tiers and events: content keys of the leading whole pages of token_ids, computed on demand and
     # kept (``radixrelay.scheduler.content_keys``: the part the radix tree holds is read off its nodes) --
-    page_keys: list[bytes] = field(default_factory=list)
+    prefix_keys: list[bytes] = field(default_factory=list)   # written by content_keys alone
     events_told: int = 0                  # leading whole pages KV events said the tree holds (kv_events)
     # Truncated prompt (radix/truncation.py): tokens dropped since the previous truncation point (at
     # ``shifted_at``), and the content keys of whole pages of the previous sequence

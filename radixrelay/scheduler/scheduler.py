@@ -266,9 +266,7 @@ class Scheduler:
                 - sum(self._prefill.reserve_pages(r) for r in self._running.values()))
         loaded = 0
         for req in new:                      # each looked at once, at arrival: never a cost per step
-            req.early_load_tried = True
-            if free - loaded > 0:
-                loaded += cache.load_early(req, free - loaded)
+            loaded += cache.load_early(req, max(0, free - loaded))
         return self._transfers_plan() if loaded else None
 
     def flush_cache(self) -> bool:

@@ -80,7 +80,7 @@ class TierCoordinator:
         ``count(keys, start, stop)`` (how many of ``keys[start:stop]`` in a row a tier holds) finds held;
         ``keys`` holds at least their keys. Keys are asked for in runs of 4, 16, 64, ... pages, so a
         lookup hashes at most the held pages plus a few and ~4x their number, never the rest of the prompt."""
-        n, run, keys = first, FIRST_RUN_PAGES, req.page_keys
+        n, run, keys = first, FIRST_RUN_PAGES, req.prefix_keys
         while n < stop:
             end = min(stop, n + run)
             keys = self.keys.ensure(req, end)
@@ -143,10 +143,10 @@ class TierCoordinator:
         the reads queued up to them (an upper bound: every read in flight) should finish sooner than
         computing the pages would (``TierCosts``). Otherwise it is admitted now and computes them; the
         reads still land in host memory."""
-        if not req.page_keys or req.skipped_fetch:
+        if not req.prefix_keys or req.skipped_fetch:
             return False
-        limit = min(len(req.page_keys), req.reusable_prefix // self.page_size)
-        fetching = self.store.fetching_count(req.page_keys, 0, limit)
+        limit = min(len(req.prefix_keys), req.reusable_prefix // self.page_size)
+        fetching = self.store.fetching_count(req.prefix_keys, 0, limit)
         off = len(req.shifted_prefix) // self.page_size
         if req.shifted_keys:
             fetching += self.store.fetching_count(req.shifted_keys, off, off + limit)
@@ -223,7 +223,7 @@ class TierCoordinator:
         if not pages:
             return
         path = self.tree.path(node)
-        keys = self.keys.of_path(path, req.salt, req.page_keys)
+        keys = self.keys.of_path(path, req.salt, req.prefix_keys)
         if len(keys) != len(pages):       # never expected: the path is the pages being saved
             raise AssertionError(f"request {req.rid}: tree path holds {len(keys)} pages, saving {len(pages)}")
         self._forget_dropped()

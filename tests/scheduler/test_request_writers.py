@@ -1,6 +1,7 @@
 """One writer per side record of a scheduler ``Request`` (as ``test_kv_owner`` is for ``KVHold``): the walk
 hint by ``match_hint``, the queue policy's cached match by ``policy``, the host tier's hint and fetch flag by
-the tier coordinator, and the KV events' count by ``kv_events``.
+the tier coordinator, the KV events' count by ``kv_events``, the content keys of its pages (and of a truncated
+prompt's previous sequence) by ``content_keys``, the early-load flag by the cache manager.
 A write is an assignment, augmented assignment or mutating call whose target is ``<x>.<field>`` (or an
 item of it) anywhere in the package; ``self.<field>`` is another object's own field."""
 
@@ -18,6 +19,9 @@ WRITERS = {
     "host_hint": {"scheduler/tier_coordinator.py"},
     "skipped_fetch": {"scheduler/tier_coordinator.py"},
     "events_told": {"scheduler/kv_event_hook.py"},
+    "prefix_keys": {"scheduler/content_keys.py"},
+    "shifted_keys": {"scheduler/content_keys.py"},
+    "early_load_tried": {"scheduler/cache.py"},
 }
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
 
