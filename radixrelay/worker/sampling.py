@@ -348,11 +348,13 @@ class Sampler:
         if t.min_p is not None:
             scaled = apply_min_p(scaled, t.min_p)
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator)
-        for row, seed in enumerate(t.step_seeds):
-            if seed is not None:
-                gen = torch.Generator(device=probs.device).manual_seed(seed)
-                noise[row].exponential_(generator=gen)
+        noise = torch.empty_like(probs)
+        seeded = [(row, seed) for row, seed in enumerate(t.step_seeds) if seed is not None]
+        if len(seeded) < len(t.step_seeds):       # unseeded rows draw from the sampler's generator, all at once
+            noise.exponential_(generator=self._generator)
+        for row, seed in seeded:                  # a seeded row's noise is its own (overwritten if drawn above)
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=gen)
         noise.clamp_(min=1e-20)  # an exact 0 would make 0/0 = NaN on excluded tokens
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(t.greedy, logits.argmax(dim=-1), sampled)
