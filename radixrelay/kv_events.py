@@ -12,7 +12,8 @@ counts them). Entries follow ``radixrelay.kv_schema`` (version ``v``, a per-inst
 - ``stored`` / ``removed``: page keys (``radixrelay.radix.page_keys``: each names a whole prefix, salt
   included) that entered its radix tree, or left it (evicted from the device); at most
   ``kv_schema.MAX_ENTRY_KEYS`` per entry (longer lists are split).
-- ``cleared``: its tree was emptied (``/flush_cache``).
+- ``cleared``: its tree was emptied (``/flush_cache``); also the start of a snapshot of the device's
+  pages (``stored`` of every key the tree holds follows), every ``scheduler.kv_event_hook.SNAPSHOT_EVERY_S``.
 - ``tier_stored`` / ``tier_removed`` (with ``tier``: ``host`` or ``disk``): page keys that entered or left
   the replica's host-memory or disk tier (a page copied to host memory after its step, written to disk,
   read back from disk; evicted from either); ``tier_cleared``, then the tier's keys again: a snapshot,

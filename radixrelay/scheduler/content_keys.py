@@ -59,6 +59,22 @@ class ContentKeys:
             prev = keys[-1] if keys else prev
         return keys
 
+    def of_tree(self) -> list[bytes]:
+        """The keys of every page the tree holds (a KV-event snapshot), nodes' keys filled in where missing
+        (once in a node's life), parents before children."""
+        out: list[bytes] = []
+        stack = [(child, self.seed(root.salt)) for root in self.tree.roots() for child in root.children.values()]
+        while stack:
+            node, prev = stack.pop()
+            if node.page_keys is None:
+                n = len(node.pages)
+                node.page_keys = extend_keys([], prev, node.key, self.page_size, n)
+                self.hashed_pages += n
+            out.extend(node.page_keys)
+            last = node.page_keys[-1] if node.page_keys else prev
+            stack.extend((child, last) for child in node.children.values())
+        return out
+
     def of_node(self, node: RadixNode, salt: str | None, known: list[bytes] = ()) -> list[bytes]:
         return self.of_path(self.tree.path(node), salt, known)
 

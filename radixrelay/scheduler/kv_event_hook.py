@@ -2,7 +2,8 @@
 radix tree and of what eviction takes out of it, of what enters and leaves the lower tiers (host memory,
 disk; ``KVTiers.take_changes``, with a snapshot of both every ``SNAPSHOT_EVERY_S`` and when the tiers lost
 track), and the replica's load with its measured rates, handed to a ``KVEventPublisher`` (which never
-blocks).
+blocks). Every ``SNAPSHOT_EVERY_S`` the device's pages are announced whole too (``cleared``, then
+``stored`` of every key the tree holds), so a router that missed entries catches up.
 
 Keys are the lower tiers' (``radixrelay.radix.page_keys``, under ``SchedulerConfig.kv_namespace`` and the
 request's salt), from the same ``ContentKeys`` as the tiers': a node's kept on the node
@@ -48,6 +49,7 @@ class KVEventHook:
         self.keys = keys
         self._load_at = 0.0
         self._snapshot_at: float | None = None      # the lower tiers' last snapshot (None: none yet)
+        self._device_snapshot_at = time.monotonic()   # the device's (its first events are its whole state)
         tree.on_evict = self._evicted
 
     def stored(self, req: Request, num_pages: int) -> None:
@@ -102,3 +104,9 @@ class KVEventHook:
         if now - self._load_at >= LOAD_EVERY_S:
             self._load_at = now
             self.publisher.load(running, waiting, kv_usage, rates)
+        if now - self._device_snapshot_at >= SNAPSHOT_EVERY_S:
+            self._device_snapshot_at = now
+            self.publisher.cleared()
+            keys = self.keys.of_tree()
+            if keys:
+                self.publisher.stored(keys)

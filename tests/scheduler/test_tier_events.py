@@ -71,3 +71,27 @@ def test_a_snapshot_follows_changes_the_tiers_lost_track_of(monkeypatch):
     snapshot = [entry for entry in publisher.log if entry[0].startswith("tier_")]
     assert snapshot[:2] == [("tier_cleared", "host", ()), ("tier_stored", "host", tuple(host))]
     assert len(host) == 8 and disk                        # every page held, not only the changes
+
+
+def test_the_devices_pages_are_announced_whole_every_snapshot_period(monkeypatch):
+    """``cleared``, then ``stored`` of every page key the tree holds (what the device events told, less what
+    eviction removed), at the snapshot period: a router that missed entries catches up."""
+    from radixrelay.scheduler import kv_event_hook
+
+    sched, publisher, run = _setup()
+    run(PROMPT)
+    for base in (100, 200, 300):
+        run(list(range(base, base + 21)))
+    told: set[bytes] = set()
+    for kind, _, keys in publisher.log:
+        if kind == "stored":
+            told.update(keys)
+        elif kind == "removed":
+            told.difference_update(keys)
+    monkeypatch.setattr(kv_event_hook, "SNAPSHOT_EVERY_S", 0.0)
+    publisher.log.clear()
+    sched.publish_load()
+    assert [kind for kind, _, _ in publisher.log] == ["cleared", "stored"]
+    snapshot = publisher.log[1][2]
+    assert len(snapshot) == len(set(snapshot)) == sched.cache.tree.cached_tokens // PS
+    assert set(snapshot) == told
