@@ -14,7 +14,8 @@
   per-step summary: host launch span, device kernel time, device span) to ``RADIXRELAY_PROFILE_DIR``
   (the current directory if unset). Not combined with the cProfile run above in one process.
 - ``RADIXRELAY_STEP_LOG``: a file path; the scheduler writes its timeline there (request arrivals,
-  each step sent with its rows, each step's output with its device time; ``radixrelay.scheduler.step_log``).
+  each step sent with its rows and the page ids it carries, each step's output with its device time;
+  ``radixrelay.scheduler.step_log``).
   For seeing which step served a request of a burst.
 - ``RADIXRELAY_OVERLAP_DEPTH``: steps the scheduler keeps in flight with overlap on (2 when unset: step
   N+1 is planned while N computes). For measuring deeper pipelines; a finished request may then compute
