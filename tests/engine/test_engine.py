@@ -18,6 +18,7 @@ import torch
 
 from radixrelay import Engine, SamplingParams
 from radixrelay.structured import StructuredOutput
+from tests.runtime.server_process import TINY_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,14 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine():
     with Engine(model="default", kv_cache_tokens=8192, page_size=16) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tiny dummy model (``tests/runtime/server_process.py``): for the tests whose claim holds for any
+    model (one way of computing against another), at a fraction of the default model's CPU time."""
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=8192, page_size=16) as eng:
         yield eng
 
 
@@ -124,22 +133,22 @@ def test_shared_prefix_is_computed_once(engine):
     assert first.cached_tokens < 16
 
 
-def test_a_burst_over_a_long_cached_document_matches_one_at_a_time(engine):
+def test_a_burst_over_a_long_cached_document_matches_one_at_a_time(tiny):
     """Questions over a cached document of more than ``SHARED_PAGES_BY_REF`` pages admitted together take
     the document's page ids from the first of them (``AdmittedRequest.pages_from``, copied on the device):
     greedy outputs equal those of the same questions admitted one at a time."""
     from radixrelay.scheduler.scheduler import SHARED_PAGES_BY_REF
 
     doc = " ".join(f"fact{i} is {i * 7 % 13}." for i in range(160))
-    assert len(engine.tokenizer.encode(doc)) > 16 * (SHARED_PAGES_BY_REF + 4)
+    assert len(tiny.tokenizer.encode(doc)) > 16 * (SHARED_PAGES_BY_REF + 4)
     questions = [f"{doc} Question {q}: what is fact{q * 11}?" for q in range(4)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     runs = []
     for together in (False, True):
-        assert engine.flush_cache()
-        engine.generate([doc], SamplingParams(max_tokens=1))
-        outs = engine.generate(questions, params) if together else \
-            [engine.generate([q], params)[0] for q in questions]
+        assert tiny.flush_cache()
+        tiny.generate([doc], SamplingParams(max_tokens=1))
+        outs = tiny.generate(questions, params) if together else \
+            [tiny.generate([q], params)[0] for q in questions]
         assert all(o.cached_tokens >= 16 * SHARED_PAGES_BY_REF for o in outs)
         runs.append([o.token_ids for o in outs])
     assert runs[0] == runs[1]
@@ -281,14 +290,15 @@ def test_a_bad_prompt_late_in_a_batch_leaves_nothing_running(engine):
     assert len(out.token_ids) == 3
 
 
-def test_cascade_on_gives_identical_greedy_outputs(engine):
-    """Cascade is a reformulation: forcing it on every shared node changes no greedy token."""
+def test_cascade_on_gives_identical_greedy_outputs(tiny, tiny_model_dir):
+    """Cascade is a reformulation: forcing it on every shared node changes no greedy token (the tiny model:
+    the claim is one way of computing attention against another)."""
     shared = "You are a helpful assistant. " + " ".join(f"rule{i}" for i in range(90))
     prompts = [f"{shared} Question {q}: what is {q} plus {q}?" for q in range(5)]
     n = 4
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    flat = engine.generate(prompts, params)
-    with Engine(model="default", kv_cache_tokens=4096, cascade="on") as cascaded:
+    flat = tiny.generate(prompts, params)
+    with Engine(model=str(tiny_model_dir), **TINY_ENGINE, kv_cache_tokens=4096, cascade="on") as cascaded:
         cascaded.generate(prompts[:1], params)
         outs = cascaded.generate(prompts, params)
         stats = cascaded.stats()
