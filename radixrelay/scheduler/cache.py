@@ -72,6 +72,7 @@ class CacheManager:
                        if events is not None and not config.disable_radix_cache else None)
         if self.events is not None and self.tiers is not None:      # the lower tiers' pages too
             self.tiers.store.track_changes()
+            self.events.tiers(self.tiers.store)     # at start: what a disk tier kept from an earlier run
         # step ids: the newest planned, the newest whose output was processed (in flight between them)
         self._planned = self._processed = -1
         self._cooling: deque[tuple[int, list[int]]] = deque()   # (newest step in flight when freed, pages)

@@ -95,3 +95,14 @@ def test_the_devices_pages_are_announced_whole_every_snapshot_period(monkeypatch
     snapshot = publisher.log[1][2]
     assert len(snapshot) == len(set(snapshot)) == sched.cache.tree.cached_tokens // PS
     assert set(snapshot) == told
+
+
+def test_a_replica_started_over_a_kept_disk_tier_announces_its_pages():
+    """Pages found on disk at start-up (``KVTiers(disk_keys=...)``: a restart over the same directory) are
+    announced when the scheduler starts, before any request: ``tier_cleared`` then ``tier_stored`` of them."""
+    kept = extend_keys([], chain_seed(NAMESPACE, None), PROMPT, PS, 5)
+    publisher = RecordingPublisher()
+    config = SchedulerConfig(kv_cache_tokens=12 * PS, page_size=PS, kv_namespace=NAMESPACE)
+    Scheduler(config, tiers=KVTiers(host_pages=8, disk_pages=32, disk_keys=kept), events=publisher)
+    assert publisher.log == [("tier_cleared", "host", ()), ("tier_cleared", "disk", ()),
+                             ("tier_stored", "disk", tuple(kept))]
