@@ -67,3 +67,52 @@ def test_the_index_holds_what_the_tree_holds(store):
     finally:
         publisher.close()
         index.close()
+
+
+def test_the_index_follows_pages_into_host_memory_and_out_of_it(store):
+    """A replica with a host tier: a prompt's pages evicted from its device stay in host memory, and the
+    router's index counts them there (past what the device kept, the rest of its 5 whole pages in host
+    memory) instead of as gone; once host memory drops them too, only what the device kept is left.
+    Through a real redis-server and a real publisher."""
+    import msgspec
+
+    from radixrelay.radix.tiers import KVTiers
+    from tests.radix.test_tiers_state_machine import TierWorker
+
+    name = "http://replica:2"
+    ns = "test-model;page_size=4"                  # the tier worker's namespace
+    publisher = KVEventPublisher(store.url, name, ns, PS)
+    sched = Scheduler(SchedulerConfig(kv_cache_tokens=12 * PS, page_size=PS, kv_namespace=ns),
+                      tiers=KVTiers(host_pages=16), events=publisher)
+    salts: dict[int, str | None] = {}
+    history: dict[int, list[int]] = {}
+    worker = TierWorker(PS, sched.config.num_pages, 16, __import__("random").Random(0), salts, history)
+    index = KVEventIndex(store.url, trust=Trust(given=frozenset({name})))
+
+    def run(rid: int, prompt: list[int]) -> None:
+        salts[rid], history[rid] = None, list(prompt)
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        while sched.has_work() or sched._tiers_busy():
+            plan = sched.schedule()
+            if plan is None:
+                break
+            sched.process_output(msgspec.structs.replace(worker.step(plan), kv_acks=worker.collect_acks(True)))
+
+    try:
+        prompt = list(range(1, 22))                                    # 5 whole pages
+        run(1, prompt)
+        run(2, list(range(100, 121)))                                   # pushes it out of the 12-page device
+        run(3, list(range(200, 221)))
+        held = sched.cache.tree.peek_prefix(prompt, None)[1]            # what the device kept of it
+        assert held < 20
+        _settled(index, name, lambda: index.matched_tiers_many([name], prompt, None) == [(held, 20 - held, 0)] or
+                 (held, index.matched_tiers_many([name], prompt, None)))
+        for rid, base in ((4, 300), (5, 400), (6, 500)):                # and out of the 16-page host memory
+            run(rid, list(range(base, base + 21)))
+        held = sched.cache.tree.peek_prefix(prompt, None)[1]
+        _settled(index, name, lambda: index.matched_tiers_many([name], prompt, None) == [(held, 0, 0)] or
+                 (held, index.matched_tiers_many([name], prompt, None)))
+        assert publisher.dropped == 0 and publisher.failed == 0
+    finally:
+        publisher.close()
+        index.close()
