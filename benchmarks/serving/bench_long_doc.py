@@ -248,6 +248,9 @@ async def run_length(http: httpx.AsyncClient, server: Server, tokenizer, tokens:
     (cold, first), _ = await _phase(http, server, _post(http, url, enc(prompts.body(form, prompts.question(), 1))))
     row["prompt_tokens"] = first["usage"]["prompt_tokens"]
     row["cold_s"] = cold
+    # what the "cold" request found cached: /flush_cache empties the device's tree only, so a document the
+    # host tier still holds (an earlier form's, on CUDA) is restored from host memory, not computed
+    row["cold_cached"] = first["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
     bodies = [enc(prompts.body(form, prompts.question(), 1)) for _ in range(args.repeats)]
 
     profiler = (Profiler(server.proc.pid, Path(args.out_dir_path) / f"profile_{tokens}_{form}.txt")
@@ -340,8 +343,14 @@ def _line(row: dict[str, Any]) -> str:
     streamed = (f"; {stream['size']} x {stream['out']} out: TTFT p50 {stream['ttft_p50_s']:.3f} s"
                 if stream else "")
     failed = f"; failed: {row['errors']}" if row.get("errors") else ""
-    return (f"{row['prompt_tokens']:>7d} tokens {row['form']:4s}  cold {row['cold_s']:.2f} s  idle TTFT p50 "
+    return (f"{row['prompt_tokens']:>7d} tokens {row['form']:4s}  cold {row['cold_s']:.2f} s{_cold_note(row)}  idle TTFT p50 "
             f"{row['idle_ttft_p50_ms']:.1f} ms (cached {row['idle_cached']})  {bursts}{streamed}{failed}")
+
+
+def _cold_note(row: dict[str, Any]) -> str:
+    """`` (N cached)`` when the cold request found part of its prompt cached (a host-tier restore)."""
+    cached = row.get("cold_cached")
+    return f" ({cached} cached)" if cached else ""
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -361,7 +370,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         stages = ", ".join([f"steps {per['steps_total']:.1f}", f"worker {1e3 * per['worker_busy_seconds_total']:.1f}",
                             f"scheduler {1e3 * per['scheduler_busy_seconds_total']:.2f}"]
                            + [f"{k[6:]} {1e3 * v:.2f}" for k, v in per.items() if k.startswith("stage_")])
-        lines.append(f"| {r['prompt_tokens']} | {r['form']} | {r['cold_s']:.2f} | {r['idle_ttft_p50_ms']:.1f} | "
+        lines.append(f"| {r['prompt_tokens']} | {r['form']} | {r['cold_s']:.2f}{_cold_note(r)} | {r['idle_ttft_p50_ms']:.1f} | "
                      f"{bursts} | {streamed} | {stages} |")
     failures = [f"- {r['prompt_tokens']} tokens {r['form']}: {r['errors']}" for r in rows if r.get("errors")]
     if failures:
