@@ -79,9 +79,9 @@ class KVEventPublisher:
         except queue.Full:
             self.dropped += 1
 
-    def _keys(self, kind: bytes, keys: list[bytes]) -> None:
+    def _keys(self, kind: bytes, keys: list[bytes], **fields: bytes) -> None:
         for i in range(0, len(keys), MAX_ENTRY_KEYS):
-            self._event(kind, keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]))
+            self._event(kind, keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]), **fields)
 
     def stored(self, keys: list[bytes]) -> None:
         self._keys(b"stored", keys)
@@ -93,12 +93,10 @@ class KVEventPublisher:
         self._event(b"cleared")
 
     def tier_stored(self, tier: str, keys: list[bytes]) -> None:
-        for i in range(0, len(keys), MAX_ENTRY_KEYS):
-            self._event(b"tier_stored", tier=tier.encode(), keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]))
+        self._keys(b"tier_stored", keys, tier=tier.encode())
 
     def tier_removed(self, tier: str, keys: list[bytes]) -> None:
-        for i in range(0, len(keys), MAX_ENTRY_KEYS):
-            self._event(b"tier_removed", tier=tier.encode(), keys=b"".join(keys[i:i + MAX_ENTRY_KEYS]))
+        self._keys(b"tier_removed", keys, tier=tier.encode())
 
     def tier_cleared(self, tier: str) -> None:
         self._event(b"tier_cleared", tier=tier.encode())

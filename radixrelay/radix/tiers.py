@@ -124,11 +124,9 @@ class KVTiers:
     # -- changes, for KV events ------------------------------------------------------------------
 
     def track_changes(self) -> None:
-        """Keep the log ``take_changes`` returns from now on; its first entries are the disk pages found at
-        start-up (a restarted replica announces what it kept)."""
+        """Keep the log ``take_changes`` returns from now on (what is held already, e.g. the disk pages found
+        at start-up, is ``snapshot``'s)."""
         self._tracking = True
-        for key in self._disk:
-            self._changed("disk", True, key)
 
     def take_changes(self) -> list[tuple[str, bool, bytes]] | None:
         """What entered (True) or left (False) host memory (``"host"``: a page ready there) and disk since

@@ -51,13 +51,18 @@ class ContentKeys:
         keys: list[bytes] = []
         prev = self.seed(salt)
         for node in path:
-            if node.page_keys is None:
-                n = len(node.pages)
-                node.page_keys = extend_keys(list(known[len(keys):len(keys) + n]), prev, node.key, self.page_size, n)
-                self.hashed_pages += n - min(n, max(0, len(known) - len(keys)))
-            keys.extend(node.page_keys)
+            keys.extend(self._node_keys(node, prev, known[len(keys):len(keys) + len(node.pages)]))
             prev = keys[-1] if keys else prev
         return keys
+
+    def _node_keys(self, node: RadixNode, prev: bytes, known: list[bytes] = ()) -> list[bytes]:
+        """``node.page_keys``, made once in the node's life: ``known`` (its first keys, a request's) as far
+        as it goes, hashed past it, the chain continued from ``prev`` (the key of the page before it)."""
+        if node.page_keys is None:
+            n = len(node.pages)
+            node.page_keys = extend_keys(list(known), prev, node.key, self.page_size, n)
+            self.hashed_pages += n - min(n, len(known))
+        return node.page_keys
 
     def of_tree(self) -> list[bytes]:
         """The keys of every page the tree holds (a KV-event snapshot), nodes' keys filled in where missing
@@ -66,12 +71,9 @@ class ContentKeys:
         stack = [(child, self.seed(root.salt)) for root in self.tree.roots() for child in root.children.values()]
         while stack:
             node, prev = stack.pop()
-            if node.page_keys is None:
-                n = len(node.pages)
-                node.page_keys = extend_keys([], prev, node.key, self.page_size, n)
-                self.hashed_pages += n
-            out.extend(node.page_keys)
-            last = node.page_keys[-1] if node.page_keys else prev
+            keys = self._node_keys(node, prev)
+            out.extend(keys)
+            last = keys[-1] if keys else prev
             stack.extend((child, last) for child in node.children.values())
         return out
 

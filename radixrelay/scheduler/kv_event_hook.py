@@ -15,6 +15,8 @@ new pages.
 from __future__ import annotations
 
 import time
+from itertools import groupby
+from operator import itemgetter
 from typing import Protocol
 
 from radixrelay.radix.tiers import KVTiers
@@ -88,15 +90,9 @@ class KVEventHook:
                 if keys:
                     self.publisher.tier_stored(tier, keys)
             return
-        i = 0
-        while i < len(changes):
-            tier, entered, _ = changes[i]
-            j = i + 1
-            while j < len(changes) and changes[j][:2] == (tier, entered):
-                j += 1
-            keys = [key for _, _, key in changes[i:j]]
+        for (tier, entered), run in groupby(changes, key=itemgetter(0, 1)):
+            keys = [key for _, _, key in run]
             (self.publisher.tier_stored if entered else self.publisher.tier_removed)(tier, keys)
-            i = j
 
     def load(self, running: int, waiting: int, kv_usage: float, rates: dict[str, float] | None = None) -> None:
         """At most once per ``LOAD_EVERY_S``; ``rates``: the measured ones (``kv_schema.RATES``)."""
