@@ -117,7 +117,8 @@ def test_limited_neighbours_cost_a_short_request_nothing_measurable(server, clie
         for name, neighbour in NEIGHBOURS.items():
             times[name].append(_short_request_beside(server.base_url, neighbour, clients))
     # Noise (the other processes of a loaded machine) can slow or speed any one request, not every
-    # pass alike: a limited neighbour that costs its batch mates shows in every pass (a loaded CI machine: the other test worker's steps share the two cores).
+    # pass alike: a limited neighbour that costs its batch mates shows in every pass (on a loaded CI
+    # machine the other test worker's steps share the two cores).
     ratio = {name: min(t / p for t, p in zip(times[name], times["plain"])) for name in NEIGHBOURS}
     for name in ("max stop list", "costly grammar"):
         assert ratio[name] < 1.2, (name, ratio, times)
